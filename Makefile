@@ -1,0 +1,27 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.forebay-installed
+DEMO   ?= .demo
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh $(DEMO)
+
+bench: $(STAMP)
+	$(PY) benchmarks/format_bench.py --out $(DEMO)/bench
+
+clean:
+	rm -rf $(DEMO) build src/*.egg-info .pytest_cache

@@ -1,0 +1,22 @@
+"""forebay: keep accelerators fed when training on HPC clusters.
+
+Quick start::
+
+    import forebay
+    forebay.write_dataset("data.fb", samples)      # samples: dicts of numpy arrays
+    ds = forebay.open_dataset("data.fb")
+    ds[0]                                          # dict of read-only views, no copy
+    ds.get_many([3, 1, 4])                         # batched gather, one buffer per field
+"""
+
+__version__ = "0.1.0"
+
+from . import errors  # noqa: E402
+from .dataset import (DatasetWriter, PackedDataset, SampleBatch, Schema,  # noqa: E402
+                      open_dataset, write_dataset)
+from .errors import ForebayError  # noqa: E402
+
+__all__ = [
+    "__version__", "errors", "ForebayError", "DatasetWriter", "PackedDataset", "SampleBatch",
+    "Schema", "open_dataset", "write_dataset",
+]

@@ -1,0 +1,218 @@
+"""The ``forebay`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import __version__
+from .errors import ChecksumError, ForebayError
+
+__all__ = ["main", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 1000 ** 4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"`` -> 268435456; accepts B, k/KiB/KB, M/MiB/MB, G..., T..."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 256MiB, 1GiB, 65536)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _progress():
+    from .progress import TqdmProgress
+
+    return TqdmProgress()
+
+
+# -- commands -------------------------------------------------------------------------
+def cmd_synth(a: argparse.Namespace) -> int:
+    from .synth import KINDS, synthesize
+
+    t0 = time.perf_counter()
+    out = synthesize(a.kind, a.out, a.samples, a.seed, overwrite=a.overwrite, progress=_progress(),
+                     format=a.format, per_file=a.per_file, classes=a.classes, size=a.size)
+    print(f"wrote {a.samples} {a.kind} samples to {out} in {time.perf_counter() - t0:.1f} s "
+          f"(ingest with: forebay ingest {out} OUT {KINDS[a.kind][1]})")
+    return 0
+
+
+def cmd_ingest(a: argparse.Namespace) -> int:
+    from .dataset.sources import get_source, ingest
+
+    ragged = {}
+    for spec in a.ragged or []:
+        name, sep, off = spec.partition("=")
+        if not sep or not name or not off:
+            raise ValueError(f"--ragged takes NAME=OFFSETS_DATASET, got {spec!r}")
+        ragged[name] = off
+    keys = [k for k in a.keys.split(",") if k] if a.keys else None
+    source = get_source(a.from_, a.src, keys=keys, layout=a.layout, trust_pickle=a.trust_pickle,
+                        ragged=ragged)
+    t0 = time.perf_counter()
+    m = ingest(source, a.out, shard_bytes=a.shard_size, workers=a.workers,
+               overwrite=a.overwrite, progress=_progress())
+    dt = time.perf_counter() - t0
+    print(f"ingested {m.num_samples} samples ({human_bytes(m.payload_nbytes)}) into {a.out} "
+          f"in {dt:.1f} s: {m.num_samples / dt:,.0f} samples/s, "
+          f"{m.payload_nbytes / dt / 2**20:,.1f} MiB/s, {len(m.shards)} shard(s)")
+    return 0
+
+
+def dataset_info(path: str) -> dict:
+    from .dataset import open_dataset
+
+    ds = open_dataset(path)
+    lay = ds._layout
+    fields = []
+    for f in ds.schema.fields:
+        shapes = ds._index[:, lay.shape[f.name]]
+        fields.append({**f.to_dict(),
+                       "shape_min": shapes.min(axis=0).tolist() if len(ds) else [],
+                       "shape_max": shapes.max(axis=0).tolist() if len(ds) else []})
+    sn = ds.sample_nbytes
+    return {"path": str(ds.path), "samples": len(ds), "shards": len(ds.manifest.shards),
+            "payload_bytes": ds.nbytes, "disk_bytes": ds.disk_nbytes,
+            "sample_bytes": {"min": int(sn.min()), "mean": float(sn.mean()),
+                             "max": int(sn.max())},
+            "fields": fields, "metadata": ds.metadata, "fingerprint": ds.fingerprint,
+            "created_by": ds.manifest.created_by}
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    info = dataset_info(a.path)
+    if a.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    sb = info["sample_bytes"]
+    print(f"{info['path']}\n  samples      {info['samples']:,}\n  shards       {info['shards']}\n"
+          f"  payload      {human_bytes(info['payload_bytes'])}  (on disk "
+          f"{human_bytes(info['disk_bytes'])})\n  sample size  min {human_bytes(sb['min'])}, "
+          f"mean {human_bytes(sb['mean'])}, max {human_bytes(sb['max'])}\n"
+          f"  fingerprint  {info['fingerprint']}   ({info['created_by']})\n  fields")
+    for f in info["fields"]:
+        if f["kind"] == "bytes":
+            desc = f"bytes, {f['shape_min'][0]}..{f['shape_max'][0]} B"
+        else:
+            dims = [str(lo) if lo == hi else f"{lo}..{hi}"
+                    for lo, hi in zip(f["shape_min"], f["shape_max"])]
+            desc = f"{np.dtype(f['dtype']).name} ({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+        print(f"    {f['name']:<16} {desc}")
+    meta = {k: v for k, v in info["metadata"].items()}
+    if meta:
+        text = json.dumps(meta)
+        print(f"  metadata     {text if len(text) < 200 else text[:197] + '...'}")
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from .dataset import open_dataset
+
+    ds = open_dataset(a.path)
+    t0 = time.perf_counter()
+    report = ds.verify(progress=_progress(), raise_on_error=False)
+    dt = time.perf_counter() - t0
+    if report.ok:
+        print(f"ok: {len(ds):,} samples, {human_bytes(report.bytes_checked)} checked in {dt:.1f} s")
+        return 0
+    for p in report.problems:
+        print(f"CORRUPT {p}", file=sys.stderr)
+    return 1
+
+
+# -- parser ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from .dataset.sources import SOURCES
+    from .synth import KINDS
+
+    p = argparse.ArgumentParser(prog="forebay", description="Keep accelerators fed: packed "
+                                "datasets, distributed caching, I/O tracing on HPC systems.")
+    p.add_argument("--version", action="version", version=f"forebay {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("synth", help="write synthetic source files shaped like the seeds' data",
+                       description="Write synthetic source files: " + "; ".join(
+                           f"{k}: {v[2]}" for k, v in KINDS.items()))
+    s.add_argument("kind", choices=sorted(KINDS))
+    s.add_argument("out")
+    s.add_argument("--samples", "-n", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--format", choices=["pff", "cff"], help="ising/molecules: one pickle per "
+                   "sample (pff, default) or one HDF5 file (cff)")
+    s.add_argument("--per-file", type=int, help="mummi: samples per NPZ file (default 256)")
+    s.add_argument("--classes", type=int, help="imagenet: number of classes (default 10)")
+    s.add_argument("--size", type=int, help="cosmoflow: volume side S (default 32)")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(func=cmd_synth)
+
+    g = sub.add_parser("ingest", help="pack source files into a forebay dataset")
+    g.add_argument("src")
+    g.add_argument("out")
+    g.add_argument("--from", dest="from_", required=True, choices=sorted(SOURCES),
+                   help="kind of source")
+    g.add_argument("--keys", help="comma-separated arrays/datasets to keep (npz, hdf5, pickle), "
+                   "or the field name (npy)")
+    g.add_argument("--layout", choices=["stacked", "per-file"],
+                   help="npz: samples stacked along axis 0 (default) or one per file; "
+                   "npy: one per file (default) or stacked")
+    g.add_argument("--ragged", action="append", metavar="NAME=OFFSETS",
+                   help="hdf5: NAME is flat data split by the OFFSETS dataset (NAME_offsets "
+                   "is found automatically)")
+    g.add_argument("--shard-size", type=parse_size, default="256MiB",
+                   help="bytes per shard (default 256MiB)")
+    g.add_argument("--workers", type=int, default=1, help="reader processes (default 1)")
+    g.add_argument("--trust-pickle", action="store_true",
+                   help="allow unpickling the source (runs code stored in it)")
+    g.add_argument("--overwrite", action="store_true")
+    g.set_defaults(func=cmd_ingest)
+
+    i = sub.add_parser("info", help="describe a packed dataset")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
+    v.add_argument("path")
+    v.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ChecksumError as e:
+        print(f"forebay: CORRUPT: {e}", file=sys.stderr)
+        return 1
+    except (ForebayError, ValueError, OSError) as e:
+        print(f"forebay {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("forebay: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Batches of samples in flat, columnar form: one buffer per field, no per-sample objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import SchemaError
+from ._schema import Schema
+
+__all__ = ["FieldBatch", "SampleBatch", "gather_ranges"]
+
+# Below this mean range length a fancy-index gather beats a loop of slice copies.
+_VECTOR_GATHER_MAX_MEAN = 512
+
+
+def gather_ranges(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                  out: np.ndarray, dst: np.ndarray) -> None:
+    """Copy ``src[starts[k]:starts[k]+lengths[k]]`` to ``out[dst[k]:...]`` for every k.
+
+    ``src`` and ``out`` are 1-D uint8.  Small ranges are gathered with one vectorized
+    fancy-index copy; large ranges (where the copy, not Python, is the cost) with
+    slice assignments, which run at memcpy speed.
+    """
+    n = len(starts)
+    if n == 0:
+        return
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    if total <= _VECTOR_GATHER_MAX_MEAN * n:
+        rep_shift = np.repeat(starts - dst, lengths)
+        seg_start = np.repeat(dst, lengths)
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out_pos = seg_start + within
+        out[out_pos] = src[out_pos + rep_shift]
+    else:
+        for s, l, d in zip(starts.tolist(), lengths.tolist(), dst.tolist()):
+            out[d:d + l] = src[s:s + l]
+
+
+@dataclass(frozen=True)
+class FieldBatch:
+    """One field of ``n`` samples, concatenated.
+
+    Attributes:
+        values: 1-D array of the field's dtype holding every sample's elements in order.
+        offsets: ``int64[n+1]``; sample k's elements are ``values[offsets[k]:offsets[k+1]]``.
+        shapes: ``int64[n, ndim]``; sample k's array shape.
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+    shapes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def uniform(self) -> bool:
+        """True when every sample has the same shape (the field stacks into one array)."""
+        return len(self.shapes) == 0 or bool((self.shapes == self.shapes[0]).all())
+
+    def stacked(self) -> np.ndarray:
+        """Array of shape ``(n, *shape)``: a view of :attr:`values`, no copy."""
+        if not self.uniform:
+            raise SchemaError("field has ragged shapes across the batch; use .values with "
+                              ".offsets and .shapes, or .sample(k)")
+        shape = tuple(self.shapes[0]) if len(self.shapes) else ()
+        return self.values.reshape((len(self.shapes),) + tuple(int(d) for d in shape))
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.values[self.offsets[k]:self.offsets[k + 1]].reshape(
+            tuple(int(d) for d in self.shapes[k]))
+
+    def equals(self, other: "FieldBatch") -> bool:
+        """Bit-exact equality of values, offsets and shapes."""
+        return (self.values.dtype == other.values.dtype
+                and np.array_equal(self.offsets, other.offsets)
+                and np.array_equal(self.shapes, other.shapes)
+                and self.values.view(np.uint8).tobytes() == other.values.view(np.uint8).tobytes())
+
+
+class SampleBatch:
+    """The result of ``get_many(ids)``: ``n`` samples held field by field.
+
+    ``batch[name]`` is the field stacked to ``(n, *shape)`` when every sample has the
+    same shape; ``batch.field(name)`` gives the :class:`FieldBatch` (values, offsets,
+    shapes) for ragged fields; ``batch.sample(k)`` gives sample k as a dict of views,
+    and ``len(batch)`` / iteration go over samples as a list of samples would.
+    """
+
+    def __init__(self, ids: np.ndarray, schema: Schema, fields: dict[str, FieldBatch]) -> None:
+        self.ids = ids
+        self.schema = schema
+        self.fields = fields
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.fields[name].stacked()
+
+    def keys(self):
+        return self.fields.keys()
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return (self.sample(k) for k in range(self.num_samples))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.ids)
+
+    def field(self, name: str) -> FieldBatch:
+        return self.fields[name]
+
+    def sample(self, k: int) -> dict[str, np.ndarray]:
+        """Sample ``k`` of the batch as a dict of arrays (views into the batch)."""
+        return {name: fb[k] for name, fb in self.fields.items()}
+
+    def samples(self) -> list[dict[str, np.ndarray]]:
+        return [self.sample(k) for k in range(self.num_samples)]
+
+    def equals(self, other: "SampleBatch") -> bool:
+        """Bit-exact equality with another batch (same ids, same fields, same bytes)."""
+        return (np.array_equal(self.ids, other.ids) and self.fields.keys() == other.fields.keys()
+                and all(fb.equals(other.fields[n]) for n, fb in self.fields.items()))
+
+    def __repr__(self) -> str:
+        return f"SampleBatch(n={self.num_samples}, fields=[{self.schema.describe()}])"

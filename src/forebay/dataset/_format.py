@@ -1,0 +1,148 @@
+"""On-disk constants and manifest handling of the packed format (see docs/format.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..errors import DatasetNotFoundError, FormatVersionError, ManifestError
+from ._schema import Schema
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
+    "ShardInfo", "Manifest", "checksum",
+]
+
+FORMAT_NAME = "forebay.packed"
+FORMAT_VERSION = 1
+#: Every field array starts at a multiple of this many bytes within its shard.
+ALIGNMENT = 64
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+
+def checksum(data: Any) -> str:
+    """xxh3_64 of a buffer, as 16 hex digits."""
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+class IndexLayout:
+    """Column layout of the flat per-shard index (one int64 row per sample).
+
+    Columns: ``record_offset``, ``record_nbytes``, ``record_checksum`` (xxh3_64 of the
+    record's bytes, stored as int64), then for each field ``NAME.offset`` (relative to
+    the record), ``NAME.nbytes`` and one ``NAME.shapeK`` per dimension.
+    """
+
+    REC_OFF, REC_LEN, REC_SUM = 0, 1, 2
+
+    def __init__(self, schema: Schema) -> None:
+        self.columns: list[str] = ["record_offset", "record_nbytes", "record_checksum"]
+        self.off: dict[str, int] = {}
+        self.nbytes: dict[str, int] = {}
+        self.shape: dict[str, slice] = {}
+        for f in schema.fields:
+            self.off[f.name] = len(self.columns)
+            self.nbytes[f.name] = len(self.columns) + 1
+            self.columns += [f"{f.name}.offset", f"{f.name}.nbytes"]
+            start = len(self.columns)
+            self.columns += [f"{f.name}.shape{k}" for k in range(f.ndim)]
+            self.shape[f.name] = slice(start, start + f.ndim)
+        self.ncols = len(self.columns)
+        self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.intp)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    data: str
+    index: str
+    num_samples: int
+    data_nbytes: int
+    data_checksum: str
+    index_nbytes: int
+    index_checksum: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardInfo":
+        return cls(data=str(d["data"]), index=str(d["index"]), num_samples=int(d["num_samples"]),
+                   data_nbytes=int(d["data_nbytes"]), data_checksum=str(d["data_checksum"]),
+                   index_nbytes=int(d["index_nbytes"]), index_checksum=str(d["index_checksum"]))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of a packed dataset."""
+
+    num_samples: int
+    schema: Schema
+    shards: tuple[ShardInfo, ...]
+    payload_nbytes: int
+    metadata: dict[str, Any]
+    created_by: str
+    fingerprint: str  # checksum of the manifest file's bytes: identifies the dataset
+
+    def to_json(self) -> str:
+        layout = IndexLayout(self.schema)
+        doc = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "num_samples": self.num_samples,
+            "payload_nbytes": self.payload_nbytes,
+            "alignment": ALIGNMENT,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "schema": self.schema.to_dict(),
+            "index_columns": layout.columns,
+            "shards": [s.to_dict() for s in self.shards],
+            "metadata": self.metadata,
+            "created_by": self.created_by,
+        }
+        return json.dumps(doc, indent=1) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> "Manifest":
+        path = Path(path)
+        if not path.exists():
+            raise DatasetNotFoundError(f"no dataset at {path}")
+        mpath = path / MANIFEST_NAME
+        if not path.is_dir() or not mpath.is_file():
+            raise ManifestError(f"{path} is not a forebay dataset: {MANIFEST_NAME} is missing")
+        raw = mpath.read_bytes()
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{mpath}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{mpath}: not a forebay manifest (format is "
+                                f"{doc.get('format') if isinstance(doc, dict) else None!r})")
+        version = doc.get("version")
+        if version != FORMAT_VERSION:
+            raise FormatVersionError(f"{mpath}: format version {version!r} is not supported "
+                                     f"(this forebay reads version {FORMAT_VERSION})")
+        try:
+            if doc.get("alignment", ALIGNMENT) != ALIGNMENT:
+                raise ValueError(f"alignment {doc['alignment']} (expected {ALIGNMENT})")
+            if doc.get("checksum_algorithm", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:
+                raise ValueError(f"checksum algorithm {doc['checksum_algorithm']!r}")
+            schema = Schema.from_dict(doc["schema"])
+            shards = tuple(ShardInfo.from_dict(s) for s in doc["shards"])
+            m = cls(num_samples=int(doc["num_samples"]), schema=schema, shards=shards,
+                    payload_nbytes=int(doc.get("payload_nbytes", 0)),
+                    metadata=dict(doc.get("metadata") or {}),
+                    created_by=str(doc.get("created_by", "")), fingerprint=checksum(raw))
+            if list(doc.get("index_columns", [])) != IndexLayout(schema).columns:
+                raise ValueError("index_columns do not match the schema")
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise ManifestError(f"{mpath}: malformed manifest: {what}") from None
+        if sum(s.num_samples for s in shards) != m.num_samples:
+            raise ManifestError(f"{mpath}: shards hold {sum(s.num_samples for s in shards)} "
+                                f"samples but num_samples is {m.num_samples}")
+        return m

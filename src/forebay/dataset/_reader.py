@@ -1,0 +1,327 @@
+"""Memory-mapped, fork- and thread-safe reader of packed datasets."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import xxhash
+
+from ..errors import ChecksumError, CorruptDatasetError, DatasetNotFoundError, SampleIndexError
+from ..errors import TruncatedShardError
+from ..progress import Progress, as_progress
+from ._batch import FieldBatch, SampleBatch, gather_ranges
+from ._format import IndexLayout, Manifest, checksum
+
+__all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
+
+_EMPTY = np.zeros(0, dtype=np.uint8)
+_live: "weakref.WeakSet[PackedDataset]" = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # A lock held by another thread at fork time would stay held in the child.
+    for ds in list(_live):
+        ds._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+class VerifyReport:
+    """What :meth:`PackedDataset.verify` found: ``ok``, ``problems``, ``bad_samples``."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.bad_samples: list[int] = []
+        self.bytes_checked = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __repr__(self) -> str:
+        return (f"VerifyReport(ok={self.ok}, problems={len(self.problems)}, "
+                f"bad_samples={self.bad_samples[:10]}{'...' if len(self.bad_samples) > 10 else ''})")
+
+
+class PackedDataset:
+    """A packed dataset opened for random access.
+
+    ``ds[i]`` returns a dict of read-only numpy views over the shard's memory map
+    (no copy); ``ds.get_many(ids)`` gathers a batch into one buffer per field.  The
+    index lives in one flat int64 array (no per-sample Python objects), shards are
+    mapped lazily, and the object can be shared by threads, forked into workers, or
+    pickled to spawned workers (which map the shards again).
+
+    Args:
+        path: the dataset directory.
+        verify_on_read: check each sample's checksum whenever it is read.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, verify_on_read: bool = False) -> None:
+        self.path = Path(path)
+        self.verify_on_read = verify_on_read
+        self.manifest = Manifest.read(self.path)
+        self.schema = self.manifest.schema
+        self._layout = IndexLayout(self.schema)
+        self._load_index()
+        self._maps: list[Optional[Any]] = [None] * len(self.manifest.shards)
+        self._lock = threading.Lock()
+        _live.add(self)
+
+    # -- index ----------------------------------------------------------------
+    def _load_index(self) -> None:
+        parts = []
+        for s in self.manifest.shards:
+            dpath, ipath = self.path / s.data, self.path / s.index
+            for p, want in ((dpath, s.data_nbytes), (ipath, s.index_nbytes)):
+                if not p.is_file():
+                    raise DatasetNotFoundError(f"{p}: shard file listed in the manifest is missing")
+                got = p.stat().st_size
+                if got != want:
+                    raise TruncatedShardError(f"{p}: {got} bytes on disk, the manifest records "
+                                              f"{want} (truncated or overwritten)")
+            raw = ipath.read_bytes()
+            if checksum(raw) != s.index_checksum:
+                raise ChecksumError(f"{ipath}: index checksum mismatch")
+            idx = np.load(io.BytesIO(raw), allow_pickle=False)
+            if idx.dtype != np.dtype("<i8") or idx.shape != (s.num_samples, self._layout.ncols):
+                raise CorruptDatasetError(f"{ipath}: index has shape {idx.shape} {idx.dtype}, "
+                                          f"expected ({s.num_samples}, {self._layout.ncols}) int64")
+            parts.append(idx)
+        self._index = np.ascontiguousarray(np.concatenate(parts)) if parts else \
+            np.zeros((0, self._layout.ncols), np.int64)
+        counts = np.array([s.num_samples for s in self.manifest.shards], dtype=np.int64)
+        #: first global sample id of each shard
+        self._shard_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._shard_of = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+        ends = self._index[:, IndexLayout.REC_OFF] + self._index[:, IndexLayout.REC_LEN]
+        sizes = np.array([s.data_nbytes for s in self.manifest.shards], dtype=np.int64)
+        if len(ends) and (ends > sizes[self._shard_of]).any():
+            bad = int(np.argmax(ends > sizes[self._shard_of]))
+            raise CorruptDatasetError(f"{self.path}: sample {bad} extends past the end of "
+                                      f"{self.manifest.shards[self._shard_of[bad]].data}")
+        self.sample_nbytes: np.ndarray = self._index[:, self._layout.nbytes_cols].sum(axis=1)
+        self.sample_nbytes.setflags(write=False)
+
+    # -- mapping ----------------------------------------------------------------
+    def _map(self, k: int) -> np.ndarray:
+        m = self._maps[k]
+        if m is None:
+            with self._lock:
+                m = self._maps[k]
+                if m is None:
+                    m = self._open_map(k)
+                    self._maps[k] = m
+        return m
+
+    def _open_map(self, k: int) -> np.ndarray:
+        s = self.manifest.shards[k]
+        if s.data_nbytes == 0:
+            return _EMPTY
+        p = self.path / s.data
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != s.data_nbytes:
+                raise TruncatedShardError(f"{p}: {size} bytes on disk, the manifest records "
+                                          f"{s.data_nbytes}")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return np.frombuffer(mm, dtype=np.uint8)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = [None] * len(self._maps)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        _live.add(self)
+
+    # -- access -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of field data over all samples (padding excluded)."""
+        return self.manifest.payload_nbytes
+
+    @property
+    def disk_nbytes(self) -> int:
+        return sum(s.data_nbytes + s.index_nbytes for s in self.manifest.shards)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest.metadata
+
+    @property
+    def fingerprint(self) -> str:
+        """Checksum of the manifest: equal fingerprints mean the same dataset."""
+        return self.manifest.fingerprint
+
+    def _norm_index(self, i: Any) -> int:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"sample index must be an integer, got {type(i).__name__}")
+        n = len(self)
+        j = int(i) + n if i < 0 else int(i)
+        if not 0 <= j < n:
+            raise SampleIndexError(f"sample index {int(i)} out of range for {n} samples "
+                                   f"in {self.path}")
+        return j
+
+    def _record(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        row = self._index[i]
+        buf = self._map(int(self._shard_of[i]))
+        if self.verify_on_read:
+            self._check_records(np.array([i]))
+        return row, buf
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Sample ``i`` as a dict of read-only numpy views (no copy)."""
+        i = self._norm_index(i)
+        row, buf = self._record(i)
+        base = int(row[IndexLayout.REC_OFF])
+        lay = self._layout
+        out = {}
+        for f in self.schema.fields:
+            shape = tuple(int(d) for d in row[lay.shape[f.name]])
+            nb = int(row[lay.nbytes[f.name]])
+            if nb == 0:
+                a = np.empty(shape, dtype=f.dtype)
+                a.setflags(write=False)
+            else:
+                off = base + int(row[lay.off[f.name]])
+                a = buf[off:off + nb].view(f.dtype).reshape(shape)
+            out[f.name] = a
+        return out
+
+    def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
+        """Gather samples ``ids`` (any order, repeats allowed) into a :class:`SampleBatch`.
+
+        Vectorized over the batch: one gather per field and shard, no per-sample
+        Python objects.  The result owns its memory (writable, independent of the maps).
+        """
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu" and not (ids.size == 0):
+            raise TypeError(f"sample ids must be integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False).reshape(-1)
+        n = len(self)
+        ids = np.where(ids < 0, ids + n, ids)
+        bad = (ids < 0) | (ids >= n)
+        if bad.any():
+            first = int(np.asarray(ids)[np.argmax(bad)])
+            first = first - n if first < 0 else first
+            raise SampleIndexError(f"sample id {first} out of range for "
+                                   f"{n} samples in {self.path} ({int(bad.sum())} bad ids)")
+        if self.verify_on_read:
+            self._check_records(ids)
+        rows = self._index[ids]
+        shard = self._shard_of[ids]
+        shards = np.unique(shard)
+        per_shard = [(int(s), shard == s) for s in shards] if len(shards) > 1 else \
+            [(int(shards[0]), slice(None))] if len(shards) else []
+        lay = self._layout
+        rec = rows[:, IndexLayout.REC_OFF]
+        fields = {}
+        for f in self.schema.fields:
+            lens = rows[:, lay.nbytes[f.name]]
+            starts = rec + rows[:, lay.off[f.name]]
+            dst = np.cumsum(lens) - lens
+            out = np.empty(int(lens.sum()), dtype=np.uint8)
+            for s, sel in per_shard:
+                gather_ranges(self._map(s), starts[sel], lens[sel], out, dst[sel])
+            item = f.dtype.itemsize
+            offsets = np.empty(len(ids) + 1, dtype=np.int64)
+            offsets[0] = 0
+            np.cumsum(lens // item, out=offsets[1:])
+            fields[f.name] = FieldBatch(values=out.view(f.dtype), offsets=offsets,
+                                        shapes=np.ascontiguousarray(rows[:, lay.shape[f.name]]))
+        return SampleBatch(ids, self.schema, fields)
+
+    # -- integrity ----------------------------------------------------------------
+    def _check_records(self, ids: np.ndarray) -> list[int]:
+        """Raise :class:`ChecksumError` naming the first sample whose bytes are damaged."""
+        bad = self._bad_records(ids)
+        if bad:
+            i = bad[0]
+            shard = self.manifest.shards[int(self._shard_of[i])]
+            raise ChecksumError(f"{self.path / shard.data}: sample {i} fails its checksum "
+                                f"({len(bad)} of {len(ids)} checked samples damaged)")
+        return bad
+
+    def _bad_records(self, ids: np.ndarray) -> list[int]:
+        bad = []
+        rows = self._index[ids]
+        for i, s, off, ln, want in zip(ids.tolist(), self._shard_of[ids].tolist(),
+                                       rows[:, 0].tolist(), rows[:, 1].tolist(),
+                                       rows[:, 2].view(np.uint64).tolist()):
+            if xxhash.xxh3_64_intdigest(self._map(s)[off:off + ln]) != want:
+                bad.append(i)
+        return bad
+
+    def verify(self, *, progress: "Progress | bool | None" = None,
+               raise_on_error: bool = True) -> VerifyReport:
+        """Check every checksum: index files, whole shards, and the samples of bad shards.
+
+        Raises :class:`ChecksumError` listing what is damaged (or returns the report
+        with ``raise_on_error=False``).
+        """
+        report = VerifyReport()
+        prog = as_progress(progress)
+        prog.start(self.disk_nbytes, desc="verify", unit="B")
+        for k, s in enumerate(self.manifest.shards):
+            ipath, dpath = self.path / s.index, self.path / s.data
+            try:
+                if checksum(ipath.read_bytes()) != s.index_checksum:
+                    report.problems.append(f"{ipath}: index checksum mismatch")
+                prog.update(s.index_nbytes)
+                h = xxhash.xxh3_64()
+                size = 0
+                with open(dpath, "rb") as f:
+                    while chunk := f.read(16 << 20):
+                        h.update(chunk)
+                        size += len(chunk)
+                        prog.update(len(chunk))
+                report.bytes_checked += size + s.index_nbytes
+            except OSError as e:
+                report.problems.append(f"{dpath}: cannot read ({e})")
+                continue
+            if size != s.data_nbytes:
+                report.problems.append(f"{dpath}: {size} bytes, manifest records {s.data_nbytes}")
+            elif h.hexdigest() != s.data_checksum:
+                first = int(self._shard_start[k])
+                bad = self._bad_records(np.arange(first, first + s.num_samples))
+                report.bad_samples += bad
+                report.problems.append(
+                    f"{dpath}: shard checksum mismatch; damaged samples: "
+                    f"{bad[:20]}{'...' if len(bad) > 20 else ''}" if bad else
+                    f"{dpath}: shard checksum mismatch (in padding; every sample checks out)")
+        prog.close()
+        if report.problems and raise_on_error:
+            raise ChecksumError(f"{self.path}: " + "; ".join(report.problems[:10]) +
+                                (f" (+{len(report.problems) - 10} more)"
+                                 if len(report.problems) > 10 else ""))
+        return report
+
+    def __repr__(self) -> str:
+        return (f"PackedDataset({str(self.path)!r}, samples={len(self)}, "
+                f"shards={len(self.manifest.shards)}, fields=[{self.schema.describe()}])")
+
+
+def open_dataset(path: "str | os.PathLike[str]", *, verify_on_read: bool = False) -> PackedDataset:
+    """Open the packed dataset at ``path`` for random access.
+
+    Checks the manifest, the shard sizes and the index checksums (cheap); call
+    :meth:`PackedDataset.verify` to check every byte.
+    """
+    return PackedDataset(path, verify_on_read=verify_on_read)

@@ -1,0 +1,126 @@
+"""Schema of a packed dataset: field names, dtypes, ranks and kinds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import SchemaError, UnsupportedDtypeError
+
+__all__ = ["Field", "Schema", "as_field_array"]
+
+# numpy dtype kinds we store: bool, signed, unsigned, float, complex.
+_STORABLE_KINDS = "biufc"
+KIND_ARRAY = "array"
+KIND_BYTES = "bytes"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of every sample.
+
+    Attributes:
+        name: the key in each sample mapping.
+        dtype: numpy dtype, byte order included (bit-exact round trip).
+        ndim: rank of the array in every sample (shapes may differ per sample).
+        kind: ``"array"`` for numeric arrays, ``"bytes"`` for raw encoded blobs
+            (stored as 1-D ``uint8``; a sample may give ``bytes``).
+    """
+
+    name: str
+    dtype: np.dtype
+    ndim: int
+    kind: str = KIND_ARRAY
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype.str, "ndim": self.ndim, "kind": self.kind}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Field":
+        kind = d.get("kind", KIND_ARRAY)
+        if kind not in (KIND_ARRAY, KIND_BYTES):
+            raise ValueError(f"unknown field kind {kind!r}")
+        return cls(name=str(d["name"]), dtype=np.dtype(d["dtype"]), ndim=int(d["ndim"]), kind=kind)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Ordered fields of a dataset; ``schema["x"]`` looks one up by name."""
+
+    fields: tuple[Field, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def __getitem__(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return any(f.name == name for f in self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fields": [f.to_dict() for f in self.fields]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Schema":
+        return cls(fields=tuple(Field.from_dict(f) for f in d["fields"]))
+
+    @classmethod
+    def infer(cls, sample: Mapping[str, Any], where: str = "sample 0") -> "Schema":
+        """Schema of the first sample; every later sample must match it."""
+        if not isinstance(sample, Mapping):
+            raise SchemaError(f"{where}: a sample must be a mapping of field name to array, "
+                              f"got {type(sample).__name__}")
+        if not sample:
+            raise SchemaError(f"{where}: a sample needs at least one field")
+        fields = []
+        for name, value in sample.items():
+            if not isinstance(name, str) or not name:
+                raise SchemaError(f"{where}: field names must be non-empty strings, got {name!r}")
+            arr, kind = as_field_array(value, name, where)
+            fields.append(Field(name=name, dtype=arr.dtype, ndim=arr.ndim, kind=kind))
+        return cls(fields=tuple(fields))
+
+    def describe(self) -> str:
+        parts = []
+        for f in self.fields:
+            parts.append(f"{f.name}: bytes" if f.kind == KIND_BYTES
+                         else f"{f.name}: {f.dtype.name}[{f.ndim}d]")
+        return ", ".join(parts)
+
+
+def as_field_array(value: Any, name: str, where: str) -> tuple[np.ndarray, str]:
+    """Turn one field value into a C-contiguous numpy array and its kind.
+
+    ``bytes``/``bytearray``/``memoryview`` become 1-D ``uint8`` of kind ``"bytes"``;
+    anything array-like (numpy arrays, scalars, torch tensors) becomes an array.
+    Raises :class:`UnsupportedDtypeError` for object, str, datetime and structured data.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return np.frombuffer(value, dtype=np.uint8), KIND_BYTES
+    if not isinstance(value, np.ndarray):
+        if hasattr(value, "detach") and hasattr(value, "numpy"):  # torch.Tensor
+            value = value.detach().cpu().numpy()
+        elif isinstance(value, str):
+            raise UnsupportedDtypeError(
+                f"{where}, field {name!r}: str values are not stored; encode them to bytes")
+        else:
+            value = np.asarray(value)
+    if value.dtype.kind not in _STORABLE_KINDS:
+        raise UnsupportedDtypeError(
+            f"{where}, field {name!r}: dtype {value.dtype} is not supported "
+            f"(numeric or bool arrays, or bytes blobs only)")
+    # asarray(order="C"), not ascontiguousarray: the latter turns 0-d into 1-d.
+    return np.asarray(value, order="C"), KIND_ARRAY

@@ -1,0 +1,277 @@
+"""Streaming, atomic, checksummed writer of packed datasets."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import numpy as np
+import xxhash
+
+from .. import __version__
+from ..errors import EmptySourceError, SchemaError
+from ..progress import Progress, as_progress
+from .._fs import check_target, commit_dir, tmp_sibling
+from ._format import ALIGNMENT, MANIFEST_NAME, IndexLayout, Manifest, ShardInfo, checksum
+from ._schema import Schema, as_field_array
+
+__all__ = ["DatasetWriter", "write_dataset", "DEFAULT_SHARD_BYTES"]
+
+DEFAULT_SHARD_BYTES = 256 << 20
+_ZEROS = bytes(ALIGNMENT)
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGNMENT
+
+
+class DatasetWriter:
+    """Write samples one by one into a packed dataset at ``path``.
+
+    Everything goes to a temporary sibling directory, which is fsynced and renamed
+    to ``path`` by :meth:`close`; an interrupted or failed write leaves nothing at
+    ``path`` (and, with ``overwrite=True``, the previous dataset intact).
+
+    Args:
+        path: output directory.
+        shard_bytes: a new shard starts when the current one would grow past this.
+        overwrite: replace an existing dataset at ``path``.
+        metadata: JSON-serializable mapping stored in the manifest (``ds.metadata``).
+        progress: a :class:`forebay.progress.Progress` hook, updated per sample.
+
+    Use as a context manager: leaving the block by an exception aborts the write.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 overwrite: bool = False, metadata: Optional[Mapping[str, Any]] = None,
+                 progress: "Progress | bool | None" = None) -> None:
+        self.path = Path(path)
+        if shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        self.shard_bytes = int(shard_bytes)
+        self.overwrite = overwrite
+        self.metadata = dict(metadata or {})
+        check_target(self.path, self.overwrite)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = tmp_sibling(self.path)
+        self._tmp.mkdir()
+        self._progress = as_progress(progress)
+        self.schema: Optional[Schema] = None
+        self._layout: Optional[IndexLayout] = None
+        self._shards: list[ShardInfo] = []
+        self._file: Optional[io.BufferedWriter] = None
+        self._shard_hash = None
+        self._shard_pos = 0
+        self._rows: Optional[np.ndarray] = None
+        self._nrows = 0
+        self._count = 0
+        self._payload = 0
+        self._closed = False
+
+    # -- public -----------------------------------------------------------------
+    def add(self, sample: Mapping[str, Any]) -> None:
+        """Append one sample (a mapping of field name to array or bytes)."""
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        where = f"sample {self._count}"
+        if self.schema is None:
+            self.schema = Schema.infer(sample, where)
+            self._layout = IndexLayout(self.schema)
+        arrays = self._check(sample, where)
+        layout = self._layout
+        assert layout is not None and self.schema is not None
+        # Lay the record out: each field at an aligned offset relative to the record start.
+        offsets, rel = [], 0
+        for a in arrays:
+            rel += _pad(rel)
+            offsets.append(rel)
+            rel += a.nbytes
+        rec_len = rel
+        start = self._shard_pos + _pad(self._shard_pos)
+        if self._file is not None and self._nrows and start + rec_len > self.shard_bytes:
+            self._finish_shard()
+            start = 0
+        if self._file is None:
+            self._open_shard()
+            start = 0
+        self._write(_ZEROS[: start - self._shard_pos])
+        rec_hash = xxhash.xxh3_64()
+        pos = 0
+        for a, off in zip(arrays, offsets):
+            if off > pos:
+                self._write(_ZEROS[: off - pos], rec_hash)
+            if a.nbytes:
+                self._write(a.reshape(-1).view(np.uint8), rec_hash)
+            pos = off + a.nbytes
+        row = self._next_row()
+        row[IndexLayout.REC_OFF] = start
+        row[IndexLayout.REC_LEN] = rec_len
+        row[IndexLayout.REC_SUM] = np.uint64(rec_hash.intdigest()).view(np.int64)
+        for f, a, off in zip(self.schema.fields, arrays, offsets):
+            row[layout.off[f.name]] = off
+            row[layout.nbytes[f.name]] = a.nbytes
+            row[layout.shape[f.name]] = a.shape
+            self._payload += a.nbytes
+        self._count += 1
+        self._progress.update(1)
+
+    def add_many(self, samples: Iterable[Mapping[str, Any]]) -> None:
+        for s in samples:
+            self.add(s)
+
+    def close(self) -> Manifest:
+        """Finish the last shard, write the manifest and move the dataset into place."""
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        try:
+            if self._count == 0:
+                raise EmptySourceError(f"no samples were written to {self.path}")
+            self._finish_shard()
+            assert self.schema is not None
+            manifest = Manifest(num_samples=self._count, schema=self.schema,
+                                shards=tuple(self._shards), payload_nbytes=self._payload,
+                                metadata=self.metadata, created_by=f"forebay {__version__}",
+                                fingerprint="")
+            text = manifest.to_json().encode()
+            self._write_file(self._tmp / MANIFEST_NAME, text)
+            self._commit()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self._progress.close()
+        return Manifest.read(self.path)
+
+    def abort(self) -> None:
+        """Discard everything written so far; nothing is left at ``path``."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._closed = True
+        self._progress.close()
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._closed:
+            return
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    @property
+    def num_samples(self) -> int:
+        return self._count
+
+    # -- internals ----------------------------------------------------------------
+    def _check(self, sample: Mapping[str, Any], where: str) -> list[np.ndarray]:
+        schema = self.schema
+        assert schema is not None
+        if not isinstance(sample, Mapping):
+            raise SchemaError(f"{where}: a sample must be a mapping of field name to array, "
+                              f"got {type(sample).__name__}")
+        if len(sample) != len(schema) or any(name not in sample for name in schema.names):
+            missing = [n for n in schema.names if n not in sample]
+            extra = [n for n in sample if n not in schema]
+            raise SchemaError(f"{where}: fields differ from the schema ({schema.describe()}): "
+                              f"missing {missing}, unexpected {extra}")
+        out = []
+        for f in schema.fields:
+            a, _ = as_field_array(sample[f.name], f.name, where)
+            if a.dtype != f.dtype:
+                raise SchemaError(f"{where}, field {f.name!r}: dtype {a.dtype.str} differs from "
+                                  f"the schema's {f.dtype.str} (set by sample 0)")
+            if a.ndim != f.ndim:
+                raise SchemaError(f"{where}, field {f.name!r}: {a.ndim}-d array, the schema "
+                                  f"has {f.ndim}-d (set by sample 0)")
+            out.append(a)
+        return out
+
+    def _write(self, data: Any, rec_hash: Any = None) -> None:
+        if not len(data):
+            return
+        assert self._file is not None
+        self._file.write(data)
+        self._shard_hash.update(data)
+        if rec_hash is not None:
+            rec_hash.update(data)
+        self._shard_pos += len(data)
+
+    def _next_row(self) -> np.ndarray:
+        assert self._layout is not None
+        if self._rows is None:
+            self._rows = np.zeros((1024, self._layout.ncols), dtype=np.int64)
+        elif self._nrows == len(self._rows):
+            self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
+        row = self._rows[self._nrows]
+        self._nrows += 1
+        return row
+
+    def _shard_names(self, k: int) -> tuple[str, str]:
+        return f"shard-{k:05d}.bin", f"shard-{k:05d}.idx.npy"
+
+    def _open_shard(self) -> None:
+        data_name, _ = self._shard_names(len(self._shards))
+        self._file = open(self._tmp / data_name, "wb", buffering=8 << 20)
+        self._shard_hash = xxhash.xxh3_64()
+        self._shard_pos = 0
+        self._nrows = 0
+
+    def _finish_shard(self) -> None:
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        data_name, index_name = self._shard_names(len(self._shards))
+        assert self._rows is not None
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(self._rows[: self._nrows]).astype("<i8"),
+                allow_pickle=False)
+        index_bytes = buf.getvalue()
+        self._write_file(self._tmp / index_name, index_bytes)
+        self._shards.append(ShardInfo(
+            data=data_name, index=index_name, num_samples=self._nrows,
+            data_nbytes=self._shard_pos, data_checksum=self._shard_hash.hexdigest(),
+            index_nbytes=len(index_bytes), index_checksum=checksum(index_bytes)))
+        self._rows = None
+        self._nrows = 0
+
+    @staticmethod
+    def _write_file(path: Path, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _commit(self) -> None:
+        commit_dir(self._tmp, self.path, self.overwrite)
+
+
+def write_dataset(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str, Any]], *,
+                  shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                  metadata: Optional[Mapping[str, Any]] = None,
+                  progress: "Progress | bool | None" = None) -> Manifest:
+    """Write an iterable of samples to a packed dataset at ``path``; return its manifest.
+
+    The schema is inferred from the first sample; every later sample must have the
+    same fields, dtypes and ranks (shapes may differ) or a :class:`SchemaError` names
+    the sample index and field.  The write is atomic: on any error nothing is left
+    at ``path``.  Raises :class:`DatasetExistsError` if ``path`` exists and
+    ``overwrite`` is false, :class:`EmptySourceError` if ``samples`` is empty.
+    """
+    w = DatasetWriter(path, shard_bytes=shard_bytes, overwrite=overwrite, metadata=metadata,
+                      progress=progress)
+    try:
+        w.add_many(samples)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()

@@ -1,0 +1,146 @@
+"""HDF5 containers (CFF): chosen datasets, samples along axis 0, ragged data as flat + offsets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ...errors import SourceError, UnsupportedDtypeError
+from ._base import Source, check_keys, list_files, register_source
+
+__all__ = ["Hdf5Source", "OFFSETS_SUFFIX"]
+
+#: ``NAME_offsets`` beside dataset ``NAME`` marks ``NAME`` as ragged (flat + offsets).
+OFFSETS_SUFFIX = "_offsets"
+_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class _FieldPlan:
+    name: str
+    offsets: Optional[str]  # dataset holding n+1 offsets, or None for a dense field
+    axis: int               # axis the flat ragged data is concatenated along
+
+
+@dataclass(frozen=True)
+class _FilePlan:
+    path: Path
+    count: int
+    fields: tuple[_FieldPlan, ...]
+
+
+def _datasets(f: Any) -> list[str]:
+    import h5py
+
+    names: list[str] = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return names
+
+
+@register_source
+class Hdf5Source(Source):
+    """One HDF5 file (or a directory of ``.h5``/``.hdf5`` files, in sorted order).
+
+    Every chosen dataset (``keys``; default: all) holds samples along axis 0 and
+    becomes a field named after its path in the file.  Ragged data (graphs with
+    varying node and edge counts) is stored flat with an offsets dataset of n+1
+    entries (first 0): ``NAME_offsets`` beside ``NAME`` is found automatically, or
+    name the pair with ``ragged={"NAME": "OFFSETS"}``.  Sample k of a ragged field
+    is ``NAME[off[k]:off[k+1]]`` along axis 0, or along the axis given by the offsets
+    dataset's ``axis`` attribute (e.g. ``edge_index`` stored as ``(2, E_total)``).
+    """
+
+    kind = "hdf5"
+    unit_name = "chunk"
+
+    def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
+                 ragged: Optional[Mapping[str, str]] = None, chunk_bytes: int = _CHUNK_BYTES,
+                 **unused: Any) -> None:
+        import h5py
+
+        self.keys = list(keys) if keys else None
+        self.ragged = dict(ragged or {})
+        self.plans: list[_FilePlan] = []
+        self._units: list[tuple[int, int, int]] = []
+        for path in list_files(root, [".h5", ".hdf5", ".hdf"], "HDF5"):
+            try:
+                with h5py.File(path, "r") as f:
+                    plan, per_sample = self._plan(f, path)
+            except OSError as e:
+                raise SourceError(f"{path}: cannot open as HDF5 ({e})") from None
+            k = len(self.plans)
+            self.plans.append(plan)
+            rows = max(1, int(chunk_bytes // max(per_sample, 1)))
+            self._units += [(k, a, min(a + rows, plan.count)) for a in range(0, plan.count, rows)]
+
+    def _plan(self, f: Any, path: Path) -> tuple[_FilePlan, float]:
+        all_names = _datasets(f)
+        offsets_of = dict(self.ragged)
+        for name in all_names:
+            if name + OFFSETS_SUFFIX in all_names and name not in offsets_of:
+                offsets_of[name] = name + OFFSETS_SUFFIX
+        hidden = set(offsets_of.values())
+        candidates = [n for n in all_names if n not in hidden]
+        names = check_keys(candidates if not self.keys else all_names, self.keys, str(path))
+        fields, counts, per_sample = [], {}, 0.0
+        for name in names:
+            ds = f[name]
+            if ds.dtype.kind not in "biufc":
+                raise UnsupportedDtypeError(f"{path}: dataset {name!r} has dtype {ds.dtype}; "
+                                            f"only numeric or bool datasets can be ingested")
+            if ds.ndim == 0:
+                raise SourceError(f"{path}: dataset {name!r} is a scalar, it has no sample axis")
+            off_name = offsets_of.get(name)
+            if off_name is not None:
+                if off_name not in f:
+                    raise SourceError(f"{path}: offsets dataset {off_name!r} for {name!r} is missing")
+                off = f[off_name]
+                axis = int(off.attrs.get("axis", 0))
+                axis = axis + ds.ndim if axis < 0 else axis
+                if off.ndim != 1 or off.dtype.kind not in "iu" or len(off) < 1 or \
+                        not 0 <= axis < ds.ndim:
+                    raise SourceError(f"{path}: {off_name!r} must be 1-D integer offsets (n+1 "
+                                      f"entries) with a valid axis for {name!r}")
+                if int(off[-1]) != ds.shape[axis] or int(off[0]) != 0:
+                    raise SourceError(f"{path}: offsets {off_name!r} run from {int(off[0])} to "
+                                      f"{int(off[-1])} but {name!r} has {ds.shape[axis]} entries "
+                                      f"along axis {axis}")
+                counts[name] = len(off) - 1
+                fields.append(_FieldPlan(name, off_name, axis))
+            else:
+                counts[name] = ds.shape[0]
+                fields.append(_FieldPlan(name, None, 0))
+            per_sample += ds.size * ds.dtype.itemsize / max(counts[name], 1)
+        if len(set(counts.values())) > 1:
+            raise SourceError(f"{path}: datasets hold different sample counts: {counts}")
+        return _FilePlan(path, next(iter(counts.values())), tuple(fields)), per_sample
+
+    def units(self) -> list[tuple[int, int, int]]:
+        return self._units
+
+    def read_unit(self, unit: tuple[int, int, int]) -> list[dict[str, Any]]:
+        import h5py
+
+        k, a, b = unit
+        plan = self.plans[k]
+        cols: dict[str, list[np.ndarray]] = {}
+        with h5py.File(plan.path, "r") as f:
+            for fp in plan.fields:
+                ds = f[fp.name]
+                if fp.offsets is None:
+                    cols[fp.name] = list(ds[a:b])
+                    continue
+                off = f[fp.offsets][a:b + 1].astype(np.int64)
+                if (np.diff(off) < 0).any():
+                    bad = a + int(np.argmax(np.diff(off) < 0))
+                    raise SourceError(f"{plan.path}: offsets {fp.offsets!r} decrease at sample {bad}")
+                sl = [slice(None)] * ds.ndim
+                sl[fp.axis] = slice(int(off[0]), int(off[-1]))
+                flat = ds[tuple(sl)]
+                cols[fp.name] = np.split(flat, (off[1:-1] - off[0]).tolist(), axis=fp.axis)
+        names = list(cols)
+        return [dict(zip(names, row)) for row in zip(*(cols[n] for n in names))]

@@ -1,0 +1,82 @@
+"""One error hierarchy for forebay.
+
+Every error forebay raises on purpose derives from :class:`ForebayError`.  Errors
+that mean "this data is damaged or malformed" also derive from :class:`ValueError`,
+a missing path also from :class:`FileNotFoundError`, so callers can catch ours or
+the builtin they already expect.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ForebayError",
+    "CorruptDatasetError",
+    "ChecksumError",
+    "TruncatedShardError",
+    "ManifestError",
+    "FormatVersionError",
+    "SchemaError",
+    "UnsupportedDtypeError",
+    "DatasetExistsError",
+    "DatasetNotFoundError",
+    "SampleIndexError",
+    "EmptySourceError",
+    "SourceError",
+    "UntrustedPickleError",
+]
+
+
+class ForebayError(Exception):
+    """Base class of every error forebay raises on purpose."""
+
+
+class CorruptDatasetError(ForebayError, ValueError):
+    """A packed dataset on disk is damaged: its bytes do not match what was written."""
+
+
+class ChecksumError(CorruptDatasetError):
+    """A checksum over shard, index or sample bytes does not match the manifest."""
+
+
+class TruncatedShardError(CorruptDatasetError):
+    """A shard or index file is shorter (or longer) than the manifest records."""
+
+
+class ManifestError(CorruptDatasetError):
+    """The manifest is missing a key, is not valid JSON, or contradicts itself."""
+
+
+class FormatVersionError(ManifestError):
+    """The dataset was written in a format version this forebay cannot read."""
+
+
+class SchemaError(ForebayError, ValueError):
+    """A sample does not match the dataset schema (fields, dtypes or ranks)."""
+
+
+class UnsupportedDtypeError(SchemaError, TypeError):
+    """A field has a dtype forebay does not store (object, str, datetime, structured)."""
+
+
+class DatasetExistsError(ForebayError, FileExistsError):
+    """The output path exists and ``overwrite`` was not given."""
+
+
+class DatasetNotFoundError(ForebayError, FileNotFoundError):
+    """A dataset, source or one of its files does not exist."""
+
+
+class SampleIndexError(ForebayError, IndexError):
+    """A sample index is outside ``[-len(ds), len(ds))``."""
+
+
+class EmptySourceError(ForebayError, ValueError):
+    """An ingest source or sample iterable holds no samples."""
+
+
+class SourceError(ForebayError, ValueError):
+    """A source file cannot be read as the chosen kind (missing key, bad layout...)."""
+
+
+class UntrustedPickleError(ForebayError, PermissionError):
+    """Pickle sources run code when read; they need an explicit ``trust_pickle=True``."""
