@@ -70,7 +70,8 @@ class NpzSource(Source):
 
     def read_unit(self, path: Path) -> list[dict[str, Any]]:
         try:
-            with np.load(path, allow_pickle=False) as z:
+            # our own handle: np.load leaks its file when the archive is garbled
+            with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
                 names = check_keys(z.files, self.keys, str(path))
                 arrays = {k: z[k] for k in names}
         except (SourceError, UnsupportedDtypeError):
@@ -103,7 +104,8 @@ class NpySource(Source):
 
     def read_unit(self, path: Path) -> list[dict[str, Any]]:
         try:
-            arr = np.load(path, allow_pickle=False)
+            with open(path, "rb") as fh:
+                arr = np.load(fh, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:
             raise _load_error(path, e) from None
         if self.layout == "per-file":

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.cli import main as cli_main
+
+BIN = Path(sys.executable).parent
+
+
+def ragged_samples(n: int, seed: int = 0) -> list[dict]:
+    """Samples exercising every storable kind: ragged 2-d, 0-d, bytes, bool, complex."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        k = int(rng.integers(0, 6))
+        out.append({
+            "x": rng.normal(size=(k, 3)).astype(np.float32),
+            "label": np.int64(i),
+            "blob": rng.integers(0, 256, size=0 if i % 50 == 7 else int(rng.integers(1, 300)),
+                                dtype=np.uint8).tobytes(),
+            "mask": rng.random(4) > 0.5,
+            "z": (rng.normal(size=2) + 1j * rng.normal(size=2)).astype(np.complex64),
+        })
+    return out
+
+
+def as_array(v):
+    return np.frombuffer(v, dtype=np.uint8) if isinstance(v, bytes) else np.asarray(v)
+
+
+def assert_sample_equal(got: dict, want: dict) -> None:
+    assert list(got) == list(want) or set(got) == set(want)
+    for k, v in want.items():
+        w = as_array(v)
+        g = got[k]
+        assert g.dtype == w.dtype, k
+        assert g.shape == w.shape, k
+        assert g.tobytes() == w.tobytes(), k
+
+
+@pytest.fixture
+def ragged():
+    return ragged_samples(300)
+
+
+@pytest.fixture
+def packed(tmp_path, ragged):
+    """A small multi-shard dataset and its source samples."""
+    path = tmp_path / "ds"
+    forebay.write_dataset(path, ragged, shard_bytes=8 << 10)
+    return path, ragged
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the forebay CLI in-process: returns (exit code, stdout, stderr)."""
+    def run(*args: str):
+        code = cli_main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Hidden temporary directories a write may have left behind."""
+    return [p.name for p in parent.iterdir() if ".forebay-" in p.name]

@@ -1,0 +1,249 @@
+"""Every kind of bad input gets a clear error naming what is wrong, and no partial output."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay import errors
+from forebay.dataset.sources import NpzSource, PickleSource, get_source, ingest
+from conftest import leftovers
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _record_of(ds, i):
+    row = ds._index[i]
+    return ds.path / ds.manifest.shards[ds._shard_of[i]].data, int(row[0]), int(row[1])
+
+
+# -- damaged datasets -------------------------------------------------------------
+def test_truncated_shard_is_named_at_open(packed):
+    path, _ = packed
+    shard = path / "shard-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(errors.TruncatedShardError, match="shard-00001.bin") as e:
+        forebay.open_dataset(path)
+    assert isinstance(e.value, ValueError)
+
+
+def test_missing_shard_file(packed):
+    path, _ = packed
+    (path / "shard-00000.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00000.bin"):
+        forebay.open_dataset(path)
+
+
+def test_flipped_byte_caught_by_verify_and_verified_reads(packed, cli):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    victim = 123
+    shard, off, _ = _record_of(ds, victim)
+    nbytes_x = samples[victim]["x"].nbytes
+    assert nbytes_x > 0 or True
+    _flip(shard, off + 1)  # inside the record's first field (or its padding)
+    ds = forebay.open_dataset(path)  # open checks sizes and index only: still opens
+    with pytest.raises(errors.ChecksumError, match=rf"{shard.name}.*damaged samples: \[{victim}\]"):
+        ds.verify()
+    report = ds.verify(raise_on_error=False)
+    assert not report.ok and report.bad_samples == [victim]
+    strict = forebay.open_dataset(path, verify_on_read=True)
+    with pytest.raises(errors.ChecksumError, match=f"sample {victim}"):
+        strict[victim]
+    with pytest.raises(errors.ChecksumError, match=f"sample {victim}"):
+        strict.get_many([0, victim])
+    strict[victim + 1]  # undamaged neighbours still read
+    code, out, err = cli("verify", path)
+    assert code == 1 and "CORRUPT" in err and str(victim) in err
+
+
+def test_flipped_padding_byte_still_fails_verify(tmp_path):
+    # 3-byte records leave 61 bytes of padding between samples
+    forebay.write_dataset(tmp_path / "d", [{"a": np.arange(3, dtype=np.uint8)}] * 4)
+    _flip(tmp_path / "d" / "shard-00000.bin", 10)
+    report = forebay.open_dataset(tmp_path / "d").verify(raise_on_error=False)
+    assert not report.ok and report.bad_samples == []
+    assert "padding" in report.problems[0]
+
+
+def test_corrupted_index_file(packed):
+    path, _ = packed
+    _flip(path / "shard-00000.idx.npy", 200)
+    with pytest.raises(errors.ChecksumError, match="shard-00000.idx.npy"):
+        forebay.open_dataset(path)
+
+
+@pytest.mark.parametrize("damage, error, words", [
+    (lambda m: m.unlink(), errors.ManifestError, "manifest.json is missing"),
+    (lambda m: m.write_text('{"format": "forebay.packed", "vers'), errors.ManifestError,
+     "not valid JSON"),
+    (lambda m: m.write_bytes(b"\xff\xfe\x00garbage"), errors.ManifestError, "not valid JSON"),
+    (lambda m: m.write_text(json.dumps({**json.loads(m.read_text()), "version": 99})),
+     errors.FormatVersionError, "format version 99"),
+    (lambda m: m.write_text(json.dumps({k: v for k, v in json.loads(m.read_text()).items()
+                                        if k != "schema"})), errors.ManifestError, "'schema'"),
+    (lambda m: m.write_text(json.dumps({**json.loads(m.read_text()), "num_samples": 7})),
+     errors.ManifestError, "num_samples"),
+    (lambda m: m.write_text("[1, 2]"), errors.ManifestError, "not a forebay manifest"),
+])
+def test_bad_manifests(packed, damage, error, words):
+    path, _ = packed
+    damage(path / "manifest.json")
+    with pytest.raises(error, match=words) as e:
+        forebay.open_dataset(path)
+    assert isinstance(e.value, ValueError) and str(path) in str(e.value)
+
+
+def test_missing_dataset_is_file_not_found(tmp_path, cli):
+    with pytest.raises(FileNotFoundError, match="no dataset"):
+        forebay.open_dataset(tmp_path / "nope")
+    code, _, err = cli("info", tmp_path / "nope")
+    assert code == 2 and "no dataset" in err
+
+
+def test_index_out_of_range(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    n = len(samples)
+    for bad in (n, -n - 1, 10**9):
+        with pytest.raises(errors.SampleIndexError, match=f"{bad} out of range for {n}"):
+            ds[bad]
+    with pytest.raises(IndexError, match=f"{n} out of range"):
+        ds.get_many([0, n, 1])
+    with pytest.raises(TypeError):
+        ds["x"]
+    with pytest.raises(TypeError):
+        ds.get_many([0.5])
+
+
+# -- bad samples for the writer ------------------------------------------------------
+@pytest.mark.parametrize("bad, words", [
+    ({"a": np.zeros(3, np.float32)}, "missing \\['b'\\]"),
+    ({"a": np.zeros(3, np.float32), "b": np.int64(1), "c": 1}, "unexpected \\['c'\\]"),
+    ({"a": np.zeros(3, np.float64), "b": np.int64(1)}, "field 'a': dtype <f8 differs"),
+    ({"a": np.zeros((3, 1), np.float32), "b": np.int64(1)}, "field 'a': 2-d array"),
+    ({"a": np.array(["x"]), "b": np.int64(1)}, "field 'a': dtype <U1 is not supported"),
+    ({"a": np.array([object()]), "b": np.int64(1)}, "field 'a': dtype object"),
+    ({"a": "text", "b": np.int64(1)}, "str values"),
+    ([1, 2], "must be a mapping"),
+])
+def test_inconsistent_samples_name_index_and_field(tmp_path, bad, words):
+    good = {"a": np.zeros(2, np.float32), "b": np.int64(0)}
+    with pytest.raises(errors.SchemaError, match=f"sample 2.*{words}|{words}") as e:
+        forebay.write_dataset(tmp_path / "d", [good, good, bad, good])
+    assert "sample 2" in str(e.value)
+    assert not (tmp_path / "d").exists() and leftovers(tmp_path) == []
+
+
+def test_object_array_in_first_sample(tmp_path):
+    with pytest.raises(errors.UnsupportedDtypeError, match="sample 0, field 'o'"):
+        forebay.write_dataset(tmp_path / "d", [{"o": np.array([{}, None])}])
+    assert not (tmp_path / "d").exists()
+
+
+def test_existing_output_refused_and_kept(packed, ragged):
+    path, samples = packed
+    with pytest.raises(errors.DatasetExistsError, match="overwrite") as e:
+        forebay.write_dataset(path, ragged[:3])
+    assert isinstance(e.value, FileExistsError)
+    assert len(forebay.open_dataset(path)) == len(samples)
+
+
+def test_failed_overwrite_keeps_the_old_dataset(packed):
+    path, samples = packed
+
+    def broken():
+        yield samples[0]
+        raise RuntimeError("source died")
+
+    with pytest.raises(RuntimeError, match="source died"):
+        forebay.write_dataset(path, broken(), overwrite=True)
+    ds = forebay.open_dataset(path)
+    assert len(ds) == len(samples) and ds.verify().ok
+    assert leftovers(path.parent) == []
+
+
+def test_empty_source(tmp_path):
+    with pytest.raises(errors.EmptySourceError, match="no samples"):
+        forebay.write_dataset(tmp_path / "d", [])
+    assert not (tmp_path / "d").exists() and leftovers(tmp_path) == []
+
+
+# -- bad sources ------------------------------------------------------------------
+def test_pickle_source_needs_trust(tmp_path, cli):
+    (tmp_path / "src").mkdir()
+    with open(tmp_path / "src" / "a.pkl", "wb") as f:
+        pickle.dump({"a": np.zeros(2)}, f)
+    with pytest.raises(errors.UntrustedPickleError, match="--trust-pickle"):
+        PickleSource(tmp_path / "src")
+    code, _, err = cli("ingest", tmp_path / "src", tmp_path / "out", "--from", "pickle")
+    assert code == 2 and "--trust-pickle" in err and not (tmp_path / "out").exists()
+    code, _, _ = cli("ingest", tmp_path / "src", tmp_path / "out", "--from", "pickle",
+                     "--trust-pickle")
+    assert code == 0
+
+
+def test_empty_source_directory(tmp_path, cli):
+    (tmp_path / "src").mkdir()
+    with pytest.raises(errors.EmptySourceError, match="no npz files"):
+        NpzSource(tmp_path / "src")
+    code, _, err = cli("ingest", tmp_path / "src", tmp_path / "out", "--from", "npz")
+    assert code == 2 and "no npz files" in err
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        NpzSource(tmp_path / "missing")
+
+
+def test_npz_missing_key_and_ragged_stack(tmp_path):
+    (tmp_path / "src").mkdir()
+    np.savez(tmp_path / "src" / "f0.npz", a=np.zeros((4, 2)), b=np.zeros(4))
+    np.savez(tmp_path / "src" / "f1.npz", a=np.zeros((4, 2)), b=np.zeros(3))
+    with pytest.raises(errors.SourceError, match=r"f0.npz: no 'c' \(has 'a', 'b'\)"):
+        ingest(get_source("npz", tmp_path / "src", keys=["c"]), tmp_path / "out")
+    with pytest.raises(errors.SourceError, match="f1.npz: arrays differ in length"):
+        ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_npz_object_array_and_garbled_file(tmp_path):
+    (tmp_path / "src").mkdir()
+    np.savez(tmp_path / "src" / "obj.npz", a=np.array([{"k": 1}, None], dtype=object))
+    with pytest.raises(errors.UnsupportedDtypeError, match="obj.npz"):
+        ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
+    (tmp_path / "src" / "obj.npz").write_bytes(b"PK\x03\x04 this is not a zip")
+    with pytest.raises(errors.SourceError, match="obj.npz: cannot read"):
+        ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
+
+
+def test_hdf5_bad_layouts(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["x"] = np.zeros((5, 2))
+        f["y"] = np.zeros(4)
+    with pytest.raises(errors.SourceError, match="different sample counts"):
+        get_source("hdf5", tmp_path / "a.h5")
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f["v"] = np.zeros(10)
+        f["v_offsets"] = np.array([0, 4, 12])
+    with pytest.raises(errors.SourceError, match="offsets 'v_offsets' run from 0 to 12"):
+        get_source("hdf5", tmp_path / "b.h5")
+    with h5py.File(tmp_path / "c.h5", "w") as f:
+        f["v"] = np.zeros(10)
+        f["v_offsets"] = np.array([0, 6, 4, 10])
+    with pytest.raises(errors.SourceError, match="decrease at sample 1"):
+        ingest(get_source("hdf5", tmp_path / "c.h5"), tmp_path / "out")
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["s"] = np.array([b"ab", b"cd"])
+    with pytest.raises(errors.UnsupportedDtypeError, match="dataset 's'"):
+        get_source("hdf5", tmp_path / "d.h5")
+    (tmp_path / "e.h5").write_bytes(b"not hdf5 at all")
+    with pytest.raises(errors.SourceError, match="e.h5: cannot open as HDF5"):
+        get_source("hdf5", tmp_path / "e.h5")
+    assert not (tmp_path / "out").exists()

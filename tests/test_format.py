@@ -1,0 +1,203 @@
+"""Round trips of the packed format: bit-exact, aligned, read-only, batched, shareable."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.dataset import ALIGNMENT, FieldBatch
+from forebay.errors import SchemaError
+from conftest import assert_sample_equal, as_array
+
+DTYPES = ["?", "i1", "u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8",
+          "<c8", "<c16", ">f4", ">i8"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_numeric_dtype_round_trips_bit_exact(tmp_path, dtype):
+    rng = np.random.default_rng(1)
+    dt = np.dtype(dtype)
+    samples = []
+    for i in range(20):
+        raw = rng.integers(0, 256, size=(i % 4 + 1) * 3 * dt.itemsize, dtype=np.uint8)
+        arr = raw.view(dt).reshape(-1, 3) if dt.kind != "b" else (raw % 2).astype(bool).reshape(-1, 3)
+        samples.append({"a": arr, "s": np.array(i, dtype=dt) if dt.kind != "b" else np.bool_(i % 2)})
+    forebay.write_dataset(tmp_path / "d", samples)
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert ds.schema["a"].dtype == dt
+    for i, s in enumerate(samples):
+        assert_sample_equal(ds[i], s)  # NaN payloads included: compared as bytes
+    batch = ds.get_many(range(20))
+    for i, s in enumerate(samples):
+        assert_sample_equal(batch.sample(i), s)
+
+
+def test_ragged_zero_d_bytes_and_empty_arrays(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    assert len(ds) == len(samples)
+    assert len(ds.manifest.shards) > 1
+    assert ds.schema.names == ("x", "label", "blob", "mask", "z")
+    assert ds.schema["blob"].kind == "bytes"
+    assert ds.schema["label"].ndim == 0
+    for i in (0, 1, 17, len(samples) - 1, -1, -len(samples)):
+        assert_sample_equal(ds[i], samples[i])
+    assert any(s["x"].shape[0] == 0 for s in samples)  # empty arrays are exercised
+    assert any(len(s["blob"]) == 0 for s in samples)
+
+
+def test_views_are_read_only_aligned_and_zero_copy(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    checked = 0
+    for i in range(len(ds)):
+        for name, a in ds[i].items():
+            assert not a.flags.writeable
+            if a.nbytes:
+                assert a.ctypes.data % ALIGNMENT == 0, (i, name)
+                assert a.base is not None  # a view into the shard map, not a copy
+                checked += 1
+    assert checked > 0
+    with pytest.raises(ValueError):
+        ds[0]["mask"][0] = True
+
+
+def test_get_many_matches_single_reads_in_any_order(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    ids = np.array([299, 0, 5, 5, 150, -1, 42])
+    batch = ds.get_many(ids)
+    assert len(batch) == len(ids)
+    assert list(batch.keys()) == list(ds.schema.names)
+    for k, i in enumerate(ids):
+        assert_sample_equal(batch.sample(k), samples[i])
+    # uniform fields stack into (n, *shape) without copying
+    assert batch["label"].tolist() == [299, 0, 5, 5, 150, 299, 42]
+    assert batch["mask"].shape == (len(ids), 4)
+    # ragged fields come as values + offsets + shapes
+    fb = batch.field("x")
+    assert isinstance(fb, FieldBatch)
+    assert fb.offsets[-1] == len(fb.values)
+    assert [tuple(s) for s in fb.shapes] == [samples[i]["x"].shape for i in ids]
+    if not fb.uniform:
+        with pytest.raises(SchemaError):
+            batch["x"]
+    # writable, owned memory
+    assert batch.field("z").values.flags.writeable
+
+
+def test_get_many_large_records_use_the_copy_path(tmp_path):
+    rng = np.random.default_rng(3)
+    samples = [{"v": rng.normal(size=(rng.integers(100, 3000),))} for _ in range(40)]
+    forebay.write_dataset(tmp_path / "d", samples, shard_bytes=64 << 10)
+    ds = forebay.open_dataset(tmp_path / "d")
+    ids = rng.permutation(40)
+    batch = ds.get_many(ids)
+    for k, i in enumerate(ids):
+        np.testing.assert_array_equal(batch.sample(k)["v"], samples[i]["v"])
+
+
+def test_get_many_empty_and_other_batch_equality(packed):
+    path, _ = packed
+    ds = forebay.open_dataset(path)
+    empty = ds.get_many([])
+    assert len(empty) == 0 and empty["label"].shape == (0,)
+    a, b = ds.get_many([3, 4]), ds.get_many(np.array([3, 4], dtype=np.int32))
+    assert a.equals(b)
+    assert not a.equals(ds.get_many([4, 3]))
+
+
+def test_sizes_schema_and_metadata(tmp_path, ragged):
+    forebay.write_dataset(tmp_path / "d", ragged, metadata={"origin": "test", "n": 3})
+    ds = forebay.open_dataset(tmp_path / "d")
+    want = np.array([sum(as_array(v).nbytes for v in s.values()) for s in ragged])
+    np.testing.assert_array_equal(ds.sample_nbytes, want)
+    assert ds.nbytes == want.sum()
+    assert ds.metadata == {"origin": "test", "n": 3}
+    doc = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert doc["version"] == 1 and doc["num_samples"] == len(ragged)
+    assert isinstance(ds._index, np.ndarray) and ds._index.dtype == np.int64
+
+
+def test_shard_size_bounds_shards(tmp_path):
+    samples = [{"a": np.full(1000, i, dtype=np.float64)} for i in range(100)]  # 8 KB each
+    forebay.write_dataset(tmp_path / "d", samples, shard_bytes=100_000)
+    ds = forebay.open_dataset(tmp_path / "d")
+    sizes = [s.data_nbytes for s in ds.manifest.shards]
+    assert len(sizes) == 9 and max(sizes) <= 100_000
+    assert sum(s.num_samples for s in ds.manifest.shards) == 100
+    np.testing.assert_array_equal(ds.get_many(range(100))["a"][:, 0], np.arange(100))
+
+
+def test_torch_tensors_and_python_scalars_are_accepted(tmp_path):
+    torch = pytest.importorskip("torch")
+    samples = [{"t": torch.arange(4, dtype=torch.float32) * i, "k": i, "f": 0.5 * i}
+               for i in range(5)]
+    forebay.write_dataset(tmp_path / "d", samples)
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert ds[3]["t"].tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert ds[3]["k"].dtype == np.int64 and ds[3]["k"] == 3
+    assert ds[3]["f"].dtype == np.float64 and ds[3]["f"] == 1.5
+
+
+def test_pickled_dataset_reopens_its_maps(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert_sample_equal(clone[7], samples[7])
+
+
+def test_thread_safe_concurrent_reads(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)  # maps opened lazily, concurrently
+
+    def read(i):
+        b = ds.get_many([i, (i * 7) % len(samples)])
+        return b.sample(0)["x"].tobytes(), ds[i]["blob"].tobytes()
+
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(read, range(len(samples))))
+    for i, (x, blob) in enumerate(results):
+        assert x == samples[i]["x"].tobytes() and blob == samples[i]["blob"]
+
+
+def test_fork_safe_reads_in_child(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    ds[0]  # some maps open before the fork, others not
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            ok = all(ds[i]["x"].tobytes() == samples[i]["x"].tobytes() for i in range(len(ds)))
+            ok = ok and ds.get_many([5, 250])["label"].tolist() == [5, 250]
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"1"
+
+
+def test_overwrite_replaces_atomically(tmp_path, ragged):
+    forebay.write_dataset(tmp_path / "d", ragged[:10])
+    forebay.write_dataset(tmp_path / "d", ragged[:20], overwrite=True)
+    assert len(forebay.open_dataset(tmp_path / "d")) == 20
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_writer_context_manager(tmp_path, ragged):
+    with forebay.DatasetWriter(tmp_path / "d", shard_bytes=4096) as w:
+        for s in ragged[:50]:
+            w.add(s)
+        assert not (tmp_path / "d").exists()  # appears only when closed
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert len(ds) == 50 and ds.verify().ok
