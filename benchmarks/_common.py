@@ -1,0 +1,75 @@
+"""Shared helpers for forebay benchmarks: page-cache eviction, percentiles, machine facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+
+def evict(paths: Iterable[Path]) -> int:
+    """Drop the files' pages from the page cache (posix_fadvise DONTNEED); returns bytes."""
+    total = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+def files_under(path: Path) -> list[Path]:
+    path = Path(path)
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def time_reads(read: Callable[[int], object], ids: Sequence[int]) -> np.ndarray:
+    """Latency of each ``read(i)`` in seconds."""
+    lat = np.empty(len(ids))
+    clock = time.perf_counter
+    for k, i in enumerate(ids):
+        t0 = clock()
+        read(int(i))
+        lat[k] = clock() - t0
+    return lat
+
+
+def summarize(lat: np.ndarray, samples: int | None = None) -> dict:
+    samples = len(lat) if samples is None else samples
+    return {"p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "p95_ms": float(np.percentile(lat, 95) * 1e3),
+            "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "samples_per_s": float(samples / lat.sum())}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
+
+
+def seq_write_bandwidth(directory: Path, nbytes: int = 512 << 20, block: int = 8 << 20) -> float:
+    """Sequential write bandwidth of ``directory`` in bytes/s (written, fsynced, removed)."""
+    path = Path(directory) / ".forebay-bw-probe"
+    buf = np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(nbytes // block):
+            f.write(buf)
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / dt
