@@ -9,7 +9,7 @@ DEMO   ?= .demo
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	@touch $(STAMP)

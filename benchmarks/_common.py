@@ -24,6 +24,20 @@ def evict(paths: Iterable[Path]) -> int:
     return total
 
 
+def drop_all_caches() -> bool:
+    """Also drop dentries and inodes (echo 3 > /proc/sys/vm/drop_caches): the next open()
+    of a file must read directory and inode blocks, as on a parallel file system where
+    each open is a metadata-server round trip.  Needs root; machine-wide.  Returns
+    whether it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def files_under(path: Path) -> list[Path]:
     path = Path(path)
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())

@@ -201,3 +201,39 @@ def test_writer_context_manager(tmp_path, ragged):
         assert not (tmp_path / "d").exists()  # appears only when closed
     ds = forebay.open_dataset(tmp_path / "d")
     assert len(ds) == 50 and ds.verify().ok
+
+
+def test_gather_kernel_and_numpy_fallback_agree():
+    from forebay.dataset._batch import _native, gather_ranges, gather_ranges_numpy
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 100_000, dtype=np.uint8)
+    for mean in (8, 3000):  # both numpy strategies
+        lens = rng.integers(0, 2 * mean, 200)
+        starts = rng.integers(0, len(src) - lens.max(), 200)
+        dst = np.cumsum(lens) - lens
+        a = np.zeros(int(lens.sum()), np.uint8)
+        b = np.zeros_like(a)
+        gather_ranges(src, starts, lens, a, dst)
+        gather_ranges_numpy(src, starts, lens, b, dst)
+        want = b"".join(src[s:s + n].tobytes() for s, n in zip(starts, lens))
+        assert a.tobytes() == b.tobytes() == want
+    for impl in (gather_ranges, gather_ranges_numpy):
+        with pytest.raises(ValueError, match="out of bounds"):
+            impl(src, np.array([len(src) - 5]), np.array([10]), np.zeros(10, np.uint8),
+                 np.array([0]))
+        with pytest.raises(ValueError, match="out of bounds"):
+            impl(src, np.array([0]), np.array([10]), np.zeros(5, np.uint8), np.array([0]))
+    if _native is not None:
+        with pytest.raises(ValueError, match="differ in length"):
+            _native.gather(src, np.array([0, 1]), np.array([1]), np.zeros(4, np.uint8),
+                           np.array([0]))
+        with pytest.raises(TypeError):
+            _native.gather(src, np.array([0]), np.array([1]), src.copy().tobytes(), np.array([0]))
+
+
+def test_native_extension_is_built_in_dev():
+    """make builds the C kernel; if this fails, forebay silently runs the slower fallback."""
+    from forebay.dataset._batch import _native
+
+    assert _native is not None

@@ -10,7 +10,12 @@ import numpy as np
 from ..errors import SchemaError
 from ._schema import Schema
 
-__all__ = ["FieldBatch", "SampleBatch", "gather_ranges"]
+__all__ = ["FieldBatch", "SampleBatch", "gather_ranges", "gather_ranges_numpy"]
+
+try:  # the optional C kernel (setup.py builds it; numpy fallback otherwise)
+    from .. import _native
+except ImportError:  # pragma: no cover - exercised where no compiler was available
+    _native = None
 
 # Below this mean range length a fancy-index gather beats a loop of slice copies.
 _VECTOR_GATHER_MAX_MEAN = 512
@@ -20,16 +25,28 @@ def gather_ranges(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                   out: np.ndarray, dst: np.ndarray) -> None:
     """Copy ``src[starts[k]:starts[k]+lengths[k]]`` to ``out[dst[k]:...]`` for every k.
 
-    ``src`` and ``out`` are 1-D uint8.  Small ranges are gathered with one vectorized
-    fancy-index copy; large ranges (where the copy, not Python, is the cost) with
-    slice assignments, which run at memcpy speed.
+    ``src`` and ``out`` are 1-D uint8 (``out`` writable).  Uses the C kernel
+    (memcpy per range, bounds-checked, GIL released) when it was built, else numpy.
     """
+    if _native is not None:
+        _native.gather(src, np.ascontiguousarray(starts, dtype=np.int64),
+                       np.ascontiguousarray(lengths, dtype=np.int64), out,
+                       np.ascontiguousarray(dst, dtype=np.int64))
+    else:
+        gather_ranges_numpy(src, starts, lengths, out, dst)
+
+
+def gather_ranges_numpy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                        out: np.ndarray, dst: np.ndarray) -> None:
+    """numpy fallback of :func:`gather_ranges`: small ranges by one fancy-index copy,
+    large ones (where the copy, not Python, is the cost) by slice assignments."""
     n = len(starts)
-    if n == 0:
-        return
-    total = int(lengths.sum())
+    total = int(lengths.sum()) if n else 0
     if total == 0:
         return
+    if (starts < 0).any() or (dst < 0).any() or (starts + lengths > len(src)).any() or \
+            (dst + lengths > len(out)).any():
+        raise ValueError("gather: a range is out of bounds")
     if total <= _VECTOR_GATHER_MAX_MEAN * n:
         rep_shift = np.repeat(starts - dst, lengths)
         seg_start = np.repeat(dst, lengths)

@@ -16,7 +16,7 @@ import xxhash
 from ..errors import ChecksumError, CorruptDatasetError, DatasetNotFoundError, SampleIndexError
 from ..errors import TruncatedShardError
 from ..progress import Progress, as_progress
-from ._batch import FieldBatch, SampleBatch, gather_ranges
+from ._batch import FieldBatch, SampleBatch, _native, gather_ranges
 from ._format import IndexLayout, Manifest, checksum
 
 __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
@@ -83,6 +83,11 @@ class PackedDataset:
         self.manifest = Manifest.read(self.path)
         self.schema = self.manifest.schema
         self._layout = IndexLayout(self.schema)
+        lay = self._layout
+        #: (name, dtype, offset col, nbytes col, first shape col, end shape col) per field
+        self._field_cols = [(f.name, f.dtype, lay.off[f.name], lay.nbytes[f.name],
+                             lay.shape[f.name].start, lay.shape[f.name].stop)
+                            for f in self.schema.fields]
         self._load_index()
         self._maps: list[Optional[np.ndarray]] = [None] * len(self.manifest.shards)
         self._mmaps: list[Optional[mmap.mmap]] = [None] * len(self.manifest.shards)
@@ -155,22 +160,16 @@ class PackedDataset:
         return np.frombuffer(mm, dtype=np.uint8)
 
     def _prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
-        """madvise(WILLNEED) the pages of byte ranges [starts, ends) of one shard, so the
-        kernel reads them in parallel before the copy faults on them one by one."""
+        """madvise(WILLNEED) byte ranges [starts, ends) of one shard, so the kernel reads
+        them all (in parallel) before the copy faults on them one page at a time."""
         mm = self._mmaps[shard]
         if mm is None:
             return
-        first = (starts // _PAGE) * _PAGE
-        last = np.minimum(-(-ends // _PAGE) * _PAGE, len(mm))
-        if len(first) > 1:  # merge overlapping or touching page ranges
-            order = np.argsort(first, kind="stable")
-            first, last = first[order], last[order]
-            run_end = np.maximum.accumulate(last)
-            new = np.ones(len(first), dtype=bool)
-            new[1:] = first[1:] > run_end[:-1]
-            first = first[new]
-            last = np.maximum.reduceat(run_end, np.flatnonzero(new))
-        for a, b in zip(first.tolist(), last.tolist()):
+        if _native is not None:
+            _native.willneed(self._maps[shard], np.ascontiguousarray(starts, dtype=np.int64),
+                             np.ascontiguousarray(ends, dtype=np.int64))
+            return
+        for a, b in zip(((starts // _PAGE) * _PAGE).tolist(), np.minimum(ends, len(mm)).tolist()):
             if b > a:
                 mm.madvise(mmap.MADV_WILLNEED, a, b - a)
 
@@ -218,34 +217,32 @@ class PackedDataset:
                                    f"in {self.path}")
         return j
 
-    def _record(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        row = self._index[i]
-        shard = int(self._shard_of[i])
-        buf = self._map(shard)
-        if self.readahead == "record" and row[IndexLayout.REC_LEN] > _PAGE:
-            start = row[IndexLayout.REC_OFF:IndexLayout.REC_OFF + 1]
-            self._prefetch(shard, start, start + row[IndexLayout.REC_LEN])
-        if self.verify_on_read:
-            self._check_records(np.array([i]))
-        return row, buf
-
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         """Sample ``i`` as a dict of read-only numpy views (no copy)."""
         i = self._norm_index(i)
-        row, buf = self._record(i)
-        base = int(row[IndexLayout.REC_OFF])
-        lay = self._layout
+        row = self._index[i].tolist()
+        shard = int(self._shard_of[i])
+        buf = self._maps[shard]
+        if buf is None:
+            buf = self._map(shard)
+        base, rec_len = row[IndexLayout.REC_OFF], row[IndexLayout.REC_LEN]
+        if self.readahead == "record" and rec_len > _PAGE:
+            mm = self._mmaps[shard]
+            if mm is not None:
+                a = base - base % _PAGE
+                mm.madvise(mmap.MADV_WILLNEED, a, min(base + rec_len, len(mm)) - a)
+        if self.verify_on_read:
+            self._check_records(np.array([i]))
         out = {}
-        for f in self.schema.fields:
-            shape = tuple(int(d) for d in row[lay.shape[f.name]])
-            nb = int(row[lay.nbytes[f.name]])
+        for name, dtype, c_off, c_nb, c_shape, c_end in self._field_cols:
+            nb = row[c_nb]
             if nb == 0:
-                a = np.empty(shape, dtype=f.dtype)
+                a = np.empty(row[c_shape:c_end], dtype=dtype)
                 a.setflags(write=False)
             else:
-                off = base + int(row[lay.off[f.name]])
-                a = buf[off:off + nb].view(f.dtype).reshape(shape)
-            out[f.name] = a
+                a = np.ndarray(row[c_shape:c_end], dtype=dtype, buffer=buf,
+                               offset=base + row[c_off])
+            out[name] = a
         return out
 
     def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
