@@ -69,6 +69,25 @@ def packed_reader(path: Path, readahead: str = "record"):
     return read
 
 
+def pread_floor(path: Path):
+    """Not a contender: one os.pread of exactly each record's bytes, no decoding.  The
+    cold figure is what the storage device itself costs per random sample."""
+    import os
+
+    ds = forebay.open_dataset(path)
+    fds = [os.open(path / s.data, os.O_RDONLY) for s in ds.manifest.shards]
+    rows = ds._index
+
+    def read(i):
+        return os.pread(fds[ds._shard_of[i]], int(rows[i, 1]), int(rows[i, 0]))
+
+    def close():
+        for fd in fds:
+            os.close(fd)
+    read.close = close
+    return read
+
+
 def npz_reader(root: Path, per_file: int):
     files = sorted(root.glob("*.npz"))
 
@@ -167,6 +186,8 @@ def main(argv=None):
     run_contender("Ising forebay packed", lambda: packed_reader(ising_fb), files_under(ising_fb),
                   ids, results)
     run_contender("Ising packed, OS readahead", lambda: packed_reader(ising_fb, "os"),
+                  files_under(ising_fb), ids, results)
+    run_contender("(device floor: raw pread)", lambda: pread_floor(ising_fb),
                   files_under(ising_fb), ids, results)
     packed_batched(ising_fb, ids, a.batch, files_under(ising_fb), results,
                    "Ising forebay get_many")

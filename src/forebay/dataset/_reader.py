@@ -23,7 +23,7 @@ __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
 _PAGE = mmap.PAGESIZE
-_HAVE_MADVISE = hasattr(mmap, "MADV_RANDOM") and hasattr(mmap, "MADV_WILLNEED")
+_HAVE_MADVISE = hasattr(mmap, "MADV_WILLNEED")
 READAHEAD = ("record", "os")
 _live: "weakref.WeakSet[PackedDataset]" = weakref.WeakSet()
 
@@ -67,10 +67,12 @@ class PackedDataset:
     Args:
         path: the dataset directory.
         verify_on_read: check each sample's checksum whenever it is read.
-        readahead: ``"record"`` (default): no kernel read-around on page faults, and
-            exactly the pages of the records being read are requested up front (a
-            batch's records are read in parallel); ``"os"``: the kernel's default
-            read-around, better for scans in index order.
+        readahead: ``"record"`` (default): before reading a sample (or a batch), ask
+            the kernel for exactly its pages (madvise WILLNEED; a batch's records are
+            then read in parallel), so a page fault never triggers the kernel's
+            read-around, which pulls megabytes of neighbours on nodes with a large
+            ``read_ahead_kb``.  ``"os"``: leave it to the kernel's read-around, better
+            for scans in index order.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, verify_on_read: bool = False,
@@ -151,11 +153,6 @@ class PackedDataset:
                 raise TruncatedShardError(f"{p}: {size} bytes on disk, the manifest records "
                                           f"{s.data_nbytes}")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if self.readahead == "record" and _HAVE_MADVISE:
-            # No read-around on faults: a random read must not pull megabytes of
-            # neighbours (read_ahead_kb is often 8 MiB on HPC nodes).  _prefetch asks
-            # for exactly the records being read instead.
-            mm.madvise(mmap.MADV_RANDOM)
         self._mmaps[k] = mm
         return np.frombuffer(mm, dtype=np.uint8)
 
@@ -226,7 +223,7 @@ class PackedDataset:
         if buf is None:
             buf = self._map(shard)
         base, rec_len = row[IndexLayout.REC_OFF], row[IndexLayout.REC_LEN]
-        if self.readahead == "record" and rec_len > _PAGE:
+        if self.readahead == "record" and rec_len and _HAVE_MADVISE:
             mm = self._mmaps[shard]
             if mm is not None:
                 a = base - base % _PAGE
@@ -274,7 +271,7 @@ class PackedDataset:
         rec = rows[:, IndexLayout.REC_OFF]
         for s, sel in per_shard:
             self._map(s)
-            if self.readahead == "record":
+            if self.readahead == "record" and _HAVE_MADVISE:
                 self._prefetch(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
         fields = {}
         for f in self.schema.fields:
