@@ -70,6 +70,7 @@ class DatasetWriter:
         self._count = 0
         self._payload = 0
         self._closed = False
+        self._buf = bytearray(1 << 16)
 
     # -- public -----------------------------------------------------------------
     def add(self, sample: Mapping[str, Any]) -> None:
@@ -93,23 +94,32 @@ class DatasetWriter:
         start = self._shard_pos + _pad(self._shard_pos)
         if self._file is not None and self._nrows and start + rec_len > self.shard_bytes:
             self._finish_shard()
-            start = 0
         if self._file is None:
             self._open_shard()
             start = 0
-        self._write(_ZEROS[: start - self._shard_pos])
-        rec_hash = xxhash.xxh3_64()
+        # Assemble padding + record in one reused buffer: one write, one hash per sample.
+        lead = start - self._shard_pos
+        need = lead + rec_len
+        if len(self._buf) < need:
+            self._buf = bytearray(max(need, 2 * len(self._buf)))
+        mv = memoryview(self._buf)
         pos = 0
         for a, off in zip(arrays, offsets):
+            off += lead
             if off > pos:
-                self._write(_ZEROS[: off - pos], rec_hash)
+                mv[pos:off] = _ZEROS[: off - pos]
             if a.nbytes:
-                self._write(a.reshape(-1).view(np.uint8), rec_hash)
+                mv[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
             pos = off + a.nbytes
+        chunk = mv[:need]
+        self._file.write(chunk)
+        self._shard_hash.update(chunk)
+        self._shard_pos += need
+        rec_sum = xxhash.xxh3_64_intdigest(mv[lead:need])
         row = self._next_row()
         row[IndexLayout.REC_OFF] = start
         row[IndexLayout.REC_LEN] = rec_len
-        row[IndexLayout.REC_SUM] = np.uint64(rec_hash.intdigest()).view(np.int64)
+        row[IndexLayout.REC_SUM] = np.uint64(rec_sum).view(np.int64)
         for f, a, off in zip(self.schema.fields, arrays, offsets):
             row[layout.off[f.name]] = off
             row[layout.nbytes[f.name]] = a.nbytes
@@ -192,16 +202,6 @@ class DatasetWriter:
                                   f"has {f.ndim}-d (set by sample 0)")
             out.append(a)
         return out
-
-    def _write(self, data: Any, rec_hash: Any = None) -> None:
-        if not len(data):
-            return
-        assert self._file is not None
-        self._file.write(data)
-        self._shard_hash.update(data)
-        if rec_hash is not None:
-            rec_hash.update(data)
-        self._shard_pos += len(data)
 
     def _next_row(self) -> np.ndarray:
         assert self._layout is not None
