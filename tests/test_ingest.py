@@ -156,3 +156,18 @@ def test_synth_is_deterministic_and_physical(tmp_path):
     assert min(sizes) >= 5 and max(sizes) <= 71
     with pytest.raises(forebay.errors.DatasetExistsError):
         synthesize("ising", tmp_path / "a", 5)
+
+
+def test_hdf5_per_file_layout(tmp_path, cli):
+    h5py = pytest.importorskip("h5py")
+    (tmp_path / "src").mkdir()
+    vols = [np.full((2, 3, 3), i, dtype=np.int16) for i in range(3)]
+    for i, v in enumerate(vols):
+        with h5py.File(tmp_path / "src" / f"s{i}.h5", "w") as f:
+            f["x"] = v
+            f["y"] = np.float32(i)
+    code, _, err = cli("ingest", tmp_path / "src", tmp_path / "ds", "--from", "hdf5",
+                       "--layout", "per-file")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert len(ds) == 3 and ds[2]["x"].tolist() == vols[2].tolist() and ds[1]["y"] == 1.0

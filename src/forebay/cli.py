@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keys", help="comma-separated arrays/datasets to keep (npz, hdf5, pickle), "
                    "or the field name (npy)")
     g.add_argument("--layout", choices=["stacked", "per-file"],
-                   help="npz: samples stacked along axis 0 (default) or one per file; "
+                   help="npz, hdf5: samples stacked along axis 0 (default) or one per file; "
                    "npy: one per file (default) or stacked")
     g.add_argument("--ragged", action="append", metavar="NAME=OFFSETS",
                    help="hdf5: NAME is flat data split by the OFFSETS dataset (NAME_offsets "

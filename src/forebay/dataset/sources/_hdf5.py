@@ -52,6 +52,9 @@ class Hdf5Source(Source):
     name the pair with ``ragged={"NAME": "OFFSETS"}``.  Sample k of a ragged field
     is ``NAME[off[k]:off[k+1]]`` along axis 0, or along the axis given by the offsets
     dataset's ``axis`` attribute (e.g. ``edge_index`` stored as ``(2, E_total)``).
+
+    ``layout="per-file"`` reads a directory of HDF5 files holding one sample each
+    (CosmoFlow's layout): every chosen dataset, whole, is a field.
     """
 
     kind = "hdf5"
@@ -59,14 +62,22 @@ class Hdf5Source(Source):
 
     def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
                  ragged: Optional[Mapping[str, str]] = None, chunk_bytes: int = _CHUNK_BYTES,
-                 **unused: Any) -> None:
+                 layout: Optional[str] = None, **unused: Any) -> None:
         import h5py
 
+        if layout not in (None, "stacked", "per-file"):
+            raise ValueError(f"layout must be 'stacked' or 'per-file', got {layout!r}")
         self.keys = list(keys) if keys else None
         self.ragged = dict(ragged or {})
+        self.per_file = layout == "per-file"
         self.plans: list[_FilePlan] = []
         self._units: list[tuple[int, int, int]] = []
-        for path in list_files(root, [".h5", ".hdf5", ".hdf"], "HDF5"):
+        files = list_files(root, [".h5", ".hdf5", ".hdf"], "HDF5")
+        if self.per_file:
+            self.files = files
+            self._units = [(k, 0, 1) for k in range(len(files))]
+            return
+        for path in files:
             try:
                 with h5py.File(path, "r") as f:
                     plan, per_sample = self._plan(f, path)
@@ -119,6 +130,21 @@ class Hdf5Source(Source):
             raise SourceError(f"{path}: datasets hold different sample counts: {counts}")
         return _FilePlan(path, next(iter(counts.values())), tuple(fields)), per_sample
 
+    def _read_whole(self, path: Path) -> dict[str, Any]:
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                names = check_keys(_datasets(f), self.keys, str(path))
+                for n in names:
+                    if f[n].dtype.kind not in "biufc":
+                        raise UnsupportedDtypeError(f"{path}: dataset {n!r} has dtype "
+                                                    f"{f[n].dtype}; only numeric or bool "
+                                                    f"datasets can be ingested")
+                return {n: f[n][()] for n in names}
+        except OSError as e:
+            raise SourceError(f"{path}: cannot open as HDF5 ({e})") from None
+
     def units(self) -> list[tuple[int, int, int]]:
         return self._units
 
@@ -126,6 +152,8 @@ class Hdf5Source(Source):
         import h5py
 
         k, a, b = unit
+        if self.per_file:
+            return [self._read_whole(self.files[k])]
         plan = self.plans[k]
         cols: dict[str, list[np.ndarray]] = {}
         with h5py.File(plan.path, "r") as f:
