@@ -15,8 +15,9 @@ from . import errors  # noqa: E402
 from .dataset import (DatasetWriter, PackedDataset, SampleBatch, Schema,  # noqa: E402
                       open_dataset, write_dataset)
 from .errors import ForebayError  # noqa: E402
+from .plan import AccessPlan  # noqa: E402
 
 __all__ = [
-    "__version__", "errors", "ForebayError", "DatasetWriter", "PackedDataset", "SampleBatch",
+    "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "PackedDataset", "SampleBatch",
     "Schema", "open_dataset", "write_dataset",
 ]

@@ -141,6 +141,23 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from .plan import AccessPlan, frequency_tail, frequency_tail_monte_carlo
+
+    mean = a.epochs / a.world
+    k0 = int(np.ceil((1 + a.delta) * mean))
+    analytic = frequency_tail(a.samples, a.world, a.epochs, a.delta)
+    print(f"F={a.samples:,} samples, N={a.world} workers, E={a.epochs} epochs, delta={a.delta}")
+    print(f"each worker reads a sample {mean:.2f} times on average; samples read at least "
+          f"{k0} times by a given worker:")
+    print(f"  analytic (binomial):  {analytic:,.1f}")
+    if a.monte_carlo:
+        plan = AccessPlan(a.samples, a.world, a.batch_size, a.epochs, a.seed)
+        mc = frequency_tail_monte_carlo(plan, a.delta, progress=_progress())
+        print(f"  Monte Carlo (seed {a.seed}, mean over workers): {mc:,.1f}")
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from .dataset.sources import SOURCES
@@ -191,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    pl = sub.add_parser("plan", help="access-frequency analysis of a shuffled run (NoPFS 3.1)")
+    pl.add_argument("--samples", "-F", type=int, required=True)
+    pl.add_argument("--world", "-N", type=int, required=True)
+    pl.add_argument("--epochs", "-E", type=int, required=True)
+    pl.add_argument("--delta", type=float, default=0.8)
+    pl.add_argument("--monte-carlo", action="store_true",
+                    help="also count on a real AccessPlan (vectorized; ~30 s for ImageNet-1k)")
+    pl.add_argument("--batch-size", type=int, default=32, help="per-rank batch (Monte Carlo)")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.set_defaults(func=cmd_plan)
 
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")

@@ -1,0 +1,211 @@
+"""Access plans: every rank's access stream, for every epoch, from the seed alone.
+
+The shuffle is a pure function of ``(seed, epoch)``, computed with integer hashing in
+numpy (no dependence on a random-number library's stream), so every rank of every
+job on every machine derives the same epochs without communication.  This is what
+makes placement, prefetching and caching *clairvoyant* (NoPFS): any rank knows what
+any rank will read, and when.
+
+Batches.  ``batch_size`` is the per-rank batch; the *global batch* is
+``batch_size * world_size``.  Epoch e's permutation is cut into consecutive global
+batches; rank r takes slice ``[r*batch_size, (r+1)*batch_size)`` of each.  The
+sequence of global batches depends only on ``(seed, epoch, num_samples, global batch
+size)``, so a run resumed with a different world size but the same global batch sees
+the same global batches.
+
+Epoch ends.  Every rank gets the same number of steps (no collective can hang).  With
+``drop_last=True`` the ``num_samples % global_batch`` samples left over at the end of
+the permutation are skipped that epoch (different ones each epoch).  With
+``drop_last=False`` (default) the last global batch is completed with the first
+samples of the same epoch's permutation, as ``DistributedSampler`` pads: every sample
+is read at least once per epoch and exactly ``plan.padding`` of them twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+__all__ = ["AccessPlan", "frequency_tail", "frequency_tail_monte_carlo", "permutation"]
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer: a bijection of uint64, vectorized (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _epoch_key(seed: int, epoch: int) -> np.uint64:
+    k = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    k = _splitmix64(k ^ np.array([epoch & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    return k[0]
+
+
+def permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's shuffle of ``range(num_samples)``: argsort of distinct 64-bit hashes
+    (SplitMix64 is a bijection, so there are no ties).  Identical on every platform."""
+    with np.errstate(over="ignore"):
+        keys = _splitmix64(np.arange(num_samples, dtype=np.uint64) ^ _epoch_key(seed, epoch))
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+@dataclass(frozen=True)
+class AccessPlan:
+    """Who reads which sample when, for a whole run.
+
+    Args:
+        num_samples: dataset size F.
+        world_size: number of data-parallel ranks N.
+        batch_size: per-rank batch size.
+        epochs: number of epochs E.
+        seed: shuffle seed.
+        drop_last: skip the incomplete last global batch instead of padding it.
+        shuffle: False reads samples in index order every epoch (evaluation).
+    """
+
+    num_samples: int
+    world_size: int
+    batch_size: int
+    epochs: int
+    seed: int = 0
+    drop_last: bool = False
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "world_size", "batch_size", "epochs"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.drop_last and self.global_batch > self.num_samples:
+            raise ValueError(f"the global batch ({self.batch_size} x {self.world_size} ranks = "
+                             f"{self.global_batch}) is larger than the dataset "
+                             f"({self.num_samples} samples): with drop_last no step is left")
+
+    # -- shape of an epoch ------------------------------------------------------------
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        q, r = divmod(self.num_samples, self.global_batch)
+        return q if (self.drop_last or r == 0) else q + 1
+
+    @property
+    def padding(self) -> int:
+        """Samples read twice per epoch to complete the last global batch."""
+        return 0 if self.drop_last else self.steps_per_epoch * self.global_batch - self.num_samples
+
+    def _check(self, rank: Optional[int], epoch: int) -> None:
+        if rank is not None and not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+        if not 0 <= epoch < self.epochs:
+            raise ValueError(f"epoch {epoch} out of range for {self.epochs} epochs")
+
+    # -- streams --------------------------------------------------------------------
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's full order of sample ids (the permutation, padded or truncated
+        to whole global batches)."""
+        self._check(None, epoch)
+        perm = (permutation(self.num_samples, self.seed, epoch) if self.shuffle
+                else np.arange(self.num_samples, dtype=np.int64))
+        total = self.steps_per_epoch * self.global_batch
+        if total <= self.num_samples:
+            return perm[:total]
+        reps = -(-total // self.num_samples)
+        return np.tile(perm, reps)[:total]
+
+    def global_batches(self, epoch: int) -> np.ndarray:
+        """``int64[steps, global_batch]``: the global batches of the epoch."""
+        return self.epoch_order(epoch).reshape(self.steps_per_epoch, self.global_batch)
+
+    def batches(self, rank: int, epoch: int) -> np.ndarray:
+        """``int64[steps, batch_size]``: rank's batches in the epoch, in order."""
+        self._check(rank, epoch)
+        g = self.global_batches(epoch)
+        return np.ascontiguousarray(g[:, rank * self.batch_size:(rank + 1) * self.batch_size])
+
+    def stream(self, rank: int, epoch: int) -> np.ndarray:
+        """Rank's sample ids in the order it reads them in the epoch."""
+        return self.batches(rank, epoch).reshape(-1)
+
+    def iter_epochs(self, rank: int) -> Iterator[np.ndarray]:
+        for e in range(self.epochs):
+            yield self.stream(rank, e)
+
+    def frequencies(self, rank: int) -> np.ndarray:
+        """``int64[num_samples]``: how often rank reads each sample over all epochs."""
+        self._check(rank, 0)
+        counts = np.zeros(self.num_samples, dtype=np.int64)
+        for s in self.iter_epochs(rank):
+            counts += np.bincount(s, minlength=self.num_samples)
+        return counts
+
+    def first_access(self, rank: int) -> np.ndarray:
+        """``int64[num_samples]``: position in rank's whole-run stream at which each
+        sample is first read (``-1`` if never)."""
+        first = np.full(self.num_samples, -1, dtype=np.int64)
+        offset = 0
+        for s in self.iter_epochs(rank):
+            pos = np.arange(offset, offset + len(s), dtype=np.int64)
+            new = first[s] < 0
+            # the earliest position of each new id within this epoch
+            ids, idx = np.unique(s[new], return_index=True)
+            first[ids] = pos[new][idx]
+            offset += len(s)
+        return first
+
+    def to_dict(self) -> dict:
+        return dict(num_samples=self.num_samples, world_size=self.world_size,
+                    batch_size=self.batch_size, epochs=self.epochs, seed=self.seed,
+                    drop_last=self.drop_last, shuffle=self.shuffle)
+
+
+def frequency_tail(num_samples: int, world_size: int, epochs: int, delta: float) -> float:
+    """Expected number of samples a worker reads more than ``(1+delta) E/N`` times
+    (NoPFS Sec. 3.1): ``F * P(X >= ceil((1+delta) E/N))`` with ``X ~ Binomial(E, 1/N)``.
+
+    ImageNet-1k (F=1,281,167, N=16, E=90, delta=0.8) gives about 31,635.
+    """
+    if world_size <= 0 or epochs <= 0 or num_samples < 0:
+        raise ValueError("num_samples, world_size and epochs must be positive")
+    p = 1.0 / world_size
+    k0 = math.ceil((1 + delta) * epochs / world_size)
+    tail = 0.0
+    for k in range(max(k0, 0), epochs + 1):
+        # log-space binomial terms stay finite for large E
+        logt = (math.lgamma(epochs + 1) - math.lgamma(k + 1) - math.lgamma(epochs - k + 1)
+                + k * math.log(p) + ((epochs - k) * math.log1p(-p) if p < 1 else 0.0))
+        tail += math.exp(logt)
+    return num_samples * min(tail, 1.0)
+
+
+def frequency_tail_monte_carlo(plan: AccessPlan, delta: float, progress=None) -> float:
+    """The same quantity measured on a real plan: the mean over ranks of the number of
+    samples a rank reads at least ``ceil((1+delta) E/N)`` times over the run.
+
+    One vectorized pass per epoch counts every (rank, sample) pair at once."""
+    from .progress import as_progress
+
+    n, f = plan.world_size, plan.num_samples
+    k0 = math.ceil((1 + delta) * plan.epochs / n)
+    counts = np.zeros(n * f, dtype=np.int32)
+    owner = (np.arange(plan.steps_per_epoch * plan.global_batch) % plan.global_batch) \
+        // plan.batch_size
+    key_base = owner.astype(np.int64) * f
+    prog = as_progress(progress)
+    prog.start(plan.epochs, desc="monte carlo", unit="epoch")
+    for e in range(plan.epochs):
+        counts += np.bincount(key_base + plan.epoch_order(e), minlength=n * f).astype(np.int32)
+        prog.update(1)
+    prog.close()
+    return float((counts.reshape(n, f) >= k0).sum(axis=1).mean())
