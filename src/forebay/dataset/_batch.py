@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import SchemaError
 from ._schema import Schema
 
-__all__ = ["FieldBatch", "SampleBatch", "gather_ranges", "gather_ranges_numpy"]
+__all__ = ["FieldBatch", "SampleBatch", "assemble_batch", "gather_ranges", "gather_ranges_numpy"]
 
 try:  # the optional C kernel (setup.py builds it; numpy fallback otherwise)
     from .. import _native
@@ -147,3 +147,29 @@ class SampleBatch:
 
     def __repr__(self) -> str:
         return f"SampleBatch(n={self.num_samples}, fields=[{self.schema.describe()}])"
+
+
+def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
+                   parts: list[tuple[np.ndarray, np.ndarray, object]]) -> SampleBatch:
+    """Build a :class:`SampleBatch` of ``ids`` from record bytes held in memory.
+
+    ``rows`` are the ids' index rows; ``parts`` covers every row once, each part a
+    ``(src, record_starts, selector)``: a uint8 buffer, where each selected row's
+    record starts in it, and the selector (slice or mask) of those rows.  One gather
+    per field and part; the batch owns its (writable) memory.
+    """
+    fields = {}
+    n = len(ids)
+    for f in schema.fields:
+        lens = rows[:, layout.nbytes[f.name]]
+        dst = np.cumsum(lens) - lens
+        out = np.empty(int(lens.sum()), dtype=np.uint8)
+        foff = rows[:, layout.off[f.name]]
+        for src, rec_start, sel in parts:
+            gather_ranges(src, rec_start + foff[sel], lens[sel], out, dst[sel])
+        offsets = np.empty(n + 1, dtype=np.int64)
+        offsets[0] = 0
+        np.cumsum(lens // f.dtype.itemsize, out=offsets[1:])
+        fields[f.name] = FieldBatch(values=out.view(f.dtype), offsets=offsets,
+                                    shapes=np.ascontiguousarray(rows[:, layout.shape[f.name]]))
+    return SampleBatch(ids, schema, fields)

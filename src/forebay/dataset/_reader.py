@@ -16,7 +16,7 @@ import xxhash
 from ..errors import ChecksumError, CorruptDatasetError, DatasetNotFoundError, SampleIndexError
 from ..errors import TruncatedShardError
 from ..progress import Progress, as_progress
-from ._batch import FieldBatch, SampleBatch, _native, gather_ranges
+from ._batch import SampleBatch, _native, assemble_batch
 from ._format import IndexLayout, Manifest, checksum
 
 __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
@@ -242,12 +242,9 @@ class PackedDataset:
             out[name] = a
         return out
 
-    def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
-        """Gather samples ``ids`` (any order, repeats allowed) into a :class:`SampleBatch`.
-
-        Vectorized over the batch: one gather per field and shard, no per-sample
-        Python objects.  The result owns its memory (writable, independent of the maps).
-        """
+    def normalize_ids(self, ids: "Sequence[int] | np.ndarray") -> np.ndarray:
+        """``ids`` as a flat int64 array with negative ids resolved; raises
+        :class:`SampleIndexError` naming the first id out of range."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu" and not (ids.size == 0):
             raise TypeError(f"sample ids must be integers, got dtype {ids.dtype}")
@@ -256,38 +253,33 @@ class PackedDataset:
         ids = np.where(ids < 0, ids + n, ids)
         bad = (ids < 0) | (ids >= n)
         if bad.any():
-            first = int(np.asarray(ids)[np.argmax(bad)])
+            first = int(ids[np.argmax(bad)])
             first = first - n if first < 0 else first
             raise SampleIndexError(f"sample id {first} out of range for "
                                    f"{n} samples in {self.path} ({int(bad.sum())} bad ids)")
+        return ids
+
+    def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
+        """Gather samples ``ids`` (any order, repeats allowed) into a :class:`SampleBatch`.
+
+        Vectorized over the batch: one gather per field and shard, no per-sample
+        Python objects.  The result owns its memory (writable, independent of the maps).
+        """
+        ids = self.normalize_ids(ids)
         if self.verify_on_read:
             self._check_records(ids)
         rows = self._index[ids]
         shard = self._shard_of[ids]
         shards = np.unique(shard)
-        per_shard = [(int(s), shard == s) for s in shards] if len(shards) > 1 else \
-            [(int(shards[0]), slice(None))] if len(shards) else []
-        lay = self._layout
         rec = rows[:, IndexLayout.REC_OFF]
-        for s, sel in per_shard:
-            self._map(s)
+        parts = []
+        for s in shards.tolist():
+            sel = shard == s if len(shards) > 1 else slice(None)
+            src = self._map(s)
             if self.readahead == "record" and _HAVE_MADVISE:
                 self._prefetch(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
-        fields = {}
-        for f in self.schema.fields:
-            lens = rows[:, lay.nbytes[f.name]]
-            starts = rec + rows[:, lay.off[f.name]]
-            dst = np.cumsum(lens) - lens
-            out = np.empty(int(lens.sum()), dtype=np.uint8)
-            for s, sel in per_shard:
-                gather_ranges(self._map(s), starts[sel], lens[sel], out, dst[sel])
-            item = f.dtype.itemsize
-            offsets = np.empty(len(ids) + 1, dtype=np.int64)
-            offsets[0] = 0
-            np.cumsum(lens // item, out=offsets[1:])
-            fields[f.name] = FieldBatch(values=out.view(f.dtype), offsets=offsets,
-                                        shapes=np.ascontiguousarray(rows[:, lay.shape[f.name]]))
-        return SampleBatch(ids, self.schema, fields)
+            parts.append((src, rec[sel], sel))
+        return assemble_batch(ids, rows, self.schema, self._layout, parts)
 
     # -- integrity ----------------------------------------------------------------
     def _check_records(self, ids: np.ndarray) -> list[int]:

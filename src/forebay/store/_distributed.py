@@ -1,0 +1,378 @@
+"""DDStore-style distributed in-memory store over MPI one-sided RMA.
+
+Ranks form replica groups of ``width`` consecutive ranks; each group holds one full
+replica of the dataset, striped over its members in contiguous chunks balanced by
+bytes.  Every rank computes, from the dataset index alone, which member owns any
+sample and at which byte offset of that member's window it lies: no registry, no
+lookup traffic.  A batch's remote samples are fetched with one ``MPI_Get`` per owner
+(an hindexed datatype covering all of that owner's records) inside one passive-target
+access epoch opened at setup; local samples are copied from memory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..dataset import PackedDataset, SampleBatch, open_dataset
+from ..dataset._batch import assemble_batch
+from ..dataset._format import ALIGNMENT, IndexLayout
+from ..errors import ForebayError
+from ..progress import Progress, TqdmProgress, as_progress
+from ._memory import MEMORY_HEADROOM, available_memory
+
+__all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError"]
+
+_READ_BLOCK = 64 << 20
+
+
+class StoreError(ForebayError, RuntimeError):
+    """The store cannot be set up as asked (ranks disagree, memory does not fit...)."""
+
+
+def default_comm() -> Any:
+    """``MPI.COMM_WORLD`` when running under an MPI launcher (or mpi4py is already
+    imported), else None (single process, no MPI initialisation)."""
+    launched = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+                                             "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"))
+    if launched or "mpi4py.MPI" in sys.modules:
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return None
+        return MPI.COMM_WORLD
+    return None
+
+
+def _align(n: np.ndarray | int) -> Any:
+    return n + (-n) % ALIGNMENT
+
+
+class StoreLayout:
+    """Where every record lives: chunk (group member) and byte offset in its buffer.
+
+    Computed identically on every rank from the dataset index and ``width``.  Records
+    keep their 64-byte alignment: the bytes of each run of consecutive samples of one
+    shard are copied verbatim (padding included), runs placed at aligned offsets.
+    """
+
+    def __init__(self, ds: PackedDataset, width: int) -> None:
+        idx = ds._index
+        n = len(ds)
+        rec_off = idx[:, IndexLayout.REC_OFF]
+        rec_len = idx[:, IndexLayout.REC_LEN]
+        shard = ds._shard_of.astype(np.int64)
+        span = _align(rec_len)
+        cum = np.concatenate([[0], np.cumsum(span)])
+        # chunk boundaries balanced by bytes: member p holds samples [bounds[p], bounds[p+1])
+        targets = cum[-1] * np.arange(width + 1) / width
+        bounds = np.searchsorted(cum, targets, side="left").astype(np.int64)
+        bounds[0], bounds[-1] = 0, n
+        self.width = width
+        self.bounds = np.maximum.accumulate(bounds)
+        self.member = (np.searchsorted(self.bounds, np.arange(n), side="right") - 1).astype(np.int64)
+        # runs: consecutive samples with the same (member, shard)
+        change = np.ones(n, dtype=bool)
+        if n > 1:
+            change[1:] = (self.member[1:] != self.member[:-1]) | (shard[1:] != shard[:-1])
+        run_first = np.flatnonzero(change)
+        run_last = np.append(run_first[1:], n) - 1
+        run_of = np.cumsum(change) - 1
+        run_start = rec_off[run_first]
+        run_len = rec_off[run_last] + rec_len[run_last] - run_start
+        run_member = self.member[run_first]
+        run_span = _align(run_len)
+        # base of each run within its member's buffer: exclusive cumsum per member
+        base = np.cumsum(run_span) - run_span
+        first_run_of_member = np.searchsorted(run_member, run_member, side="left")
+        run_base = base - base[first_run_of_member]
+        #: byte offset of each record in its owner's buffer
+        self.offset = run_base[run_of] + rec_off - run_start[run_of]
+        self.nbytes = np.bincount(run_member, weights=run_span, minlength=width).astype(np.int64)
+        self.runs = {"member": run_member, "shard": shard[run_first], "start": run_start,
+                     "len": run_len, "base": run_base}
+
+
+class DistributedStore:
+    """The dataset striped over ranks' memory, read with MPI one-sided RMA.
+
+    Args:
+        dataset: a :class:`~forebay.dataset.PackedDataset` or its path.
+        comm: an mpi4py communicator; default :func:`default_comm` (COMM_WORLD under
+            an MPI launcher, else a single-process local store).
+        width: ranks per replica group (default: all ranks, one replica); must divide
+            the world size.  ``world // width`` replicas exist; every read stays inside
+            the reader's group.
+        node_aware: make each node one replica group (``COMM_TYPE_SHARED``), so every
+            read is intra-node; every node must run the same number of ranks.
+        progress: preload progress (default: a bar on rank 0 when it has a terminal).
+
+    Setup is collective: every rank of ``comm`` constructs the store with the same
+    arguments; every check that fails (width, dataset fingerprints, memory) raises
+    :class:`StoreError` on every rank.  :meth:`close` is collective too.
+    """
+
+    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", comm: Any = None,
+                 width: Optional[int] = None, *, node_aware: bool = False,
+                 progress: "Progress | bool | None" = None) -> None:
+        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self.comm = default_comm() if comm is None else comm
+        self.rank = self.comm.Get_rank() if self.comm is not None else 0
+        self.world = self.comm.Get_size() if self.comm is not None else 1
+        self._win = None
+        self._closed = False
+        self._setup_groups(width, node_aware)
+        self._check_same_dataset()
+        self.layout = StoreLayout(self.ds, self.width)
+        self._check_memory()
+        if progress is None:
+            progress = TqdmProgress() if self.rank == 0 else None
+        t0 = time.perf_counter()
+        self._allocate()
+        self._preload(as_progress(progress))
+        self.preload_seconds = time.perf_counter() - t0
+
+    # -- setup ------------------------------------------------------------------------
+    def _fail_all(self, message: Optional[str]) -> None:
+        """Raise StoreError on every rank if any rank has a message (no rank hangs)."""
+        if self.comm is None:
+            if message:
+                raise StoreError(message)
+            return
+        msgs = self.comm.allgather(message)
+        bad = [(r, m) for r, m in enumerate(msgs) if m]
+        if bad:
+            text = "; ".join(f"rank {r}: {m}" for r, m in bad[:4])
+            raise StoreError(text + (f" (+{len(bad) - 4} more ranks)" if len(bad) > 4 else ""))
+
+    def _setup_groups(self, width: Optional[int], node_aware: bool) -> None:
+        if self.comm is None:
+            if width not in (None, 1):
+                raise StoreError(f"width={width} needs MPI; without it the world is 1 rank")
+            self.width, self.group, self.member, self.group_comm = 1, 0, 0, None
+            return
+        from mpi4py import MPI
+
+        if node_aware:
+            if width is not None:
+                raise StoreError("give either width or node_aware, not both")
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            sizes = self.comm.allgather(node.Get_size())
+            leaders = self.comm.allgather(self.rank if node.Get_rank() == 0 else -1)
+            if len(set(sizes)) != 1:
+                node.Free()
+                raise StoreError(f"node_aware needs the same number of ranks on every node, "
+                                 f"got {sorted(set(sizes))}")
+            self.width = sizes[0]
+            self.group_comm = node
+            self.group = sorted(r for r in leaders if r >= 0).index(
+                node.bcast(self.rank if node.Get_rank() == 0 else None, root=0))
+        else:
+            w = self.world if width is None else int(width)
+            if w <= 0 or self.world % w:
+                raise StoreError(f"width {width} must divide the world size {self.world} "
+                                 f"(replicas = world / width)")
+            self.width = w
+            self.group = self.rank // w
+            self.group_comm = self.comm.Split(color=self.group, key=self.rank)
+        self.member = self.group_comm.Get_rank()
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.width
+
+    def _check_same_dataset(self) -> None:
+        if self.comm is None:
+            return
+        mine = (self.ds.fingerprint, len(self.ds), str(self.ds.path))
+        every = self.comm.allgather(mine)
+        if len({(fp, n) for fp, n, _ in every}) > 1:
+            ref = every[0]
+            diff = [f"rank {r} has {p} ({n} samples, fingerprint {fp})"
+                    for r, (fp, n, p) in enumerate(every) if (fp, n) != ref[:2]]
+            raise StoreError(f"ranks opened different datasets: rank 0 has {ref[2]} "
+                             f"({ref[1]} samples, fingerprint {ref[0]}); " + "; ".join(diff[:4]))
+
+    def _check_memory(self) -> None:
+        need = int(self.layout.nbytes[self.member]) + ALIGNMENT
+        avail = available_memory()
+        if self.comm is None:
+            node_need, msg = need, None
+        else:
+            from mpi4py import MPI
+
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            node_need = node.allreduce(need)
+            avail = node.allreduce(avail if avail is not None else -1, op=MPI.MIN)
+            avail = None if avail < 0 else avail
+            node.Free()
+        gib = 2.0 ** 30
+        msg = None
+        if avail is not None and node_need > MEMORY_HEADROOM * avail:
+            msg = (f"the store needs {node_need / gib:.2f} GiB on this node ({need / gib:.2f} "
+                   f"GiB for this rank's chunk of {self.ds.nbytes / gib:.2f} GiB x "
+                   f"{self.replicas} replicas over {self.world} ranks) but "
+                   f"{avail / gib:.2f} GiB is available ({MEMORY_HEADROOM:.0%} may be used); "
+                   f"use a larger width (fewer replicas) or more nodes")
+        self._fail_all(msg)
+
+    def _allocate(self) -> None:
+        size = int(self.layout.nbytes[self.member]) + ALIGNMENT
+        if self.group_comm is None or self.width == 1:
+            raw = np.empty(size, dtype=np.uint8)
+            self._win = None
+        else:
+            from mpi4py import MPI
+
+            self._win = MPI.Win.Allocate(size, 1, comm=self.group_comm)
+            raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
+        shift = (-raw.ctypes.data) % ALIGNMENT
+        self._raw = raw
+        self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
+        self._shift = np.array(self.group_comm.allgather(shift) if self._win is not None
+                               else [shift], dtype=np.int64)
+
+    def _preload(self, prog: Progress) -> None:
+        """Read this rank's chunk with large sequential reads from the shards."""
+        runs = self.layout.runs
+        mine = np.flatnonzero(runs["member"] == self.member)
+        total = int(runs["len"][mine].sum())
+        prog.start(total, desc=f"preload (rank {self.rank})", unit="B")
+        if self._win is not None:
+            from mpi4py import MPI
+
+            self._win.Lock(self.member, MPI.LOCK_EXCLUSIVE)
+        try:
+            for shard in np.unique(runs["shard"][mine]).tolist():
+                path = self.ds.path / self.ds.manifest.shards[shard].data
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    for k in mine[runs["shard"][mine] == shard].tolist():
+                        start, length, base = (int(runs["start"][k]), int(runs["len"][k]),
+                                               int(runs["base"][k]))
+                        done = 0
+                        while done < length:
+                            n = min(_READ_BLOCK, length - done)
+                            got = os.preadv(fd, [memoryview(self._buf[base + done:base + done + n])],
+                                            start + done)
+                            if got <= 0:
+                                raise StoreError(f"{path}: unexpected end of file at byte "
+                                                 f"{start + done} while preloading")
+                            done += got
+                            prog.update(got)
+                finally:
+                    os.close(fd)
+        finally:
+            if self._win is not None:
+                self._win.Unlock(self.member)
+            prog.close()
+        if self.group_comm is not None:
+            self.group_comm.Barrier()
+        if self._win is not None:
+            from mpi4py import MPI
+
+            self._win.Lock_all(MPI.MODE_NOCHECK)
+
+    # -- access -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    @property
+    def schema(self):
+        return self.ds.schema
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of dataset held by this rank."""
+        return int(self.layout.nbytes[self.member])
+
+    def owner(self, ids: "Sequence[int] | np.ndarray") -> np.ndarray:
+        """World rank that serves each id to this rank (a member of this rank's group)."""
+        ids = self.ds.normalize_ids(ids)
+        return self.group * self.width + self.layout.member[ids] if self.comm is not None \
+            else np.zeros(len(ids), dtype=np.int64)
+
+    def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
+        """Samples ``ids`` as a :class:`SampleBatch`, bit-exact to the dataset's own
+        ``get_many``: local ones copied from memory, remote ones with one RMA get per
+        owning rank and a single flush."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        ids = self.ds.normalize_ids(ids)
+        rows = self.ds._index[ids]
+        member = self.layout.member[ids]
+        offset = self.layout.offset[ids]
+        local = member == self.member
+        parts = []
+        if local.all():
+            return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
+                                  [(self._buf, offset, slice(None))])
+        if local.any():
+            parts.append((self._buf, offset[local], local))
+        remote = ~local
+        rlen = rows[remote, IndexLayout.REC_LEN]
+        rmember = member[remote]
+        roff = offset[remote]
+        # stage remote records contiguously, grouped by owner: one Get per owner
+        order = np.argsort(rmember, kind="stable")
+        stage_pos = np.empty(len(rlen), dtype=np.int64)
+        sorted_len = rlen[order]
+        stage_pos[order] = np.cumsum(sorted_len) - sorted_len
+        stage = np.empty(int(rlen.sum()), dtype=np.uint8)
+        self._get(stage, rmember[order], roff[order], sorted_len, stage_pos[order])
+        parts.append((stage, stage_pos, remote))
+        return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts)
+
+    def _get(self, stage: np.ndarray, member: np.ndarray, offset: np.ndarray,
+             length: np.ndarray, pos: np.ndarray) -> None:
+        from mpi4py import MPI
+
+        win = self._win
+        assert win is not None
+        owners, first = np.unique(member, return_index=True)
+        ends = np.append(first[1:], len(member))
+        types = []
+        try:
+            for t, a, b in zip(owners.tolist(), first.tolist(), ends.tolist()):
+                nbytes = int(length[a:b].sum())
+                if nbytes == 0:
+                    continue
+                disp = (offset[a:b] + self._shift[t]).tolist()
+                dtype = MPI.BYTE.Create_hindexed(length[a:b].tolist(), disp).Commit()
+                types.append(dtype)
+                p0 = int(pos[a])
+                win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t, [0, 1, dtype])
+            win.Flush_all()
+        finally:
+            for dtype in types:
+                dtype.Free()
+
+    def close(self) -> None:
+        """Release the window (collective over the replica group)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._win is not None:
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win = None
+        if self.group_comm is not None:
+            self.group_comm.Free()
+            self.group_comm = None
+
+    def __enter__(self) -> "DistributedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"DistributedStore({self.ds.path}, rank={self.rank}/{self.world}, "
+                f"width={self.width}, replicas={self.replicas}, holds={self.nbytes} B)")
