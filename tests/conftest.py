@@ -70,3 +70,27 @@ def cli(capsys):
 def leftovers(parent: Path) -> list[str]:
     """Hidden temporary directories a write may have left behind."""
     return [p.name for p in parent.iterdir() if ".forebay-" in p.name]
+
+
+def run_mpi(ranks: int, script: str, *args, timeout: int = 120, env: dict | None = None):
+    """Run a Python script under real ``mpiexec -n ranks``; a hang fails at ``timeout``."""
+    import subprocess
+    import tempfile
+    import textwrap
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(textwrap.dedent(script))
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
+                                              full_env.get("PYTHONPATH", "")])
+    try:
+        return subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, f.name,
+                               *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout, env=full_env)
+    finally:
+        os.unlink(f.name)
+
+
+def say(line: str) -> None:
+    """One atomic write per line, so lines of concurrent ranks never interleave."""
+    os.write(1, (line + "\n").encode())

@@ -1,0 +1,163 @@
+"""DistributedStore under real mpiexec: bit-exact for every width, clear errors on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.store import DistributedStore, StoreError, StoreLayout
+from conftest import run_mpi
+
+pytest.importorskip("mpi4py")
+pytestmark = pytest.mark.mpi
+
+BIT_EXACT = """
+    import sys
+    import numpy as np
+    from mpi4py import MPI
+    from conftest import say
+    import forebay
+    from forebay.store import DistributedStore
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(sys.argv[1])
+    widths = [w for w in range(1, comm.size + 1) if comm.size % w == 0]
+    for w in widths:
+        with DistributedStore(ds, comm, width=w, progress=False) as st:
+            assert st.replicas == comm.size // w
+            rng = np.random.default_rng(comm.rank * 100 + w)
+            for k in range(25):
+                ids = rng.integers(-len(ds), len(ds), size=int(rng.integers(0, 70)))
+                assert st.get_many(ids).equals(ds.get_many(ids)), (w, ids)
+            every = np.arange(len(ds))
+            assert st.get_many(every).equals(ds.get_many(every))
+            owners = st.owner(every)
+            assert set(owners.tolist()) == set(range(st.group * w, st.group * w + w))
+            held = comm.allreduce(st.nbytes)
+        say(f"rank {comm.rank} width {w} ok held {held}")
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bit_exact_for_every_width(packed, ranks):
+    path, _ = packed
+    p = run_mpi(ranks, BIT_EXACT, path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    widths = [w for w in range(1, ranks + 1) if ranks % w == 0]
+    for w in widths:
+        assert sum(f"width {w} ok" in line for line in p.stdout.splitlines()) == ranks
+
+
+def test_node_aware_groups(packed):
+    path, _ = packed
+    p = run_mpi(2, """
+        import sys
+        from mpi4py import MPI
+        from conftest import say
+        import forebay
+        from forebay.store import DistributedStore
+        ds = forebay.open_dataset(sys.argv[1])
+        with DistributedStore(ds, MPI.COMM_WORLD, node_aware=True, progress=False) as st:
+            assert st.width == 2 and st.replicas == 1  # one node here
+            assert st.get_many(range(len(ds))).equals(ds.get_many(range(len(ds))))
+        say("node ok")
+    """, path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("node ok") == 2
+
+
+ERRORS = """
+    import sys, os
+    from mpi4py import MPI
+    from conftest import say
+    import forebay
+    from forebay.store import DistributedStore, StoreError
+    from forebay.errors import SampleIndexError
+    comm = MPI.COMM_WORLD
+    case = sys.argv[1]
+    try:
+        if case == "width":
+            DistributedStore(sys.argv[2], comm, width=3, progress=False)
+        elif case == "dataset":
+            DistributedStore(sys.argv[2 + comm.rank % 2], comm, progress=False)
+        elif case == "memory":
+            DistributedStore(sys.argv[2], comm, width=1, progress=False)
+        elif case == "index":
+            with DistributedStore(sys.argv[2], comm, progress=False) as st:
+                try:
+                    st.get_many([0, 10**6])
+                except SampleIndexError as e:
+                    say(f"rank {comm.rank} IndexError {e}")
+                comm.Barrier()
+            sys.exit(0)
+    except StoreError as e:
+        say(f"rank {comm.rank} StoreError {e}")
+        sys.exit(0)
+    say(f"rank {comm.rank} no error")
+"""
+
+
+def _per_rank(p, word):
+    return [line for line in p.stdout.splitlines() if word in line]
+
+
+def test_width_not_dividing_world_fails_on_every_rank(packed):
+    p = run_mpi(4, ERRORS, "width", packed[0], timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = _per_rank(p, "StoreError")
+    assert len(lines) == 4 and all("width 3 must divide the world size 4" in s for s in lines)
+
+
+def test_different_datasets_detected_on_every_rank(tmp_path, packed, ragged):
+    other = tmp_path / "other"
+    forebay.write_dataset(other, ragged[:100])
+    p = run_mpi(2, ERRORS, "dataset", packed[0], other, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = _per_rank(p, "StoreError")
+    assert len(lines) == 2 and all("different datasets" in s and "other" in s for s in lines)
+
+
+def test_memory_budget_checked_before_allocating(packed):
+    p = run_mpi(2, ERRORS, "memory", packed[0], timeout=60,
+                env={"FOREBAY_MEMORY_LIMIT": "50000"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = _per_rank(p, "StoreError")
+    assert len(lines) == 2 and all("GiB is available" in s and "2 replicas" in s for s in lines)
+
+
+def test_bad_ids_name_the_id(packed):
+    p = run_mpi(2, ERRORS, "index", packed[0], timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = _per_rank(p, "IndexError")
+    assert len(lines) == 2 and all("1000000 out of range" in s for s in lines)
+
+
+def test_single_process_store_without_mpi(packed):
+    path, _ = packed
+    ds = forebay.open_dataset(path)
+    st = DistributedStore(ds, comm=None, progress=False)
+    assert st.world == 1 and st.width == 1
+    ids = np.array([5, 3, 299, 5, -1])
+    assert st.get_many(ids).equals(ds.get_many(ids))
+    with pytest.raises(StoreError, match="needs MPI"):
+        DistributedStore(ds, comm=None, width=2)
+    st.close()
+    with pytest.raises(StoreError, match="closed"):
+        st.get_many([0])
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 5])
+def test_layout_covers_every_record_once(packed, width):
+    ds = forebay.open_dataset(packed[0])
+    lay = StoreLayout(ds, width)
+    assert lay.bounds[0] == 0 and lay.bounds[-1] == len(ds)
+    assert (np.diff(lay.bounds) >= 0).all()
+    assert (lay.offset % 64 == 0).all()  # records keep their alignment
+    rec_len = ds._index[:, 1]
+    for m in range(width):
+        sel = lay.member == m
+        spans = sorted(zip(lay.offset[sel].tolist(), (lay.offset[sel] + rec_len[sel]).tolist()))
+        assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))  # no overlap
+        assert all(e <= lay.nbytes[m] for _, e in spans)
+    # chunks balanced by bytes: no member holds more than its share plus one record
+    assert lay.nbytes.max() <= lay.nbytes.sum() / width + 2 * (rec_len.max() + 64)
