@@ -150,20 +150,23 @@ class SampleBatch:
 
 
 def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
-                   parts: list[tuple[np.ndarray, np.ndarray, object]]) -> SampleBatch:
+                   parts: list[tuple[np.ndarray, np.ndarray, object]],
+                   alloc=None) -> SampleBatch:
     """Build a :class:`SampleBatch` of ``ids`` from record bytes held in memory.
 
     ``rows`` are the ids' index rows; ``parts`` covers every row once, each part a
     ``(src, record_starts, selector)``: a uint8 buffer, where each selected row's
     record starts in it, and the selector (slice or mask) of those rows.  One gather
-    per field and part; the batch owns its (writable) memory.
+    per field and part; the batch owns its (writable) memory, which ``alloc(nbytes)``
+    provides when given (e.g. pinned host memory for fast GPU copies).
     """
     fields = {}
     n = len(ids)
     for f in schema.fields:
         lens = rows[:, layout.nbytes[f.name]]
         dst = np.cumsum(lens) - lens
-        out = np.empty(int(lens.sum()), dtype=np.uint8)
+        total = int(lens.sum())
+        out = np.empty(total, dtype=np.uint8) if alloc is None else alloc(total)
         foff = rows[:, layout.off[f.name]]
         for src, rec_start, sel in parts:
             gather_ranges(src, rec_start + foff[sel], lens[sel], out, dst[sel])

@@ -259,11 +259,12 @@ class PackedDataset:
                                    f"{n} samples in {self.path} ({int(bad.sum())} bad ids)")
         return ids
 
-    def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None) -> SampleBatch:
         """Gather samples ``ids`` (any order, repeats allowed) into a :class:`SampleBatch`.
 
         Vectorized over the batch: one gather per field and shard, no per-sample
-        Python objects.  The result owns its memory (writable, independent of the maps).
+        Python objects.  The result owns its memory (writable, independent of the maps);
+        ``alloc(nbytes) -> uint8 array`` supplies it if given.
         """
         ids = self.normalize_ids(ids)
         if self.verify_on_read:
@@ -279,7 +280,7 @@ class PackedDataset:
             if self.readahead == "record" and _HAVE_MADVISE:
                 self._prefetch(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
             parts.append((src, rec[sel], sel))
-        return assemble_batch(ids, rows, self.schema, self._layout, parts)
+        return assemble_batch(ids, rows, self.schema, self._layout, parts, alloc)
 
     # -- integrity ----------------------------------------------------------------
     def _check_records(self, ids: np.ndarray) -> list[int]:

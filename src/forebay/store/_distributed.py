@@ -299,7 +299,7 @@ class DistributedStore:
         return self.group * self.width + self.layout.member[ids] if self.comm is not None \
             else np.zeros(len(ids), dtype=np.int64)
 
-    def get_many(self, ids: "Sequence[int] | np.ndarray") -> SampleBatch:
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None) -> SampleBatch:
         """Samples ``ids`` as a :class:`SampleBatch`, bit-exact to the dataset's own
         ``get_many``: local ones copied from memory, remote ones with one RMA get per
         owning rank and a single flush."""
@@ -313,7 +313,7 @@ class DistributedStore:
         parts = []
         if local.all():
             return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
-                                  [(self._buf, offset, slice(None))])
+                                  [(self._buf, offset, slice(None))], alloc)
         if local.any():
             parts.append((self._buf, offset[local], local))
         remote = ~local
@@ -328,7 +328,7 @@ class DistributedStore:
         stage = np.empty(int(rlen.sum()), dtype=np.uint8)
         self._get(stage, rmember[order], roff[order], sorted_len, stage_pos[order])
         parts.append((stage, stage_pos, remote))
-        return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts)
+        return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
 
     def _get(self, stage: np.ndarray, member: np.ndarray, offset: np.ndarray,
              length: np.ndarray, pos: np.ndarray) -> None:

@@ -1,0 +1,115 @@
+"""Collation of a :class:`SampleBatch` into torch tensors: dense stacks and graph batches."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from ..dataset import SampleBatch
+from ..dataset._schema import KIND_BYTES
+
+__all__ = ["default_collate", "collate_graphs", "is_graph_batch", "NODE_FIELDS"]
+
+#: fields whose first dimension is the node count, in order of preference
+NODE_FIELDS = ("x", "pos", "z", "atomic_numbers")
+
+
+def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))
+    return t.pin_memory() if pin and not t.is_pinned() else t
+
+
+def is_graph_batch(batch: SampleBatch) -> bool:
+    """PyG-style graphs: an ``edge_index`` field of shape (2, E) and a node field."""
+    s = batch.schema
+    return ("edge_index" in s and s["edge_index"].ndim == 2 and s["edge_index"].dtype.kind in "iu"
+            and any(n in s and s[n].ndim >= 1 for n in NODE_FIELDS))
+
+
+def collate_graphs(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
+    """Concatenate graphs as PyTorch Geometric does, without a per-sample loop.
+
+    Node fields (first dimension = node count) and edge fields (first dimension = edge
+    count) are concatenated along dim 0 (a view of the batch's buffer); ``edge_index``
+    ``(2, E_k)`` blocks are concatenated along dim 1 with each graph's node offset
+    added; ``batch`` maps nodes to graphs and ``ptr`` holds node offsets.  Graph-level
+    fields of equal shape are stacked.
+    """
+    s = batch.schema
+    node_field = next(n for n in NODE_FIELDS if n in s and s[n].ndim >= 1)
+    nodes = batch.field(node_field).shapes[:, 0]
+    ei = batch.field("edge_index")
+    if len(ei) and (ei.shapes[:, 0] != 2).any():
+        raise ValueError("edge_index must have shape (2, E) in every sample")
+    edges = ei.shapes[:, 1] if len(ei) else np.zeros(0, np.int64)
+    n = len(nodes)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nodes, out=ptr[1:])
+    e_ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(edges, out=e_ptr[1:])
+    # edge_index: sample k's values are [src(E_k), dst(E_k)] at ei.offsets[k]
+    e_total = int(e_ptr[-1])
+    within = np.arange(e_total, dtype=np.int64) - np.repeat(e_ptr[:-1], edges)
+    src_pos = np.repeat(ei.offsets[:-1], edges) + within
+    shift = np.repeat(ptr[:-1], edges).astype(ei.values.dtype, copy=False)
+    edge_index = np.empty((2, e_total), dtype=ei.values.dtype)
+    np.add(ei.values[src_pos], shift, out=edge_index[0])
+    np.add(ei.values[src_pos + np.repeat(edges, edges)], shift, out=edge_index[1])
+    out: dict[str, Any] = {"edge_index": _tensor(edge_index, pin)}
+    for name, fb in batch.fields.items():
+        if name == "edge_index":
+            continue
+        f = s[name]
+        if f.kind == KIND_BYTES:
+            out[name] = [_tensor(fb[k], pin) for k in range(n)]
+        elif f.ndim >= 1 and np.array_equal(fb.shapes[:, 0], nodes) and name != "y":
+            out[name] = _tensor(fb.values.reshape((-1,) + tuple(fb.shapes[0, 1:])) if n else
+                                fb.values, pin)
+        elif f.ndim >= 1 and np.array_equal(fb.shapes[:, 0], edges) and name != "y":
+            out[name] = _tensor(fb.values.reshape((-1,) + tuple(fb.shapes[0, 1:])) if n else
+                                fb.values, pin)
+        elif fb.uniform:
+            out[name] = _tensor(fb.stacked(), pin)
+        else:  # ragged graph-level field: concatenate along dim 0
+            out[name] = _tensor(fb.values.reshape((-1,) + tuple(fb.shapes[0, 1:])) if n else
+                                fb.values, pin)
+    out["batch"] = _tensor(np.repeat(np.arange(n, dtype=np.int64), nodes), pin)
+    out["ptr"] = _tensor(ptr, pin)
+    out["num_graphs"] = n
+    return out
+
+
+def _to_pyg(d: dict[str, Any]) -> Any:
+    try:
+        from torch_geometric.data import Batch
+    except ImportError:
+        return d
+    fields = {k: v for k, v in d.items() if k != "num_graphs"}
+    return Batch(**fields)
+
+
+def default_collate(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
+    """Dense fields stacked into ``(B, ...)`` tensors sharing the batch's memory; graph
+    samples batched as :func:`collate_graphs` (a PyG ``Batch`` when torch_geometric is
+    installed); other ragged fields and bytes fields as lists of per-sample tensors."""
+    if is_graph_batch(batch):
+        return _to_pyg(collate_graphs(batch, pin))
+    out: dict[str, Any] = {}
+    n = batch.num_samples
+    for name, fb in batch.fields.items():
+        if batch.schema[name].kind != KIND_BYTES and fb.uniform:
+            out[name] = _tensor(fb.stacked(), pin)
+        else:
+            out[name] = [_tensor(fb[k], pin) for k in range(n)]
+    return out
+
+
+def collate_samples(samples: list, collate_fn: Optional[Callable] = None) -> Any:
+    """torch's own collation of per-sample dicts (after a per-sample ``transform``)."""
+    if collate_fn is not None:
+        return collate_fn(samples)
+    from torch.utils.data import default_collate as torch_collate
+
+    return torch_collate(samples)

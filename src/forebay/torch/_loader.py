@@ -1,0 +1,238 @@
+"""A drop-in PyTorch loader driven by an AccessPlan and served by a DistributedStore."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from ..dataset import PackedDataset, SampleBatch, open_dataset
+from ..plan import AccessPlan
+from ..store import DistributedStore, default_comm
+from ._collate import collate_samples, default_collate
+
+__all__ = ["DataLoader", "Dataset", "PlanSampler"]
+
+MODES = ("preload", "direct")
+
+
+def _pinned_alloc(nbytes: int) -> np.ndarray:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+class DataLoader:
+    """Batches of a packed dataset for data-parallel training, ``len(loader)`` steps an
+    epoch on every rank.
+
+    What to iterate:
+        dataset: a :class:`~forebay.dataset.PackedDataset` or its path.
+        batch_size: per-rank batch; the global batch is ``batch_size * world_size``.
+        epochs: epochs in the run (the access plan covers them all).
+        seed, shuffle, drop_last: as :class:`~forebay.AccessPlan` (same seed and global
+            batch give the same global batches at any world size).
+
+    Where samples come from:
+        comm: mpi4py communicator (default: COMM_WORLD under an MPI launcher, else none).
+        mode: ``"preload"`` (default) keeps the dataset in the ranks' memory in a
+            :class:`~forebay.store.DistributedStore` (``width`` ranks per replica);
+            ``"direct"`` reads each batch from the memory-mapped shards.
+        width, node_aware: replica groups of the store.
+
+    What comes out:
+        collate_fn: ``f(SampleBatch) -> batch``; default :func:`default_collate` (dense
+            fields stacked into tensors, graphs batched PyG-style).  With ``transform``
+            (applied to each sample dict), ``collate_fn`` gets the list of transformed
+            samples instead (torch's ``default_collate`` if None).
+        prefetch: batches fetched ahead by a background thread while the model computes
+            (0: fetch in the iterating thread).
+        pin_memory: gather batches straight into pinned host memory (CUDA only).
+
+    Resume: :meth:`state_dict` / :meth:`load_state_dict` record (epoch, step); a loader
+    at another world size with the same global batch resumes the same global batches.
+    """
+
+    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", batch_size: int, *,
+                 comm: Any = None, seed: int = 0, epochs: int = 1, shuffle: bool = True,
+                 drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
+                 node_aware: bool = False, collate_fn: Optional[Callable] = None,
+                 transform: Optional[Callable] = None, prefetch: int = 4,
+                 pin_memory: bool = False, progress: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self.comm = default_comm() if comm is None else comm
+        self.rank = self.comm.Get_rank() if self.comm is not None else 0
+        self.world = self.comm.Get_size() if self.comm is not None else 1
+        self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
+                               drop_last=drop_last, shuffle=shuffle)
+        self.mode = mode
+        self.store: Optional[DistributedStore] = (
+            DistributedStore(self.ds, self.comm, width, node_aware=node_aware, progress=progress)
+            if mode == "preload" else None)
+        self.collate_fn = collate_fn
+        self.transform = transform
+        self.prefetch = max(0, int(prefetch))
+        if self.prefetch and self.comm is not None:
+            from mpi4py import MPI
+
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                warnings.warn("MPI was not initialised with MPI_THREAD_MULTIPLE; forebay "
+                              "fetches batches in the iterating thread (prefetch=0)",
+                              RuntimeWarning, stacklevel=2)
+                self.prefetch = 0
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but no CUDA device is available; batches stay in "
+                          "pageable memory", RuntimeWarning, stacklevel=2)
+            pin_memory = False
+        self.pin_memory = pin_memory
+        self.epoch = 0
+        self._step = 0  # batches handed out in the current epoch
+
+    # -- sizes and state ----------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.plan.steps_per_epoch
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch (as ``DistributedSampler.set_epoch``)."""
+        if not 0 <= epoch < self.plan.epochs:
+            raise ValueError(f"epoch {epoch} out of range for a {self.plan.epochs}-epoch plan")
+        if epoch != self.epoch:
+            self._step = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the run: the next batch to hand out is ``(epoch, step)``."""
+        return {"epoch": self.epoch, "step": self._step, "seed": self.plan.seed,
+                "num_samples": self.plan.num_samples, "global_batch": self.plan.global_batch,
+                "epochs": self.plan.epochs, "drop_last": self.plan.drop_last,
+                "shuffle": self.plan.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``'s position; its plan must give the same global batches."""
+        mine = self.state_dict()
+        for key in ("seed", "num_samples", "global_batch", "drop_last", "shuffle"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"cannot resume: saved {key}={state.get(key)!r} but this "
+                                 f"loader has {key}={mine[key]!r} (global batch = batch_size x "
+                                 f"world size must match)")
+        epoch, step = int(state["epoch"]), int(state["step"])
+        if not 0 <= epoch < self.plan.epochs or not 0 <= step <= len(self):
+            raise ValueError(f"cannot resume at epoch {epoch} step {step}")
+        self.epoch, self._step = epoch, step
+
+    # -- fetching -----------------------------------------------------------------------
+    def _fetch(self, ids: np.ndarray) -> Any:
+        alloc = _pinned_alloc if self.pin_memory else None
+        src = self.store if self.store is not None else self.ds
+        batch: SampleBatch = src.get_many(ids, alloc=alloc)
+        if self.transform is not None:
+            return collate_samples([self.transform(s) for s in batch], self.collate_fn)
+        if self.collate_fn is not None:
+            return self.collate_fn(batch)
+        return default_collate(batch, pin=self.pin_memory)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self.epoch, self._step
+        if start >= len(self):  # a finished epoch: go on with the next one
+            if epoch + 1 >= self.plan.epochs:
+                raise ValueError(f"all {self.plan.epochs} epochs of the plan are done")
+            epoch, start = epoch + 1, 0
+            self.epoch, self._step = epoch, 0
+        batches = self.plan.batches(self.rank, epoch)
+        if self.prefetch == 0:
+            for step in range(start, len(batches)):
+                out = self._fetch(batches[step])
+                self._step = step + 1
+                yield out
+            return
+        yield from self._iter_prefetched(batches, start)
+
+    def _iter_prefetched(self, batches: np.ndarray, start: int) -> Iterator[Any]:
+        q: "queue.Queue[tuple[int, Any, Optional[BaseException]]]" = queue.Queue(self.prefetch)
+        stop = threading.Event()
+
+        def produce() -> None:
+            for step in range(start, len(batches)):
+                if stop.is_set():
+                    return
+                try:
+                    item = (step, self._fetch(batches[step]), None)
+                except BaseException as e:  # handed to the consumer
+                    item = (step, None, e)
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if item[2] is not None:
+                    return
+
+        t = threading.Thread(target=produce, name="forebay-prefetch", daemon=True)
+        t.start()
+        try:
+            for _ in range(start, len(batches)):
+                step, out, err = q.get()
+                if err is not None:
+                    raise err
+                self._step = step + 1
+                yield out
+        finally:
+            stop.set()
+            t.join()
+
+    def close(self) -> None:
+        """Release the store (collective)."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def __enter__(self) -> "DataLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Dataset(torch.utils.data.Dataset):
+    """Map-style dataset over a packed dataset: ``ds[i]`` is a dict of tensors (copies,
+    so they are writable), for code that must keep ``torch.utils.data.DataLoader``."""
+
+    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]",
+                 transform: Optional[Callable] = None) -> None:
+        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        sample = {k: torch.from_numpy(np.array(v)) for k, v in self.ds[i].items()}
+        return self.transform(sample) if self.transform is not None else sample
+
+
+class PlanSampler(torch.utils.data.Sampler):
+    """Yields one rank's sample ids in :class:`~forebay.AccessPlan` order; with
+    ``torch.utils.data.DataLoader(..., batch_size=plan.batch_size, sampler=...)`` the
+    batches are the plan's batches.  Call :meth:`set_epoch` each epoch."""
+
+    def __init__(self, plan: AccessPlan, rank: int = 0) -> None:
+        self.plan, self.rank, self.epoch = plan, rank, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.plan.stream(self.rank, self.epoch).tolist())
+
+    def __len__(self) -> int:
+        return self.plan.steps_per_epoch * self.plan.batch_size

@@ -1,0 +1,84 @@
+"""forebay.torch.DataLoader under mpiexec: same global batches at any world size, resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from forebay import AccessPlan
+from conftest import run_mpi
+
+pytest.importorskip("mpi4py")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.mpi
+
+GLOBAL_BATCH = 16
+
+SCRIPT = """
+    import json, sys
+    import numpy as np
+    from mpi4py import MPI
+    from forebay.torch import DataLoader
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    path, width, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    bs = %d // comm.size
+    dl = DataLoader(path, bs, comm=comm, seed=5, epochs=2, width=width or None,
+                    collate_fn=lambda b: (b.ids.copy(), b["label"].copy()))
+    steps = comm.allgather(len(dl))
+    assert len(set(steps)) == 1, steps
+    if resume != "-":
+        dl.load_state_dict(json.loads(resume))
+    out, state = [], None
+    for epoch in range(dl.epoch, 2):
+        dl.set_epoch(epoch)
+        for k, (ids, labels) in enumerate(dl):
+            assert (ids == labels).all()  # the sample is the one asked for
+            out.append([epoch] + ids.tolist())
+            if resume == "-" and epoch == 0 and k == 2:
+                state = dl.state_dict()
+    every = comm.gather(out, root=0)
+    if comm.rank == 0:
+        steps = [sum((r[i][1:] for r in every), []) for i in range(len(out))]
+        say("GLOBAL " + json.dumps([[out[i][0]] + s for i, s in enumerate(steps)]))
+        if state is not None:
+            say("STATE " + json.dumps(state))
+    dl.close()
+""" % GLOBAL_BATCH
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    import forebay
+
+    path = tmp_path_factory.mktemp("lab") / "lab.fb"
+    forebay.write_dataset(path, ({"label": np.int64(i), "v": np.full(i % 7, i, np.float32)}
+                                 for i in range(101)), shard_bytes=4096)
+    return path
+
+
+def _run(ranks, path, width=0, resume="-"):
+    p = run_mpi(ranks, SCRIPT, path, width, resume)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
+    return json.loads(lines["GLOBAL"]), json.loads(lines["STATE"]) if "STATE" in lines else None
+
+
+@pytest.mark.parametrize("ranks, width", [(2, 0), (2, 1), (4, 0), (4, 2)])
+def test_global_batches_match_the_plan_at_any_world_size(labelled, ranks, width):
+    got, _ = _run(ranks, labelled, width)
+    plan = AccessPlan(101, 1, GLOBAL_BATCH, 2, seed=5)
+    want = [[e] + g.tolist() for e in range(2) for g in plan.global_batches(e)]
+    assert got == want
+    for e in range(2):  # every sample each epoch; padding completes the last batch
+        ids = [i for row in got if row[0] == e for i in row[1:]]
+        assert set(ids) == set(range(101)) and len(ids) == 101 + plan.padding
+
+
+def test_resume_on_a_different_world_size(labelled):
+    full, state = _run(2, labelled)
+    assert state == {**state, "epoch": 0, "step": 3, "global_batch": GLOBAL_BATCH}
+    rest, _ = _run(4, labelled, 2, json.dumps(state))
+    assert rest == full[3:]

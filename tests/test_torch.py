@@ -1,0 +1,141 @@
+"""forebay.torch in one process: plan-driven batches, collation, resume, prefetch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import forebay  # noqa: E402
+from forebay import AccessPlan  # noqa: E402
+from forebay.synth import ising_samples, molecule_samples  # noqa: E402
+from forebay.torch import DataLoader, Dataset, PlanSampler, collate_graphs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def molecules(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mol") / "mol.fb"
+    samples = list(molecule_samples(203, seed=2))
+    forebay.write_dataset(path, samples, shard_bytes=32 << 10)
+    return path, samples
+
+
+@pytest.mark.parametrize("mode, prefetch", [("preload", 4), ("direct", 0), ("direct", 2)])
+def test_batches_follow_the_plan(molecules, mode, prefetch):
+    path, samples = molecules
+    dl = DataLoader(path, 16, epochs=2, seed=7, mode=mode, prefetch=prefetch, comm=None)
+    plan = AccessPlan(len(samples), 1, 16, 2, seed=7)
+    assert len(dl) == plan.steps_per_epoch == 13
+    for epoch in range(2):
+        got = list(dl)
+        assert len(got) == 13
+        for step, b in enumerate(got):
+            ids = plan.batches(0, epoch)[step]
+            assert b["num_graphs"] == 16
+            np.testing.assert_array_equal(b["y"].numpy()[:, 0], [samples[i]["y"][0] for i in ids])
+            want_x = np.concatenate([samples[i]["x"] for i in ids])
+            np.testing.assert_array_equal(b["x"].numpy(), want_x)
+    assert dl.state_dict()["epoch"] == 1
+
+
+def test_graph_collation_offsets_edges_and_builds_batch_vector(molecules):
+    path, samples = molecules
+    ds = forebay.open_dataset(path)
+    ids = [5, 0, 77]
+    out = collate_graphs(ds.get_many(ids))
+    nodes = [samples[i]["x"].shape[0] for i in ids]
+    offsets = np.concatenate([[0], np.cumsum(nodes)[:-1]])
+    want = np.concatenate([samples[i]["edge_index"] + o for i, o in zip(ids, offsets)], axis=1)
+    np.testing.assert_array_equal(out["edge_index"].numpy(), want)
+    np.testing.assert_array_equal(out["batch"].numpy(), np.repeat(np.arange(3), nodes))
+    np.testing.assert_array_equal(out["ptr"].numpy(), np.concatenate([[0], np.cumsum(nodes)]))
+    np.testing.assert_array_equal(out["edge_attr"].numpy(),
+                                  np.concatenate([samples[i]["edge_attr"] for i in ids]))
+    np.testing.assert_array_equal(out["pos"].numpy(), np.concatenate([samples[i]["pos"] for i in ids]))
+    assert out["y"].shape == (3, 1)
+    assert int(out["edge_index"].max()) < sum(nodes)
+
+
+def test_dense_collation_stacks_without_copy(tmp_path):
+    samples = [{"img": np.full((2, 3), i, np.float32), "label": np.int64(i)} for i in range(10)]
+    forebay.write_dataset(tmp_path / "d", samples)
+    dl = DataLoader(tmp_path / "d", 4, shuffle=False, drop_last=True, comm=None, mode="direct")
+    b = next(iter(dl))
+    assert b["img"].shape == (4, 2, 3) and b["label"].tolist() == [0, 1, 2, 3]
+    assert len(dl) == 2
+
+
+def test_resume_mid_epoch_gives_the_remaining_batches(molecules):
+    path, _ = molecules
+    ref = [b["y"].clone() for b in DataLoader(path, 8, epochs=1, seed=3, comm=None)]
+    dl = DataLoader(path, 8, epochs=1, seed=3, comm=None)
+    it = iter(dl)
+    for _ in range(5):
+        next(it)
+    state = dl.state_dict()
+    assert state["step"] == 5
+    it.close()  # stops the prefetch thread
+    fresh = DataLoader(path, 8, epochs=1, seed=3, comm=None)
+    fresh.load_state_dict(state)
+    rest = [b["y"] for b in fresh]
+    assert len(rest) == len(ref) - 5
+    for a, b in zip(rest, ref[5:]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="global_batch"):
+        DataLoader(path, 4, epochs=1, seed=3, comm=None).load_state_dict(state)
+
+
+def test_transform_and_custom_collate(tmp_path):
+    samples = [{"v": np.arange(3, dtype=np.float64) + i} for i in range(6)]
+    forebay.write_dataset(tmp_path / "d", samples)
+    dl = DataLoader(tmp_path / "d", 3, shuffle=False, comm=None, mode="direct",
+                    transform=lambda s: {"v": torch.as_tensor(s["v"]) * 2})
+    b = next(iter(dl))
+    assert b["v"][1].tolist() == [2.0, 4.0, 6.0]
+    dl = DataLoader(tmp_path / "d", 3, shuffle=False, comm=None, mode="direct",
+                    collate_fn=lambda batch: batch.ids.tolist())
+    assert list(dl) == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_errors_in_the_prefetch_thread_reach_the_caller(tmp_path):
+    samples = [{"v": np.zeros(2)} for _ in range(40)]
+    forebay.write_dataset(tmp_path / "d", samples)
+
+    def broken(batch):
+        raise RuntimeError("collate failed")
+
+    dl = DataLoader(tmp_path / "d", 4, comm=None, collate_fn=broken, prefetch=2)
+    with pytest.raises(RuntimeError, match="collate failed"):
+        list(dl)
+
+
+def test_map_style_dataset_with_plan_sampler(molecules):
+    path, samples = molecules
+    plan = AccessPlan(len(samples), 1, 10, 1, seed=4, drop_last=True)
+    sampler = PlanSampler(plan, rank=0)
+    loader = torch.utils.data.DataLoader(Dataset(path), batch_size=10, sampler=sampler,
+                                         collate_fn=lambda xs: [float(x["y"][0]) for x in xs])
+    got = list(loader)
+    assert len(got) == plan.steps_per_epoch
+    assert got[3] == [float(samples[i]["y"][0]) for i in plan.batches(0, 0)[3]]
+
+
+def test_pin_memory_without_cuda_warns_and_falls_back(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    forebay.write_dataset(tmp_path / "d", [{"v": np.zeros(2)}] * 4)
+    with pytest.warns(RuntimeWarning, match="no CUDA"):
+        dl = DataLoader(tmp_path / "d", 2, comm=None, pin_memory=True)
+    assert not dl.pin_memory and len(list(dl)) == 2
+
+
+def test_bad_loader_arguments(molecules):
+    path, _ = molecules
+    with pytest.raises(ValueError, match="mode"):
+        DataLoader(path, 4, comm=None, mode="lazy")
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        DataLoader(path, 1000, comm=None, drop_last=True)
+    dl = DataLoader(path, 4, comm=None, epochs=1)
+    with pytest.raises(ValueError, match="epoch 3"):
+        dl.set_epoch(3)
