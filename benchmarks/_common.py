@@ -12,7 +12,11 @@ import numpy as np
 
 
 def evict(paths: Iterable[Path]) -> int:
-    """Drop the files' pages from the page cache (posix_fadvise DONTNEED); returns bytes."""
+    """Drop the files' pages from the page cache (posix_fadvise DONTNEED); returns bytes.
+
+    Dirty pages cannot be dropped, so everything is written back first (os.sync):
+    files written moments ago (fresh synthetic data) would otherwise stay cached."""
+    os.sync()
     total = 0
     for p in paths:
         fd = os.open(p, os.O_RDONLY)

@@ -22,10 +22,12 @@ BIT_EXACT = """
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(sys.argv[1])
     widths = [w for w in range(1, comm.size + 1) if comm.size % w == 0]
-    for w in widths:
-        with DistributedStore(ds, comm, width=w, progress=False) as st:
+    for w, transport in [(w, t) for w in widths for t in ("shm", "rma")]:
+        with DistributedStore(ds, comm, width=w, transport=transport, progress=False) as st:
+            assert st.transport == (transport if w > 1 else "local")
             assert st.replicas == comm.size // w
             rng = np.random.default_rng(comm.rank * 100 + w)
+            assert st.transport in ("shm", "rma", "local")
             for k in range(25):
                 ids = rng.integers(-len(ds), len(ds), size=int(rng.integers(0, 70)))
                 assert st.get_many(ids).equals(ds.get_many(ids)), (w, ids)
@@ -34,7 +36,7 @@ BIT_EXACT = """
             owners = st.owner(every)
             assert set(owners.tolist()) == set(range(st.group * w, st.group * w + w))
             held = comm.allreduce(st.nbytes)
-        say(f"rank {comm.rank} width {w} ok held {held}")
+        say(f"rank {comm.rank} width {w} {transport} ok held {held}")
 """
 
 
@@ -45,7 +47,8 @@ def test_bit_exact_for_every_width(packed, ranks):
     assert p.returncode == 0, p.stderr[-3000:]
     widths = [w for w in range(1, ranks + 1) if ranks % w == 0]
     for w in widths:
-        assert sum(f"width {w} ok" in line for line in p.stdout.splitlines()) == ranks
+        for t in ("shm", "rma"):
+            assert sum(f"width {w} {t} ok" in line for line in p.stdout.splitlines()) == ranks
 
 
 def test_node_aware_groups(packed):

@@ -55,6 +55,8 @@ class IndexLayout:
             self.shape[f.name] = slice(start, start + f.ndim)
         self.ncols = len(self.columns)
         self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.intp)
+        self.off_cols = np.array([self.off[f.name] for f in schema.fields], dtype=np.intp)
+        self.itemsizes = np.array([f.dtype.itemsize for f in schema.fields], dtype=np.int64)
 
 
 @dataclass(frozen=True)

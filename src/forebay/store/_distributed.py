@@ -49,6 +49,12 @@ def default_comm() -> Any:
     return None
 
 
+def _land() -> Any:
+    from mpi4py import MPI
+
+    return MPI.LAND
+
+
 def _align(n: np.ndarray | int) -> Any:
     return n + (-n) % ALIGNMENT
 
@@ -110,6 +116,11 @@ class DistributedStore:
             the reader's group.
         node_aware: make each node one replica group (``COMM_TYPE_SHARED``), so every
             read is intra-node; every node must run the same number of ranks.
+        transport: how a rank reads its group's memory.  ``"shm"``: the group shares
+            one node, so each member's chunk lives in an MPI shared-memory window and
+            peers read it with plain memory copies (no MPI call per batch);
+            ``"rma"``: MPI_Get on a passive-target window (any network);
+            ``"auto"`` (default): shm when the whole group is on one node, else rma.
         progress: preload progress (default: a bar on rank 0 when it has a terminal).
 
     Setup is collective: every rank of ``comm`` constructs the store with the same
@@ -119,14 +130,18 @@ class DistributedStore:
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", comm: Any = None,
                  width: Optional[int] = None, *, node_aware: bool = False,
-                 progress: "Progress | bool | None" = None) -> None:
+                 transport: str = "auto", progress: "Progress | bool | None" = None) -> None:
+        if transport not in ("auto", "shm", "rma"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         self._win = None
+        self._segment = None
         self._closed = False
         self._setup_groups(width, node_aware)
+        self.transport = self._choose_transport(transport)
         self._check_same_dataset()
         self.layout = StoreLayout(self.ds, self.width)
         self._check_memory()
@@ -182,6 +197,22 @@ class DistributedStore:
             self.group_comm = self.comm.Split(color=self.group, key=self.rank)
         self.member = self.group_comm.Get_rank()
 
+    def _choose_transport(self, asked: str) -> str:
+        if self.group_comm is None or self.width == 1:
+            return "local"
+        from mpi4py import MPI
+
+        shared = self.group_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.member)
+        one_node = shared.Get_size() == self.width
+        shared.Free()
+        everywhere = self.comm.allreduce(1 if one_node else 0, op=MPI.MIN) == 1
+        if asked == "shm" and not everywhere:
+            raise StoreError("transport='shm' needs every replica group on one node; use "
+                             "node_aware=True or a width that fits a node, or transport='rma'")
+        if asked == "auto":
+            return "shm" if everywhere else "rma"
+        return asked
+
     @property
     def replicas(self) -> int:
         return self.world // self.width
@@ -223,19 +254,42 @@ class DistributedStore:
 
     def _allocate(self) -> None:
         size = int(self.layout.nbytes[self.member]) + ALIGNMENT
-        if self.group_comm is None or self.width == 1:
+        if self.transport == "local":
             raw = np.empty(size, dtype=np.uint8)
-            self._win = None
         else:
             from mpi4py import MPI
 
-            self._win = MPI.Win.Allocate(size, 1, comm=self.group_comm)
+            if self.transport == "shm":
+                self._win = MPI.Win.Allocate_shared(size, 1, comm=self.group_comm)
+            else:
+                self._win = MPI.Win.Allocate(size, 1, comm=self.group_comm)
             raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
         shift = (-raw.ctypes.data) % ALIGNMENT
         self._raw = raw
         self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
         self._shift = np.array(self.group_comm.allgather(shift) if self._win is not None
                                else [shift], dtype=np.int64)
+
+    def _map_peers(self) -> None:
+        """shm transport: view the group's shared segment in this process.
+
+        MPI_Win_allocate_shared places the members' memory contiguously by default, so
+        one uint8 view spans the whole group and every record has one position in it:
+        a batch is then a single gather, whoever owns its samples.  An MPI that lays
+        the members out otherwise gets MPI_Get on the same window (transport "rma")."""
+        import ctypes
+
+        bufs = [np.frombuffer(self._win.Shared_query(m)[0], dtype=np.uint8)
+                for m in range(self.width)]
+        addrs = [b.ctypes.data for b in bufs]
+        ok = all(addrs[m + 1] == addrs[m] + len(bufs[m]) for m in range(self.width - 1))
+        if not self.group_comm.allreduce(ok, op=_land()):
+            self.transport = "rma"
+            return
+        total = addrs[-1] + len(bufs[-1]) - addrs[0]
+        self._segment = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addrs[0]))
+        seg_off = np.array(addrs, dtype=np.int64) - addrs[0] + self._shift
+        self._seg_pos = seg_off[self.layout.member] + self.layout.offset
 
     def _preload(self, prog: Progress) -> None:
         """Read this rank's chunk with large sequential reads from the shards."""
@@ -273,12 +327,17 @@ class DistributedStore:
             if self._win is not None:
                 self._win.Unlock(self.member)
             prog.close()
-        if self.group_comm is not None:
-            self.group_comm.Barrier()
         if self._win is not None:
             from mpi4py import MPI
 
             self._win.Lock_all(MPI.MODE_NOCHECK)
+            self._win.Sync()  # our stores are visible before peers read them
+        if self.group_comm is not None:
+            self.group_comm.Barrier()
+        if self._win is not None:
+            self._win.Sync()
+        if self.transport == "shm":
+            self._map_peers()
 
     # -- access -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -307,6 +366,9 @@ class DistributedStore:
             raise StoreError("the store is closed")
         ids = self.ds.normalize_ids(ids)
         rows = self.ds._index[ids]
+        if self.transport == "shm":
+            return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
+                                  [(self._segment, self._seg_pos[ids], slice(None))], alloc)
         member = self.layout.member[ids]
         offset = self.layout.offset[ids]
         local = member == self.member
@@ -360,6 +422,8 @@ class DistributedStore:
             return
         self._closed = True
         if self._win is not None:
+            self._segment = None
+            self._buf = self._raw = None
             self._win.Unlock_all()
             self._win.Free()
             self._win = None
@@ -375,4 +439,5 @@ class DistributedStore:
 
     def __repr__(self) -> str:
         return (f"DistributedStore({self.ds.path}, rank={self.rank}/{self.world}, "
-                f"width={self.width}, replicas={self.replicas}, holds={self.nbytes} B)")
+                f"width={self.width}, replicas={self.replicas}, transport={self.transport}, "
+                f"holds={self.nbytes} B)")

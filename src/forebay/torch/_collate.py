@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..dataset import SampleBatch
+from ..dataset._batch import gather_ranges
 from ..dataset._schema import KIND_BYTES
 
 __all__ = ["default_collate", "collate_graphs", "is_graph_batch", "NODE_FIELDS"]
@@ -49,14 +50,17 @@ def collate_graphs(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
     np.cumsum(nodes, out=ptr[1:])
     e_ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(edges, out=e_ptr[1:])
-    # edge_index: sample k's values are [src(E_k), dst(E_k)] at ei.offsets[k]
+    # edge_index: sample k's values are [src(E_k), dst(E_k)] at ei.offsets[k]; both rows
+    # are range copies (C kernel), then every edge is shifted by its graph's node offset.
     e_total = int(e_ptr[-1])
-    within = np.arange(e_total, dtype=np.int64) - np.repeat(e_ptr[:-1], edges)
-    src_pos = np.repeat(ei.offsets[:-1], edges) + within
-    shift = np.repeat(ptr[:-1], edges).astype(ei.values.dtype, copy=False)
+    item = ei.values.dtype.itemsize
     edge_index = np.empty((2, e_total), dtype=ei.values.dtype)
-    np.add(ei.values[src_pos], shift, out=edge_index[0])
-    np.add(ei.values[src_pos + np.repeat(edges, edges)], shift, out=edge_index[1])
+    src = ei.values.view(np.uint8)
+    starts = np.concatenate([ei.offsets[:-1], ei.offsets[:-1] + edges]) * item
+    dst = np.concatenate([e_ptr[:-1], e_total + e_ptr[:-1]]) * item
+    gather_ranges(src, starts, np.concatenate([edges, edges]) * item,
+                  edge_index.reshape(-1).view(np.uint8), dst)
+    edge_index += np.repeat(ptr[:-1].astype(edge_index.dtype, copy=False), edges)
     out: dict[str, Any] = {"edge_index": _tensor(edge_index, pin)}
     for name, fb in batch.fields.items():
         if name == "edge_index":
@@ -81,13 +85,19 @@ def collate_graphs(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
     return out
 
 
+_PYG_BATCH: Any = None
+
+
 def _to_pyg(d: dict[str, Any]) -> Any:
-    try:
-        from torch_geometric.data import Batch
-    except ImportError:
+    global _PYG_BATCH
+    if _PYG_BATCH is None:
+        try:
+            from torch_geometric.data import Batch as _PYG_BATCH  # type: ignore[no-redef]
+        except ImportError:
+            _PYG_BATCH = False
+    if _PYG_BATCH is False:
         return d
-    fields = {k: v for k, v in d.items() if k != "num_graphs"}
-    return Batch(**fields)
+    return _PYG_BATCH(**{k: v for k, v in d.items() if k != "num_graphs"})
 
 
 def default_collate(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
