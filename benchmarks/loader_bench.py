@@ -148,7 +148,8 @@ def worker(a) -> None:
         PFS = EmulatedPFS(world, a.open_latency_ms / 1e3)
     bs, epochs = a.batch_size, a.epochs
     rng = np.random.default_rng(100 + rank)
-    res = {"contender": a.contender, "ranks": world, "batch_size": bs, "pfs": a.pfs}
+    res = {"contender": a.contender, "ranks": world, "batch_size": bs, "pfs": a.pfs,
+           "compute_ms": a.compute_ms}
     n = len(forebay.open_dataset(a.packed))
     lat_ids = rng.choice(n, a.latency_samples, replace=False)
 
@@ -167,6 +168,8 @@ def worker(a) -> None:
             k = 0
             for b in make_iter(e):
                 k += int(b["y"].shape[0])
+                if a.compute_ms:  # the accelerator's step: the host thread waits
+                    time.sleep(a.compute_ms / 1e3)
             dt = time.perf_counter() - t0
             times.append(comm.allreduce(dt, op=MPI.MAX))
             count = comm.allreduce(k)
@@ -214,13 +217,24 @@ def worker(a) -> None:
         times, count = timed_epochs(it, None)
         dl.close()
     elif a.contender == "no-io":
+        # The same loader loop (prefetch thread, collation) with the fetch replaced by a
+        # lookup of batches gathered into memory beforehand: no storage, no network.
         ds = forebay.open_dataset(a.packed)
         plan = forebay.AccessPlan(n, world, bs, epochs, 0)
-        cached = [[ds.get_many(b) for b in plan.batches(rank, e)] for e in range(epochs)]
+        cached = {b.tobytes(): ds.get_many(b) for e in range(epochs)
+                  for b in plan.batches(rank, e)}
+
+        class InMemory(DataLoader):
+            def _fetch(self, ids):
+                return default_collate(cached[ids.tobytes()])
+
+        dl = InMemory(a.packed, bs, comm=comm, seed=0, epochs=epochs, mode="direct",
+                      prefetch=a.prefetch)
         lat = [0.0]
 
         def it(e):
-            return (default_collate(b) for b in cached[e])
+            dl.set_epoch(e)
+            return iter(dl)
         times, count = timed_epochs(it, None)
         res["preload_s"] = 0.0
     else:
@@ -250,6 +264,9 @@ def main(argv=None) -> None:
     p.add_argument("--pfs", action="store_true", help="also run with the emulated PFS")
     p.add_argument("--open-latency-ms", type=float, default=0.5,
                    help="emulated PFS: cost of one open (an assumption, not from the papers)")
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="emulated accelerator compute per step (the host sleeps, as it waits "
+                   "on a GPU); 0 measures the loading pipeline alone")
     p.add_argument("--json", type=Path)
     # worker mode (under mpiexec)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -277,7 +294,8 @@ def main(argv=None) -> None:
         ingest(get_source("pickle", pff, trust_pickle=True), packed, progress=True)
     mpiexec = Path(sys.executable).parent / "mpiexec"
     print(f"machine: {machine()}\n{a.kind}: {a.samples} samples, per-rank batch {a.batch_size}, "
-          f"{a.epochs} epochs, page cache evicted before every epoch", flush=True)
+          f"{a.epochs} epochs, page cache evicted before every epoch, emulated compute "
+          f"{a.compute_ms} ms/step", flush=True)
     results = []
     for ranks in [int(r) for r in a.ranks.split(",")]:
         contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0)]
@@ -295,7 +313,8 @@ def main(argv=None) -> None:
                        "--hdf5", str(cff / f"{a.kind}.h5"), "--packed", str(packed),
                        "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                        "--latency-samples", str(a.latency_samples),
-                       "--prefetch", str(a.prefetch), "--open-latency-ms", str(a.open_latency_ms)]
+                       "--prefetch", str(a.prefetch), "--open-latency-ms", str(a.open_latency_ms),
+                       "--compute-ms", str(a.compute_ms)]
                 if pfs:
                     cmd.append("--pfs")
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
