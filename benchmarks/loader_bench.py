@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import subprocess
 import sys
 import time
@@ -25,117 +24,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import evict, files_under, machine  # noqa: E402
-
-#: NoPFS Sec. 6.1 (Lassen): aggregate PFS read bandwidth with n concurrent readers, MB/s
-LASSEN_MBPS = {1: 330, 2: 730, 4: 1540, 8: 2870}
-
-
-# -- emulated parallel file system ----------------------------------------------------------
-class EmulatedPFS:
-    """Adds ``open_latency`` per open and caps each reader at ``t(n)/n`` bytes/s, n = the
-    number of concurrent readers (ranks), by sleeping the difference after real reads."""
-
-    def __init__(self, readers: int, open_latency: float) -> None:
-        n = max(k for k in LASSEN_MBPS if k <= max(readers, 1))
-        self.rate = LASSEN_MBPS[n] * 1e6 * (readers / n if readers > n else 1) / readers
-        self.open_latency = open_latency
-
-    def charge(self, nbytes: int, opens: int, elapsed: float) -> None:
-        need = opens * self.open_latency + nbytes / self.rate
-        if need > elapsed:
-            time.sleep(need - elapsed)
-
-
-PFS: "EmulatedPFS | None" = None
-
-
-def _read_file(path: Path) -> bytes:
-    t0 = time.perf_counter()
-    data = path.read_bytes()
-    if PFS is not None:
-        PFS.charge(len(data), 1, time.perf_counter() - t0)
-    return data
-
-
-# -- baselines: torch Dataset + DistributedSampler -------------------------------------------
-def list_collate(samples):
-    """What a user does without forebay (PyG Batch.from_data_list in spirit): a
-    per-sample loop concatenating node and edge fields, shifting edge indices."""
-    import torch
-
-    xs, pos, ei, ea, ys, batch = [], [], [], [], [], []
-    off = 0
-    for k, s in enumerate(samples):
-        n = s["x"].shape[0]
-        xs.append(torch.as_tensor(s["x"]))
-        pos.append(torch.as_tensor(s["pos"]))
-        ei.append(torch.as_tensor(s["edge_index"]) + off)
-        ea.append(torch.as_tensor(s["edge_attr"]))
-        ys.append(torch.as_tensor(s["y"]))
-        batch.append(torch.full((n,), k, dtype=torch.int64))
-        off += n
-    return {"x": torch.cat(xs), "pos": torch.cat(pos), "edge_index": torch.cat(ei, 1),
-            "edge_attr": torch.cat(ea), "y": torch.stack(ys), "batch": torch.cat(batch)}
-
-
-def pff_dataset(root: Path):
-    import torch
-
-    files = sorted(root.glob("*.pkl"))
-
-    class PFF(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(files)
-
-        def __getitem__(self, i):
-            return pickle.loads(_read_file(files[i]))
-    return PFF(), files
-
-
-def hdf5_dataset(path: Path):
-    import h5py
-    import torch
-
-    class CFF(torch.utils.data.Dataset):
-        def __init__(self):
-            self.f = None  # opened lazily in the reading process, never before a fork
-
-        def _open(self):
-            self.f = h5py.File(path, "r")
-            self.names = [n for n in self.f if not n.endswith("_offsets")]
-            self.offs = {n: self.f[n + "_offsets"][:] for n in self.names
-                         if n + "_offsets" in self.f}
-            self.axes = {n: int(self.f[n + "_offsets"].attrs.get("axis", 0)) for n in self.offs}
-            self.rows = self.f[self.names[0]].shape[0] if self.names[0] not in self.offs else \
-                len(self.offs[self.names[0]]) - 1
-
-        def __len__(self):
-            if self.f is None:
-                self._open()
-            return self.rows
-
-        def __getitem__(self, i):
-            if self.f is None:
-                self._open()
-            t0 = time.perf_counter()
-            out, nbytes = {}, 0
-            for n in self.names:
-                d = self.f[n]
-                if n in self.offs:
-                    a, b = self.offs[n][i], self.offs[n][i + 1]
-                    out[n] = d[:, a:b] if self.axes[n] == 1 else d[a:b]
-                else:
-                    out[n] = d[i]
-                nbytes += out[n].nbytes
-            if PFS is not None:
-                PFS.charge(nbytes, 0, time.perf_counter() - t0)
-            return out
-    return CFF(), [path]
-
+import _baselines  # noqa: E402
+from _baselines import EmulatedPFS, hdf5_dataset, list_collate, pff_dataset  # noqa: E402
 
 # -- one rank's work ---------------------------------------------------------------------------
 def worker(a) -> None:
-    global PFS
     import torch
     from mpi4py import MPI
 
@@ -145,7 +38,7 @@ def worker(a) -> None:
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
     if a.pfs:
-        PFS = EmulatedPFS(world, a.open_latency_ms / 1e3)
+        _baselines.PFS = EmulatedPFS(world, a.open_latency_ms / 1e3)
     bs, epochs = a.batch_size, a.epochs
     rng = np.random.default_rng(100 + rank)
     res = {"contender": a.contender, "ranks": world, "batch_size": bs, "pfs": a.pfs,
@@ -196,20 +89,24 @@ def worker(a) -> None:
         res["preload_s"] = 0.0
     elif a.contender.startswith("forebay"):
         width = None if a.width == 0 else a.width
+        transport = "rma" if a.contender == "forebay-rma" else "auto"
         evict_all(files_under(Path(a.packed)))
         comm.Barrier()
         t0 = time.perf_counter()
+        # "rma" forces the cross-node path (MPI_Get) on this single node
         dl = DataLoader(a.packed, bs, comm=comm, seed=0, epochs=epochs, width=width,
-                        prefetch=a.prefetch, progress=False)
+                        transport=transport, prefetch=a.prefetch, progress=False)
         res["preload_s"] = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        res["width"] = dl.store.width
-        lat, remote = [], 0
-        owners = dl.store.owner(lat_ids)
-        for i in lat_ids.tolist():
+        res["width"], res["transport"] = dl.store.width, dl.store.transport
+        # DDStore Table 2: one sample at a time, from a peer's memory when width > 1
+        owners = dl.store.owner(np.arange(n))
+        pool = np.flatnonzero(owners != rank) if dl.store.width > 1 else np.arange(n)
+        lat = []
+        for i in rng.choice(pool, a.latency_samples, replace=False).tolist():
             t0 = time.perf_counter()
             dl.store.get_many([i])
             lat.append(time.perf_counter() - t0)
-        res["remote_fraction"] = float((owners != rank).mean())
+        res["latency_of"] = "remote samples" if dl.store.width > 1 else "local samples"
 
         def it(e):
             dl.set_epoch(e)
@@ -298,7 +195,7 @@ def main(argv=None) -> None:
           f"{a.compute_ms} ms/step", flush=True)
     results = []
     for ranks in [int(r) for r in a.ranks.split(",")]:
-        contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0)]
+        contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0), ("forebay-rma", 0)]
         if ranks > 2:
             contenders.append(("forebay", 2))
         else:
@@ -324,22 +221,22 @@ def main(argv=None) -> None:
                 r = json.loads(next(line for line in p.stdout.splitlines()
                                     if line.startswith("RESULT "))[7:])
                 results.append(r)
-                label = name + (f" width={r.get('width')}" if name == "forebay" else "")
+                label = name + (f" width={r.get('width')}" if name.startswith("forebay") else "")
                 print(f"  {ranks} ranks {'PFS ' if pfs else ''}{label:<18} latency p50 "
                       f"{r['lat_p50_ms']:.3f} ms p99 {r['lat_p99_ms']:.3f} ms   epoch "
                       f"{r['samples_per_s']:,.0f} samples/s"
-                      + (f" (preload {r['preload_s']:.1f} s)" if name == "forebay" else ""),
+                      + (f" (preload {r['preload_s']:.1f} s)" if name.startswith("forebay") else ""),
                       flush=True)
     print("\n| ranks | storage | loader | sample latency p50 / p95 / p99 ms | epoch samples/s "
           "| vs PFF | vs HDF5 | vs no-I/O bound | preload s |\n|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         same = [x for x in results if x["ranks"] == r["ranks"] and x["pfs"] == r["pfs"]]
-        base = {x["contender"]: x["samples_per_s"] for x in same if x["contender"] != "forebay"}
+        base = {x["contender"]: x["samples_per_s"] for x in same}
         bound = next((x["samples_per_s"] for x in results if x["ranks"] == r["ranks"]
                       and x["contender"] == "no-io"), None)
         name = {"pff": "torch DataLoader, PFF pickles", "hdf5": "torch DataLoader, HDF5",
                 "no-io": "no-I/O bound (batches in memory)"}.get(
-            r["contender"], f"forebay preload, width {r.get('width')}")
+            r["contender"], f"forebay preload, width {r.get('width')}, {r.get('transport')}")
         print(f"| {r['ranks']} | {'emulated PFS' if r['pfs'] else 'local disk, cold'} | {name} | "
               f"{r['lat_p50_ms']:.3f} / {r['lat_p95_ms']:.3f} / {r['lat_p99_ms']:.3f} | "
               f"{r['samples_per_s']:,.0f} | {r['samples_per_s'] / base['pff']:.1f}x | "

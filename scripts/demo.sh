@@ -20,3 +20,9 @@ forebay verify "$OUT/ising.fb"
 step "5. random-access read benchmark: PFF pickles vs HDF5 vs MuMMI NPZ vs packed"
 python benchmarks/format_bench.py --out "$OUT/bench" --samples 5000 --reads 1000 \
     --mummi-samples 1024 --mummi-reads 100
+
+step "6. the access-frequency analysis NoPFS builds on (ImageNet-1k, 16 workers, 90 epochs)"
+forebay plan --samples 1281167 --world 16 --epochs 90 --delta 0.8
+
+step "7. train a small graph network for 2 epochs on 2 MPI ranks: forebay loader vs torch DataLoader over PFF"
+mpiexec -n 2 python benchmarks/train_gnn.py --packed "$OUT/ising.fb" --pff "$OUT/ising-pff" --epochs 2

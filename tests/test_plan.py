@@ -29,7 +29,7 @@ def test_same_arguments_same_plan():
 
 
 @pytest.mark.parametrize("n, world, batch", [(1000, 4, 16), (1024, 4, 16), (37, 3, 5),
-                                             (10, 4, 8)])
+                                             (10, 4, 8), (10, 4, 10)])
 def test_every_sample_each_epoch_with_documented_padding(n, world, batch):
     plan = AccessPlan(n, world, batch, epochs=2, seed=1)
     for e in range(2):
@@ -95,6 +95,7 @@ def test_monte_carlo_agrees_with_the_binomial():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(num_samples=10, world_size=2, batch_size=8, epochs=1, drop_last=True), "larger than"),
+    (dict(num_samples=10, world_size=1, batch_size=11, epochs=1), "batch_size 11 is larger"),
     (dict(num_samples=10, world_size=0, batch_size=8, epochs=1), "world_size"),
     (dict(num_samples=0, world_size=1, batch_size=8, epochs=1), "num_samples"),
     (dict(num_samples=10, world_size=1, batch_size=-1, epochs=1), "batch_size"),

@@ -85,6 +85,9 @@ class AccessPlan:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.batch_size > self.num_samples:
+            raise ValueError(f"batch_size {self.batch_size} is larger than the dataset "
+                             f"({self.num_samples} samples)")
         if self.drop_last and self.global_batch > self.num_samples:
             raise ValueError(f"the global batch ({self.batch_size} x {self.world_size} ranks = "
                              f"{self.global_batch}) is larger than the dataset "

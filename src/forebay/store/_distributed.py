@@ -105,7 +105,8 @@ class StoreLayout:
 
 
 class DistributedStore:
-    """The dataset striped over ranks' memory, read with MPI one-sided RMA.
+    """The dataset striped over ranks' memory, read through MPI windows (shared memory
+    within a node, one-sided RMA across nodes).
 
     Args:
         dataset: a :class:`~forebay.dataset.PackedDataset` or its path.
@@ -170,6 +171,7 @@ class DistributedStore:
             if width not in (None, 1):
                 raise StoreError(f"width={width} needs MPI; without it the world is 1 rank")
             self.width, self.group, self.member, self.group_comm = 1, 0, 0, None
+            self.group_ranks = np.zeros(1, dtype=np.int64)
             return
         from mpi4py import MPI
 
@@ -196,6 +198,8 @@ class DistributedStore:
             self.group = self.rank // w
             self.group_comm = self.comm.Split(color=self.group, key=self.rank)
         self.member = self.group_comm.Get_rank()
+        #: world rank of each member of this rank's group
+        self.group_ranks = np.array(self.group_comm.allgather(self.rank), dtype=np.int64)
 
     def _choose_transport(self, asked: str) -> str:
         if self.group_comm is None or self.width == 1:
@@ -354,9 +358,7 @@ class DistributedStore:
 
     def owner(self, ids: "Sequence[int] | np.ndarray") -> np.ndarray:
         """World rank that serves each id to this rank (a member of this rank's group)."""
-        ids = self.ds.normalize_ids(ids)
-        return self.group * self.width + self.layout.member[ids] if self.comm is not None \
-            else np.zeros(len(ids), dtype=np.int64)
+        return self.group_ranks[self.layout.member[self.ds.normalize_ids(ids)]]
 
     def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None) -> SampleBatch:
         """Samples ``ids`` as a :class:`SampleBatch`, bit-exact to the dataset's own

@@ -41,7 +41,8 @@ class DataLoader:
         mode: ``"preload"`` (default) keeps the dataset in the ranks' memory in a
             :class:`~forebay.store.DistributedStore` (``width`` ranks per replica);
             ``"direct"`` reads each batch from the memory-mapped shards.
-        width, node_aware: replica groups of the store.
+        width, node_aware, transport: replica groups of the store and how peers' memory
+            is read (see :class:`~forebay.store.DistributedStore`).
 
     What comes out:
         collate_fn: ``f(SampleBatch) -> batch``; default :func:`default_collate` (dense
@@ -59,7 +60,8 @@ class DataLoader:
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", batch_size: int, *,
                  comm: Any = None, seed: int = 0, epochs: int = 1, shuffle: bool = True,
                  drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
-                 node_aware: bool = False, collate_fn: Optional[Callable] = None,
+                 node_aware: bool = False, transport: str = "auto",
+                 collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: int = 4,
                  pin_memory: bool = False, progress: Any = None) -> None:
         if mode not in MODES:
@@ -72,7 +74,8 @@ class DataLoader:
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
         self.store: Optional[DistributedStore] = (
-            DistributedStore(self.ds, self.comm, width, node_aware=node_aware, progress=progress)
+            DistributedStore(self.ds, self.comm, width, node_aware=node_aware,
+                             transport=transport, progress=progress)
             if mode == "preload" else None)
         self.collate_fn = collate_fn
         self.transform = transform
