@@ -1,7 +1,8 @@
 """Access plans: every rank's access stream, for every epoch, from the seed alone.
 
-The shuffle is a pure function of ``(seed, epoch)``, computed with integer hashing in
-numpy (no dependence on a random-number library's stream), so every rank of every
+The shuffle is a pure function of ``(seed, epoch)``: a keyed Feistel bijection of the
+positions, computed with integer arithmetic in numpy (no dependence on a random-number
+library's stream, O(F) per epoch, invertible per sample), so every rank of every
 job on every machine derives the same epochs without communication.  This is what
 makes placement, prefetching and caching *clairvoyant* (NoPFS): any rank knows what
 any rank will read, and when.
@@ -29,7 +30,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-__all__ = ["AccessPlan", "frequency_tail", "frequency_tail_monte_carlo", "permutation"]
+__all__ = ["AccessPlan", "frequency_tail", "frequency_tail_monte_carlo", "permutation",
+           "positions"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -50,12 +52,73 @@ def _epoch_key(seed: int, epoch: int) -> np.uint64:
     return k[0]
 
 
+_ROUNDS = 4
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_S29 = np.uint64(29)
+
+
+class _Feistel:
+    """A keyed bijection of ``range(n)``: a balanced Feistel network on the smallest
+    even number of bits covering n, with cycle walking for values >= n.  Vectorized,
+    O(n) for a whole epoch, and invertible, so one sample's position is O(1)."""
+
+    def __init__(self, n: int, key: np.uint64) -> None:
+        bits = max(2, int(n - 1).bit_length())
+        bits += bits % 2
+        self.n = n
+        self.half = np.uint64(bits // 2)
+        self.mask = np.uint64((1 << (bits // 2)) - 1)
+        with np.errstate(over="ignore"):
+            self.keys = _splitmix64(np.arange(_ROUNDS, dtype=np.uint64) + key)
+
+    def _round(self, r: np.ndarray, k: np.uint64) -> np.ndarray:
+        # multiply-xorshift of the keyed half: cheap, and mixes every input bit upward
+        with np.errstate(over="ignore"):
+            h = (r ^ k) * _MIX
+        h ^= h >> _S29
+        return (h >> np.uint64(16)) & self.mask
+
+    def _enc(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ self._round(right, k)
+        return (left << self.half) | right
+
+    def _dec(self, y: np.ndarray) -> np.ndarray:
+        left, right = y >> self.half, y & self.mask
+        for k in self.keys[::-1]:
+            left, right = right ^ self._round(left, k), left
+        return (left << self.half) | right
+
+    def _walk(self, x: np.ndarray, step) -> np.ndarray:
+        y = step(x.astype(np.uint64))
+        out = y >= self.n
+        while out.any():
+            y[out] = step(y[out])
+            out = y >= self.n
+        return y.astype(np.int64)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return self._walk(np.asarray(x), self._enc)
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        return self._walk(np.asarray(y), self._dec)
+
+
+def _feistel(num_samples: int, seed: int, epoch: int) -> _Feistel:
+    return _Feistel(num_samples, _epoch_key(seed, epoch))
+
+
 def permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The epoch's shuffle of ``range(num_samples)``: argsort of distinct 64-bit hashes
-    (SplitMix64 is a bijection, so there are no ties).  Identical on every platform."""
-    with np.errstate(over="ignore"):
-        keys = _splitmix64(np.arange(num_samples, dtype=np.uint64) ^ _epoch_key(seed, epoch))
-    return np.argsort(keys, kind="stable").astype(np.int64)
+    """The epoch's shuffle of ``range(num_samples)``: entry p is the sample read at
+    position p.  A keyed Feistel bijection of the positions, so the whole epoch costs
+    O(F) and identical integer arithmetic on every platform."""
+    return _feistel(num_samples, seed, epoch).forward(np.arange(num_samples, dtype=np.uint64))
+
+
+def positions(num_samples: int, seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`permutation` for some ids: where each is read in the epoch."""
+    return _feistel(num_samples, seed, epoch).inverse(np.asarray(ids, dtype=np.uint64))
 
 
 @dataclass(frozen=True)
