@@ -178,27 +178,39 @@ class AccessPlan:
             raise ValueError(f"epoch {epoch} out of range for {self.epochs} epochs")
 
     # -- streams --------------------------------------------------------------------
+    def _ids_at(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """Sample ids read at positions ``pos`` of the epoch (positions past the
+        dataset wrap around: the padding repeats the epoch's first samples)."""
+        pos = np.asarray(pos, dtype=np.int64) % self.num_samples
+        if not self.shuffle:
+            return pos
+        return _feistel(self.num_samples, self.seed, epoch).forward(pos)
+
+    def position(self, epoch: int, ids: "np.ndarray | list[int]") -> np.ndarray:
+        """Where each sample is first read in the epoch's order (``-1``: dropped)."""
+        self._check(None, epoch)
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = positions(self.num_samples, self.seed, epoch, ids) if self.shuffle else ids.copy()
+        pos[pos >= self.steps_per_epoch * self.global_batch] = -1
+        return pos
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The epoch's full order of sample ids (the permutation, padded or truncated
         to whole global batches)."""
         self._check(None, epoch)
-        perm = (permutation(self.num_samples, self.seed, epoch) if self.shuffle
-                else np.arange(self.num_samples, dtype=np.int64))
-        total = self.steps_per_epoch * self.global_batch
-        if total <= self.num_samples:
-            return perm[:total]
-        reps = -(-total // self.num_samples)
-        return np.tile(perm, reps)[:total]
+        return self._ids_at(epoch, np.arange(self.steps_per_epoch * self.global_batch))
 
     def global_batches(self, epoch: int) -> np.ndarray:
         """``int64[steps, global_batch]``: the global batches of the epoch."""
         return self.epoch_order(epoch).reshape(self.steps_per_epoch, self.global_batch)
 
     def batches(self, rank: int, epoch: int) -> np.ndarray:
-        """``int64[steps, batch_size]``: rank's batches in the epoch, in order."""
+        """``int64[steps, batch_size]``: rank's batches in the epoch, in order.  Costs
+        O(steps * batch_size): only this rank's positions are computed."""
         self._check(rank, epoch)
-        g = self.global_batches(epoch)
-        return np.ascontiguousarray(g[:, rank * self.batch_size:(rank + 1) * self.batch_size])
+        pos = (np.arange(self.steps_per_epoch, dtype=np.int64)[:, None] * self.global_batch
+               + rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64))
+        return self._ids_at(epoch, pos)
 
     def stream(self, rank: int, epoch: int) -> np.ndarray:
         """Rank's sample ids in the order it reads them in the epoch."""

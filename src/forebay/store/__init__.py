@@ -2,5 +2,7 @@
 
 from ._distributed import DistributedStore, StoreError, StoreLayout, default_comm
 from ._memory import available_memory
+from ._placement import Placement, compute_placement
 
-__all__ = ["DistributedStore", "StoreError", "StoreLayout", "available_memory", "default_comm"]
+__all__ = ["DistributedStore", "Placement", "StoreError", "StoreLayout", "available_memory",
+           "compute_placement", "default_comm"]
