@@ -104,6 +104,34 @@ class StoreLayout:
                      "len": run_len, "base": run_base}
 
 
+def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
+            length: np.ndarray, pos: np.ndarray) -> None:
+    """Fetch byte ranges of other ranks' windows into ``stage`` with one ``MPI_Get`` per
+    target rank (an hindexed datatype covering all its ranges) and one flush.
+
+    ``target``, ``disp``, ``length``, ``pos``: per range, sorted by target: the rank,
+    the displacement in its window, the byte count and where it goes in ``stage``
+    (each target's ranges are contiguous in ``stage``, in order)."""
+    from mpi4py import MPI
+
+    owners, first = np.unique(target, return_index=True)
+    ends = np.append(first[1:], len(target))
+    types = []
+    try:
+        for t, a, b in zip(owners.tolist(), first.tolist(), ends.tolist()):
+            nbytes = int(length[a:b].sum())
+            if nbytes == 0:
+                continue
+            dtype = MPI.BYTE.Create_hindexed(length[a:b].tolist(), disp[a:b].tolist()).Commit()
+            types.append(dtype)
+            p0 = int(pos[a])
+            win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t, [0, 1, dtype])
+        win.Flush_all()
+    finally:
+        for dtype in types:
+            dtype.Free()
+
+
 class DistributedStore:
     """The dataset striped over ranks' memory, read through MPI windows (shared memory
     within a node, one-sided RMA across nodes).
@@ -141,6 +169,7 @@ class DistributedStore:
         self._win = None
         self._segment = None
         self._closed = False
+        self._fetches = {"local": 0, "peer": 0}
         self._setup_groups(width, node_aware)
         self.transport = self._choose_transport(transport)
         self._check_same_dataset()
@@ -368,6 +397,9 @@ class DistributedStore:
             raise StoreError("the store is closed")
         ids = self.ds.normalize_ids(ids)
         rows = self.ds._index[ids]
+        nlocal = int((self.layout.member[ids] == self.member).sum())
+        self._fetches["local"] += nlocal
+        self._fetches["peer"] += len(ids) - nlocal
         if self.transport == "shm":
             return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
                                   [(self._segment, self._seg_pos[ids], slice(None))], alloc)
@@ -390,33 +422,18 @@ class DistributedStore:
         sorted_len = rlen[order]
         stage_pos[order] = np.cumsum(sorted_len) - sorted_len
         stage = np.empty(int(rlen.sum()), dtype=np.uint8)
-        self._get(stage, rmember[order], roff[order], sorted_len, stage_pos[order])
+        rma_get(self._win, stage, rmember[order], roff[order] + self._shift[rmember[order]],
+                sorted_len, stage_pos[order])
         parts.append((stage, stage_pos, remote))
         return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
 
-    def _get(self, stage: np.ndarray, member: np.ndarray, offset: np.ndarray,
-             length: np.ndarray, pos: np.ndarray) -> None:
-        from mpi4py import MPI
-
-        win = self._win
-        assert win is not None
-        owners, first = np.unique(member, return_index=True)
-        ends = np.append(first[1:], len(member))
-        types = []
-        try:
-            for t, a, b in zip(owners.tolist(), first.tolist(), ends.tolist()):
-                nbytes = int(length[a:b].sum())
-                if nbytes == 0:
-                    continue
-                disp = (offset[a:b] + self._shift[t]).tolist()
-                dtype = MPI.BYTE.Create_hindexed(length[a:b].tolist(), disp).Commit()
-                types.append(dtype)
-                p0 = int(pos[a])
-                win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t, [0, 1, dtype])
-            win.Flush_all()
-        finally:
-            for dtype in types:
-                dtype.Free()
+    def stats(self) -> dict[str, Any]:
+        """``fetches_by_source`` (local memory, a peer's memory), and ``pfs_reads`` /
+        ``pfs_bytes``: what this rank read from the dataset files (its preload)."""
+        mine = self.layout.member == self.member
+        return {"fetches_by_source": dict(self._fetches), "pfs_reads": int(mine.sum()),
+                "pfs_bytes": int(self.ds._index[mine, IndexLayout.REC_LEN].sum()),
+                "preload_seconds": self.preload_seconds}
 
     def close(self) -> None:
         """Release the window (collective over the replica group)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -13,12 +14,24 @@ import torch
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
-from ..store import DistributedStore, default_comm
+from ..store import ClairvoyantStore, DistributedStore, available_memory, default_comm
 from ._collate import collate_samples, default_collate
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
 
-MODES = ("preload", "direct")
+MODES = ("preload", "clairvoyant", "direct")
+
+
+def _default_ram_bytes(comm: Any) -> int:
+    """Half of this node's available memory, shared by the node's ranks."""
+    ranks = 1
+    if comm is not None:
+        from mpi4py import MPI
+
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        ranks = node.Get_size()
+        node.Free()
+    return int((available_memory() or 0) * 0.5 / ranks)
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:
@@ -40,7 +53,12 @@ class DataLoader:
         comm: mpi4py communicator (default: COMM_WORLD under an MPI launcher, else none).
         mode: ``"preload"`` (default) keeps the dataset in the ranks' memory in a
             :class:`~forebay.store.DistributedStore` (``width`` ranks per replica);
+            ``"clairvoyant"`` caches what the access plan says will be needed in a
+            :class:`~forebay.store.ClairvoyantStore` of ``ram_bytes`` per rank, filled
+            in the background (no prestaging; the dataset may exceed memory);
             ``"direct"`` reads each batch from the memory-mapped shards.
+        ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
+            available memory shared by its ranks).
         width, node_aware, transport: replica groups of the store and how peers' memory
             is read (see :class:`~forebay.store.DistributedStore`).
 
@@ -61,6 +79,7 @@ class DataLoader:
                  comm: Any = None, seed: int = 0, epochs: int = 1, shuffle: bool = True,
                  drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
                  node_aware: bool = False, transport: str = "auto",
+                 ram_bytes: Optional[int] = None,
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: int = 4,
                  pin_memory: bool = False, progress: Any = None) -> None:
@@ -73,10 +92,15 @@ class DataLoader:
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
-        self.store: Optional[DistributedStore] = (
-            DistributedStore(self.ds, self.comm, width, node_aware=node_aware,
-                             transport=transport, progress=progress)
-            if mode == "preload" else None)
+        self.store: Any = None
+        if mode == "preload":
+            self.store = DistributedStore(self.ds, self.comm, width, node_aware=node_aware,
+                                          transport=transport, progress=progress)
+        elif mode == "clairvoyant":
+            if ram_bytes is None:
+                ram_bytes = _default_ram_bytes(self.comm)
+            self.store = ClairvoyantStore(self.ds, self.plan, self.comm, ram_bytes=ram_bytes,
+                                          transport=transport)
         self.collate_fn = collate_fn
         self.transform = transform
         self.prefetch = max(0, int(prefetch))
@@ -95,6 +119,9 @@ class DataLoader:
         self.pin_memory = pin_memory
         self.epoch = 0
         self._step = 0  # batches handed out in the current epoch
+        self._stall = 0.0  # seconds the iterating thread waited for a batch
+        self._direct_stats: dict[str, Any] = {"fetches_by_source": {}, "pfs_reads": 0,
+                                              "pfs_bytes": 0}
 
     # -- sizes and state ----------------------------------------------------------------
     def __len__(self) -> int:
@@ -137,6 +164,11 @@ class DataLoader:
         alloc = _pinned_alloc if self.pin_memory else None
         src = self.store if self.store is not None else self.ds
         batch: SampleBatch = src.get_many(ids, alloc=alloc)
+        if self.store is None:
+            d = self._direct_stats
+            d["pfs_reads"] += len(ids)
+            d["pfs_bytes"] += int(self.ds.sample_nbytes[ids].sum())
+            d["fetches_by_source"]["pfs"] = d["fetches_by_source"].get("pfs", 0) + len(ids)
         if self.transform is not None:
             return collate_samples([self.transform(s) for s in batch], self.collate_fn)
         if self.collate_fn is not None:
@@ -153,7 +185,9 @@ class DataLoader:
         batches = self.plan.batches(self.rank, epoch)
         if self.prefetch == 0:
             for step in range(start, len(batches)):
+                t0 = time.perf_counter()
                 out = self._fetch(batches[step])
+                self._stall += time.perf_counter() - t0
                 self._step = step + 1
                 yield out
             return
@@ -184,7 +218,9 @@ class DataLoader:
         t.start()
         try:
             for _ in range(start, len(batches)):
+                t0 = time.perf_counter()
                 step, out, err = q.get()
+                self._stall += time.perf_counter() - t0
                 if err is not None:
                     raise err
                 self._step = step + 1
@@ -192,6 +228,19 @@ class DataLoader:
         finally:
             stop.set()
             t.join()
+
+    def stats(self) -> dict[str, Any]:
+        """Where batches came from and what waiting cost: ``stall_seconds`` (time the
+        iterating thread waited for data), ``fetches_by_source``, ``pfs_reads`` and
+        ``pfs_bytes`` (samples and bytes this rank read from the dataset files)."""
+        base: dict[str, Any] = {"fetches_by_source": {}, "pfs_reads": 0, "pfs_bytes": 0}
+        if self.store is not None:
+            base.update(self.store.stats())
+        else:
+            base.update(self._direct_stats)
+        base["stall_seconds"] = self._stall
+        base["mode"] = self.mode
+        return base
 
     def close(self) -> None:
         """Release the store (collective)."""

@@ -1,0 +1,388 @@
+"""Clairvoyant caching (NoPFS), with exact presence instead of guesses.
+
+Every rank computes the same :class:`~forebay.store.Placement` from the access plan and
+the ranks' RAM capacities.  Each rank's RAM tier is an MPI window filled by a
+background thread in the placement's fill order (its coverage copies by first need,
+then the samples it reads most often), straight from the packed dataset (the parallel
+file system).  After each chunk the thread makes its stores visible (``MPI_Win_sync``)
+and then atomically publishes an 8-byte fill counter at the start of its window.  A
+reader knows a sample at position p of its owner's fill order is fully there iff the
+counter is > p: it reads the counter atomically (``MPI_Fetch_and_op`` with
+``MPI_NO_OP``), keeps the value, and asks again only when it no longer suffices.
+Samples not (yet) cached anywhere are read from the dataset itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..dataset import PackedDataset, SampleBatch, open_dataset
+from ..dataset._batch import assemble_batch, gather_ranges
+from ..dataset._format import ALIGNMENT, IndexLayout
+from ..plan import AccessPlan
+from ._distributed import StoreError, default_comm, rma_get
+from ._placement import RAM, compute_placement
+
+__all__ = ["ClairvoyantStore", "tier_nbytes"]
+
+_HEADER = ALIGNMENT  # the fill counter lives in the first 8 bytes of each rank's window
+_CHUNK_SAMPLES = 64
+_CHUNK_BYTES = 8 << 20
+
+
+def _align(n):
+    return n + (-n) % ALIGNMENT
+
+
+def tier_nbytes(ds: PackedDataset) -> np.ndarray:
+    """Bytes each sample takes in a tier (its record, 64-byte aligned); their sum is
+    what the ranks' tiers need together to hold the whole dataset."""
+    return _align(ds._index[:, IndexLayout.REC_LEN])
+
+
+class ClairvoyantStore:
+    """A RAM tier per rank, filled ahead of need in the order the access plan dictates.
+
+    Args:
+        dataset: a :class:`~forebay.dataset.PackedDataset` or its path (the PFS tier).
+        plan: the run's :class:`~forebay.AccessPlan` (world size = the communicator's).
+        comm: mpi4py communicator (default :func:`default_comm`; None: one rank).
+        ram_bytes: this rank's RAM tier capacity (ranks may differ; exchanged at setup).
+        transport: ``"auto"``, ``"shm"`` or ``"rma"``, as for the DistributedStore.
+        fill: start the background fill thread (False: nothing is cached until
+            :meth:`fill_now`; for tests and benchmarks).
+        peer_wait: seconds the fill may wait for an owner to publish a sample this rank
+            also caches, before reading it from the PFS instead.
+
+    Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
+    """
+
+    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", plan: AccessPlan,
+                 comm: Any = None, *, ram_bytes: int, transport: str = "auto",
+                 fill: bool = True, peer_wait: float = 1.0) -> None:
+        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self.comm = default_comm() if comm is None else comm
+        self.rank = self.comm.Get_rank() if self.comm is not None else 0
+        self.world = self.comm.Get_size() if self.comm is not None else 1
+        self.plan = plan
+        self._win = None
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._stats = {"local": 0, "peer": 0, "pfs": 0}
+        self.pfs_reads = 0
+        self.pfs_bytes = 0
+        self._fill_from_peers = 0
+        self.peer_wait = peer_wait
+        problems = []
+        if plan.world_size != self.world:
+            problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
+        if plan.num_samples != len(self.ds):
+            problems.append(f"the plan covers {plan.num_samples} samples, {self.ds.path} has "
+                            f"{len(self.ds)}")
+        if ram_bytes < 0:
+            problems.append(f"ram_bytes must be >= 0, got {ram_bytes}")
+        self._agree("; ".join(problems) or None)
+        if self.comm is not None:
+            fps = self.comm.allgather(self.ds.fingerprint)
+            if len(set(fps)) > 1:
+                raise StoreError(f"ranks opened different datasets (fingerprints "
+                                 f"{sorted(set(fps))})")
+            rams = np.array(self.comm.allgather(int(ram_bytes)), dtype=np.int64)
+        else:
+            rams = np.array([int(ram_bytes)], dtype=np.int64)
+        self._sizes = tier_nbytes(self.ds)
+        self.placement = compute_placement(plan, self._sizes, rams,
+                                           np.zeros(self.world, np.int64), self.rank)
+        self._layout_offsets()
+        self._choose_transport(transport)
+        self._allocate()
+        if fill:
+            self._thread = threading.Thread(target=self._fill_loop, name="forebay-fill",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- setup ----------------------------------------------------------------------------
+    def _agree(self, message: Optional[str]) -> None:
+        msgs = self.comm.allgather(message) if self.comm is not None else [message]
+        bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
+        if bad:
+            raise StoreError("; ".join(bad[:4]))
+
+    def _layout_offsets(self) -> None:
+        """Byte offset of every coverage copy in its owner's tier, and of this rank's
+        extra copies in its own tier (after its coverage copies)."""
+        p, f = self.placement, len(self.ds)
+        self.cov_off = np.full(f, -1, dtype=np.int64)
+        held = np.flatnonzero((p.owner >= 0) & (p.tier == RAM))
+        o = held[np.lexsort((p.slot[held], p.owner[held]))]
+        own = p.owner[o]
+        cum = np.cumsum(self._sizes[o])
+        starts = np.flatnonzero(np.r_[True, own[1:] != own[:-1]]) if len(o) else o
+        base = np.repeat(cum[starts] - self._sizes[o][starts],
+                         np.diff(np.r_[starts, len(o)])) if len(o) else cum
+        self.cov_off[o] = cum - self._sizes[o] - base
+        order = p.ram_order()
+        self.fill_order = order
+        self._n_own = len(p.own_ram)
+        self.local_off = np.full(f, -1, dtype=np.int64)
+        self.local_pos = np.full(f, -1, dtype=np.int64)
+        ex = p.extra_ram
+        ex_off = int(p.ram_used[self.rank]) + np.cumsum(self._sizes[ex]) - self._sizes[ex]
+        self.local_off[p.own_ram] = self.cov_off[p.own_ram]
+        self.local_off[ex] = ex_off
+        self.local_pos[order] = np.arange(len(order))
+        self.nbytes = int(p.ram_used[self.rank] + self._sizes[ex].sum())
+
+    def _choose_transport(self, asked: str) -> None:
+        if asked not in ("auto", "shm", "rma"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'rma', got {asked!r}")
+        if self.comm is None or self.world == 1:
+            self.transport = "local"
+            return
+        from mpi4py import MPI
+
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        one_node = self.comm.allreduce(node.Get_size() == self.world, op=MPI.LAND)
+        node.Free()
+        if asked == "shm" and not one_node:
+            raise StoreError("transport='shm' needs every rank on one node")
+        self.transport = ("shm" if one_node else "rma") if asked == "auto" else asked
+
+    def _allocate(self) -> None:
+        size = _HEADER + ALIGNMENT + self.nbytes
+        if self.transport == "local":
+            self._raw = np.zeros(size, dtype=np.uint8)
+        else:
+            from mpi4py import MPI
+
+            alloc = MPI.Win.Allocate_shared if self.transport == "shm" else MPI.Win.Allocate
+            self._win = alloc(size, 1, comm=self.comm)
+            self._raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
+            self._raw[:8] = 0
+        shift = _HEADER + (-(self._raw.ctypes.data + _HEADER)) % ALIGNMENT
+        self._buf = self._raw[shift:shift + self.nbytes]
+        self._counter = self._raw[:8].view(np.int64)
+        self._filled = 0
+        self._known = np.zeros(self.world, dtype=np.int64)  # cached peer counters
+        if self._win is None:
+            self._base = np.array([shift], dtype=np.int64)
+            return
+        from mpi4py import MPI
+
+        self._base = np.array(self.comm.allgather(shift), dtype=np.int64)
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._win.Sync()
+        self.comm.Barrier()
+        self._segment = None
+        if self.transport == "shm":
+            import ctypes
+
+            bufs = [np.frombuffer(self._win.Shared_query(m)[0], dtype=np.uint8)
+                    for m in range(self.world)]
+            addrs = np.array([b.ctypes.data for b in bufs], dtype=np.int64)
+            contiguous = all(addrs[m + 1] == addrs[m] + len(bufs[m])
+                             for m in range(self.world - 1))
+            if self.comm.allreduce(contiguous, op=MPI.LAND):
+                total = int(addrs[-1] + len(bufs[-1]) - addrs[0])
+                self._segment = np.ctypeslib.as_array(
+                    (ctypes.c_uint8 * total).from_address(int(addrs[0])))
+                self._seg_base = addrs - addrs[0]
+            else:
+                self.transport = "rma"
+
+    # -- filling ----------------------------------------------------------------------------
+    def _record_parts(self, ids: np.ndarray, rows: np.ndarray):
+        """Parts for assemble_batch / gathers that read records from the dataset."""
+        shard = self.ds._shard_of[ids]
+        rec = rows[:, IndexLayout.REC_OFF]
+        parts = []
+        for s in np.unique(shard).tolist():
+            sel = shard == s
+            src = self.ds._map(s)
+            self.ds._prefetch(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
+            parts.append((src, rec[sel], sel))
+        return parts
+
+    def fill_now(self, limit: Optional[int] = None) -> int:
+        """Fill (more of) this rank's tier in the calling thread; returns samples filled."""
+        order = self.fill_order
+        end = len(order) if limit is None else min(len(order), self._filled + limit)
+        start = self._filled
+        while self._filled < end and not self._stop.is_set():
+            a = self._filled
+            b = min(end, a + _CHUNK_SAMPLES)
+            cum = np.cumsum(self._sizes[order[a:b]])
+            b = a + max(1, int(np.searchsorted(cum, _CHUNK_BYTES, side="right")))
+            if a < self._n_own:  # coverage copies and extra copies never share a chunk
+                b = min(b, self._n_own)
+            ids = order[a:b]
+            rows = self.ds._index[ids]
+            dst = self.local_off[ids]
+            # extra copies come from their owner's tier when it has them (waiting a
+            # little for an owner still filling), so the PFS serves each sample once
+            from_peer = self._present(ids, wait=self.peer_wait) if a >= self._n_own else \
+                np.zeros(len(ids), dtype=bool)
+            if from_peer.any():
+                src, rec, sel = self._peer_part(ids, rows, from_peer)
+                gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], self._buf, dst[sel])
+            rest = np.flatnonzero(~from_peer)
+            for src, rec, sel in self._record_parts(ids[rest], rows[rest]):
+                gather_ranges(src, rec, rows[rest][sel, IndexLayout.REC_LEN], self._buf,
+                              dst[rest][sel])
+            self._publish(b)
+            with self._lock:
+                self.pfs_reads += len(rest)
+                self.pfs_bytes += int(rows[rest, IndexLayout.REC_LEN].sum())
+                self._fill_from_peers += int(from_peer.sum())
+        return self._filled - start
+
+    def _publish(self, count: int) -> None:
+        """Make the filled bytes visible, then move the counter (never the reverse)."""
+        if self._win is not None:
+            from mpi4py import MPI
+
+            self._win.Sync()
+            self._win.Accumulate([np.array([count], dtype=np.int64), MPI.INT64_T], self.rank,
+                                 [0, 1, MPI.INT64_T], MPI.REPLACE)
+            self._win.Flush(self.rank)
+        else:
+            self._counter[0] = count
+        self._filled = count
+
+    def _fill_loop(self) -> None:
+        try:
+            self.fill_now()
+        except BaseException as e:  # surfaced by the next get_many
+            self._fill_error = e
+
+    @property
+    def filled(self) -> int:
+        """Samples of this rank's fill order already in its tier."""
+        return self._filled
+
+    def wait_filled(self, timeout: Optional[float] = None) -> bool:
+        """Block until this rank's tier is full (True) or ``timeout`` passes."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return self._filled == len(self.fill_order)
+
+    def _peer_part(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
+        """(src, record starts, sel): where the selected samples' records are in
+        their owners' tiers (the mapped shared segment, or staged with MPI_Get)."""
+        o = self.placement.owner[ids[sel]].astype(np.int64)
+        disp = self._base[o] + self.cov_off[ids[sel]]
+        if self.transport == "shm" and self._segment is not None:
+            return self._segment, self._seg_base[o] + disp, sel
+        ln = rows[sel, IndexLayout.REC_LEN]
+        srt = np.argsort(o, kind="stable")
+        pos = np.empty(len(o), dtype=np.int64)
+        pos[srt] = np.cumsum(ln[srt]) - ln[srt]
+        stage = np.empty(int(ln.sum()), dtype=np.uint8)
+        rma_get(self._win, stage, o[srt], disp[srt], ln[srt], pos[srt])
+        return stage, pos, sel
+
+    def _present(self, ids: np.ndarray, wait: float = 0.0) -> np.ndarray:
+        """Which ids are complete in their owner's tier (owner != this rank), refreshing
+        a cached counter only when it no longer suffices; polls up to ``wait`` s."""
+        p = self.placement
+        owner, slots = p.owner[ids], p.slot[ids]
+        cand = (owner >= 0) & (owner != self.rank) & (p.tier[ids] == RAM)
+        if self._win is None or not cand.any():
+            return np.zeros(len(ids), dtype=bool)
+        deadline = time.perf_counter() + wait
+        while True:
+            for o in np.unique(owner[cand]).tolist():
+                sel = cand & (owner == o)
+                if self._known[o] <= slots[sel].max():
+                    self._known[o] = self._peer_counter(o)
+            ok = cand & (slots < self._known[np.maximum(owner, 0)])
+            if ok.sum() == cand.sum() or time.perf_counter() >= deadline or self._stop.is_set():
+                return ok
+            time.sleep(0.001)
+
+    def _peer_counter(self, rank: int) -> int:
+        from mpi4py import MPI
+
+        result = np.zeros(1, dtype=np.int64)
+        self._win.Fetch_and_op([np.zeros(1, dtype=np.int64), MPI.INT64_T],
+                               [result, MPI.INT64_T], rank, 0, MPI.NO_OP)
+        self._win.Flush(rank)
+        self._win.Sync()  # later loads of the peer's data see what preceded the counter
+        return int(result[0])
+
+    # -- reading ------------------------------------------------------------------------------
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None) -> SampleBatch:
+        """Samples ``ids``: from this rank's tier, a peer's, or the dataset, whichever
+        holds them now; bit-exact to the dataset's ``get_many``."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        err = getattr(self, "_fill_error", None)
+        if err is not None:
+            raise StoreError(f"the fill thread failed: {err}") from err
+        ids = self.ds.normalize_ids(ids)
+        rows = self.ds._index[ids]
+        p = self.placement
+        local = (self.local_pos[ids] >= 0) & (self.local_pos[ids] < self._filled)
+        peer = ~local & self._present(ids)
+        pfs = ~local & ~peer
+        parts = []
+        if local.any():
+            parts.append((self._buf, self.local_off[ids][local], local))
+        if peer.any():
+            parts.append(self._peer_part(ids, rows, peer))
+        if pfs.any():
+            pidx = np.flatnonzero(pfs)
+            for src, rec, sel in self._record_parts(ids[pidx], rows[pidx]):
+                mask = np.zeros(len(ids), dtype=bool)
+                mask[pidx[sel]] = True
+                parts.append((src, rec, mask))
+        n_pfs = int(pfs.sum())
+        with self._lock:
+            self._stats["local"] += int(local.sum())
+            self._stats["peer"] += int(peer.sum())
+            self._stats["pfs"] += n_pfs
+            self.pfs_reads += n_pfs
+            self.pfs_bytes += int(rows[pfs, IndexLayout.REC_LEN].sum())
+        return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
+
+    def stats(self) -> dict[str, Any]:
+        """Reads by source since setup: ``fetches_by_source`` (local tier, peer tier,
+        PFS), ``pfs_reads``/``pfs_bytes`` (fills included), fill progress."""
+        with self._lock:
+            return {"fetches_by_source": dict(self._stats), "pfs_reads": self.pfs_reads,
+                    "pfs_bytes": self.pfs_bytes, "filled": self._filled,
+                    "filled_from_peers": self._fill_from_peers,
+                    "fill_total": len(self.fill_order), "tier_bytes": self.nbytes}
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def close(self) -> None:
+        """Stop filling and free the window (collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._win is not None:
+            if self.comm is not None:
+                self.comm.Barrier()  # nobody reads our window any more
+            self._segment = None
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win = None
+
+    def __enter__(self) -> "ClairvoyantStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,130 @@
+"""ClairvoyantStore under mpiexec: bit-exact through every source, exact presence, one PFS
+read per sample when the tiers hold the dataset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.store import ClairvoyantStore, StoreError
+from conftest import run_mpi
+
+pytest.importorskip("mpi4py")
+pytestmark = pytest.mark.mpi
+
+PARTIAL = """
+    import sys, threading, time
+    import numpy as np
+    from mpi4py import MPI
+    import forebay
+    from forebay.store import ClairvoyantStore, tier_nbytes
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(sys.argv[1])
+    plan = forebay.AccessPlan(len(ds), comm.size, 8, 3, seed=1)
+    for transport in ("shm", "rma"):
+        for share in (0.9, 0.3):  # tiers hold most / a third of the dataset
+            ram = int(tier_nbytes(ds).sum() * share / comm.size)
+            st = ClairvoyantStore(ds, plan, comm, ram_bytes=ram, transport=transport,
+                                  fill=False)
+            assert st.transport == transport
+            # a slow fill races the reads: a sample is served from a tier only once the
+            # owner's counter says it is complete, so every batch stays bit-exact
+            def slow():
+                while st.fill_now(limit=3):
+                    time.sleep(0.002)
+            t = threading.Thread(target=slow)
+            t.start()
+            checked = 0
+            for e in range(3):
+                for ids in plan.batches(comm.rank, e):
+                    assert st.get_many(ids).equals(ds.get_many(ids)), (transport, share, e)
+                    checked += 1
+            t.join()
+            comm.Barrier()
+            for ids in plan.batches(comm.rank, 2):  # all filled now
+                assert st.get_many(ids).equals(ds.get_many(ids))
+            s = st.stats()
+            src = comm.allreduce(np.array([s["fetches_by_source"][k] for k in
+                                           ("local", "peer", "pfs")]))
+            say(f"rank {comm.rank} {transport} {share} ok {checked} sources {src.tolist()}")
+            st.close()
+"""
+
+EXACT = """
+    import sys
+    from mpi4py import MPI
+    import forebay
+    from forebay.store import tier_nbytes
+    from forebay.torch import DataLoader
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(sys.argv[1])
+    need = int(tier_nbytes(ds).sum())
+    dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=3, mode="clairvoyant",
+                    ram_bytes=int(need * 1.2 / comm.size),
+                    collate_fn=lambda b: b)
+    assert dl.store.placement.covered == 1.0
+    assert dl.store.wait_filled(timeout=60)
+    comm.Barrier()  # fills finished before use
+    for e in range(3):
+        dl.set_epoch(e)
+        for step, batch in enumerate(dl):
+            ids = dl.plan.batches(comm.rank, e)[step]
+            assert batch.equals(ds.get_many(ids))
+    s = dl.stats()
+    total = comm.allreduce(s["pfs_reads"])
+    say(f"rank {comm.rank} pfs_reads_total {total} samples {len(ds)} "
+        f"sources {s['fetches_by_source']} stall {s['stall_seconds'] >= 0}")
+    dl.close()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_bit_exact_while_filling(packed, ranks):
+    p = run_mpi(ranks, PARTIAL, packed[0], timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ok = [line for line in p.stdout.splitlines() if " ok " in line]
+    assert len(ok) == 4 * ranks
+    # every source was exercised: local tier, a peer's tier and the PFS
+    for line in ok:
+        local, peer, pfs = eval(line.split("sources ")[1])
+        assert local > 0 and peer > 0 and pfs > 0, line
+
+
+def test_one_pfs_read_per_sample_when_tiers_hold_the_dataset(packed):
+    p = run_mpi(2, EXACT, packed[0], timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line for line in p.stdout.splitlines() if "pfs_reads_total" in line]
+    assert len(lines) == 2
+    n = len(packed[1])
+    assert all(f"pfs_reads_total {n} samples {n}" in line for line in lines), lines
+    assert all("'pfs': 0" in line for line in lines)
+
+
+def test_single_process_and_bad_arguments(packed):
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    plan = forebay.AccessPlan(len(ds), 1, 16, 2, seed=0)
+    from forebay.store import tier_nbytes
+
+    with ClairvoyantStore(ds, plan, comm=None, ram_bytes=int(tier_nbytes(ds).sum()) // 3) as st:
+        assert st.transport == "local" and 0 < st.placement.covered < 1
+        assert st.wait_filled(timeout=30)
+        for e in range(2):
+            for ids in plan.batches(0, e):
+                assert st.get_many(ids).equals(ds.get_many(ids))
+        s = st.stats()
+        assert s["fetches_by_source"]["local"] > 0 and s["fetches_by_source"]["pfs"] > 0
+        assert s["pfs_reads"] == s["filled"] + s["fetches_by_source"]["pfs"]
+    with pytest.raises(StoreError, match="the plan is for 2 ranks"):
+        ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 2, 4, 1), comm=None, ram_bytes=10)
+    with pytest.raises(StoreError, match="ram_bytes must be >= 0"):
+        ClairvoyantStore(ds, plan, comm=None, ram_bytes=-1)
+    with pytest.raises(StoreError, match="covers 10 samples"):
+        ClairvoyantStore(ds, forebay.AccessPlan(10, 1, 4, 1), comm=None, ram_bytes=10)
+    zero = ClairvoyantStore(ds, plan, comm=None, ram_bytes=0)
+    assert zero.get_many([1, 2]).equals(ds.get_many([1, 2]))
+    assert zero.stats()["fetches_by_source"]["pfs"] == 2
+    zero.close()
