@@ -93,25 +93,48 @@ def worker(a) -> None:
         evict_all(files_under(Path(a.packed)))
         comm.Barrier()
         t0 = time.perf_counter()
+        hook = None
+        if _baselines.PFS is not None:  # the store's reads of the files pay the same PFS
+            hook = lambda nbytes, n, dt: _baselines.PFS.charge(nbytes, 0, dt)  # noqa: E731
+        mode, ram = "preload", None
+        if a.contender.startswith("forebay-cv"):  # clairvoyant, RAM tiers sized by share
+            from forebay.store import tier_nbytes
+
+            share = float(a.contender.split(":")[1])
+            mode = "clairvoyant"
+            ram = int(tier_nbytes(forebay.open_dataset(a.packed)).sum() * share / world)
+            transport = "auto"
         # "rma" forces the cross-node path (MPI_Get) on this single node
         dl = DataLoader(a.packed, bs, comm=comm, seed=0, epochs=epochs, width=width,
-                        transport=transport, prefetch=a.prefetch, progress=False)
+                        transport=transport, prefetch=a.prefetch, progress=False,
+                        mode=mode, ram_bytes=ram, on_pfs_read=hook)
         res["preload_s"] = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        res["width"], res["transport"] = dl.store.width, dl.store.transport
-        # DDStore Table 2: one sample at a time, from a peer's memory when width > 1
-        owners = dl.store.owner(np.arange(n))
-        pool = np.flatnonzero(owners != rank) if dl.store.width > 1 else np.arange(n)
-        lat = []
-        for i in rng.choice(pool, a.latency_samples, replace=False).tolist():
-            t0 = time.perf_counter()
-            dl.store.get_many([i])
-            lat.append(time.perf_counter() - t0)
-        res["latency_of"] = "remote samples" if dl.store.width > 1 else "local samples"
+        res["transport"] = dl.store.transport
+        if mode == "preload":
+            res["width"] = dl.store.width
+            # DDStore Table 2: one sample at a time, from a peer's memory when width > 1
+            owners = dl.store.owner(np.arange(n))
+            pool = np.flatnonzero(owners != rank) if dl.store.width > 1 else np.arange(n)
+            lat = []
+            for i in rng.choice(pool, a.latency_samples, replace=False).tolist():
+                t0 = time.perf_counter()
+                dl.store.get_many([i])
+                lat.append(time.perf_counter() - t0)
+            res["latency_of"] = "remote samples" if dl.store.width > 1 else "local samples"
+        else:
+            res["ram_share"] = share
+            lat = [0.0]  # the run starts cold: single-sample latency is not its figure
 
         def it(e):
             dl.set_epoch(e)
             return iter(dl)
         times, count = timed_epochs(it, None)
+        st = dl.stats()
+        res["stall_s"] = comm.allreduce(st["stall_seconds"], op=MPI.MAX)
+        res["pfs_reads"] = comm.allreduce(st["pfs_reads"])
+        src = st["fetches_by_source"]
+        res["fetches_by_source"] = {k: comm.allreduce(src.get(k, 0))
+                                    for k in ("local", "peer", "pfs")}
         dl.close()
     elif a.contender == "no-io":
         # The same loader loop (prefetch thread, collation) with the fetch replaced by a
@@ -164,6 +187,9 @@ def main(argv=None) -> None:
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="emulated accelerator compute per step (the host sleeps, as it waits "
                    "on a GPU); 0 measures the loading pipeline alone")
+    p.add_argument("--clairvoyant", action="store_true",
+                   help="issue C set: preload vs clairvoyant with tiers of 1.2x and 0.5x the "
+                   "dataset (per-epoch times, PFS reads, fetch sources)")
     p.add_argument("--json", type=Path)
     # worker mode (under mpiexec)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -196,10 +222,11 @@ def main(argv=None) -> None:
     results = []
     for ranks in [int(r) for r in a.ranks.split(",")]:
         contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0), ("forebay-rma", 0)]
-        if ranks > 2:
-            contenders.append(("forebay", 2))
-        else:
-            contenders.append(("forebay", 1))
+        if a.clairvoyant:
+            contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0),
+                          ("forebay-cv:1.2", 0), ("forebay-cv:0.5", 0)]
+        if not a.clairvoyant:
+            contenders.append(("forebay", 2) if ranks > 2 else ("forebay", 1))
         contenders.append(("no-io", 0))
         for pfs in ([False, True] if a.pfs else [False]):
             for name, width in contenders:
@@ -237,11 +264,26 @@ def main(argv=None) -> None:
         name = {"pff": "torch DataLoader, PFF pickles", "hdf5": "torch DataLoader, HDF5",
                 "no-io": "no-I/O bound (batches in memory)"}.get(
             r["contender"], f"forebay preload, width {r.get('width')}, {r.get('transport')}")
+        if r["contender"].startswith("forebay-cv"):
+            name = f"forebay clairvoyant, RAM {r['ram_share']}x dataset, {r['transport']}"
         print(f"| {r['ranks']} | {'emulated PFS' if r['pfs'] else 'local disk, cold'} | {name} | "
               f"{r['lat_p50_ms']:.3f} / {r['lat_p95_ms']:.3f} / {r['lat_p99_ms']:.3f} | "
               f"{r['samples_per_s']:,.0f} | {r['samples_per_s'] / base['pff']:.1f}x | "
               f"{r['samples_per_s'] / base['hdf5']:.1f}x | "
               f"{r['samples_per_s'] / bound:.2f} | {r['preload_s']:.1f} |")
+    print("\n| ranks | storage | loader | epoch 1 s | later epochs s (median) | stall s | "
+          "PFS reads per sample | fetches local / peer / PFS |\n|---|---|---|---:|---:|---:|---:|---|")
+    for r in results:
+        t = r["epoch_s"]
+        later = float(np.median(t[1:])) if len(t) > 1 else float("nan")
+        reads = r.get("pfs_reads")
+        per = f"{reads / (r['samples_per_epoch'] // max(r['samples_per_epoch'] // a.samples, 1)):.2f}" \
+            if reads is not None else "1 per read"
+        src = r.get("fetches_by_source")
+        srcs = " / ".join(f"{src[k]:,}" for k in ("local", "peer", "pfs")) if src else "-"
+        print(f"| {r['ranks']} | {'emulated PFS' if r['pfs'] else 'local disk, cold'} | "
+              f"{r['contender']} | {t[0]:.2f} | {later:.2f} | {r.get('stall_s', float('nan')):.2f} | "
+              f"{per} | {srcs} |")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
 

@@ -109,7 +109,9 @@ def test_single_process_and_bad_arguments(packed):
     plan = forebay.AccessPlan(len(ds), 1, 16, 2, seed=0)
     from forebay.store import tier_nbytes
 
-    with ClairvoyantStore(ds, plan, comm=None, ram_bytes=int(tier_nbytes(ds).sum()) // 3) as st:
+    seen = []
+    with ClairvoyantStore(ds, plan, comm=None, ram_bytes=int(tier_nbytes(ds).sum()) // 3,
+                          on_pfs_read=lambda nbytes, n, dt: seen.append((nbytes, n))) as st:
         assert st.transport == "local" and 0 < st.placement.covered < 1
         assert st.wait_filled(timeout=30)
         for e in range(2):
@@ -118,6 +120,8 @@ def test_single_process_and_bad_arguments(packed):
         s = st.stats()
         assert s["fetches_by_source"]["local"] > 0 and s["fetches_by_source"]["pfs"] > 0
         assert s["pfs_reads"] == s["filled"] + s["fetches_by_source"]["pfs"]
+        assert sum(n for _, n in seen) == s["pfs_reads"]  # the hook sees every PFS read
+        assert sum(b for b, _ in seen) == s["pfs_bytes"]
     with pytest.raises(StoreError, match="the plan is for 2 ranks"):
         ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 2, 4, 1), comm=None, ram_bytes=10)
     with pytest.raises(StoreError, match="ram_bytes must be >= 0"):

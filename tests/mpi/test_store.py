@@ -138,8 +138,11 @@ def test_bad_ids_name_the_id(packed):
 def test_single_process_store_without_mpi(packed):
     path, _ = packed
     ds = forebay.open_dataset(path)
-    st = DistributedStore(ds, comm=None, progress=False)
+    seen = []
+    st = DistributedStore(ds, comm=None, progress=False,
+                          on_pfs_read=lambda nbytes, n, dt: seen.append(n))
     assert st.world == 1 and st.width == 1
+    assert sum(seen) == len(ds) == st.stats()["pfs_reads"]  # preload read each sample once
     ids = np.array([5, 3, 299, 5, -1])
     assert st.get_many(ids).equals(ds.get_many(ids))
     with pytest.raises(StoreError, match="needs MPI"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -30,8 +30,11 @@ from ._placement import RAM, compute_placement
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
 
-_HEADER = ALIGNMENT  # the fill counter lives in the first 8 bytes of each rank's window
+# Each rank's window: the fill counter (8 bytes, in a 64-byte header), one state byte
+# per position of its fill order (empty / being written / done), then the tier's data.
+_HEADER = ALIGNMENT
 _CHUNK_SAMPLES = 64
+_EMPTY, _WRITING, _DONE = 0, 1, 2  # per-position state of this rank's own tier
 _CHUNK_BYTES = 8 << 20
 
 
@@ -58,19 +61,23 @@ class ClairvoyantStore:
             :meth:`fill_now`; for tests and benchmarks).
         peer_wait: seconds the fill may wait for an owner to publish a sample this rank
             also caches, before reading it from the PFS instead.
+        on_pfs_read: called after every read from the dataset files with (bytes,
+            samples, seconds): an instrumentation hook (tracing, PFS emulation).
 
     Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
     """
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", plan: AccessPlan,
                  comm: Any = None, *, ram_bytes: int, transport: str = "auto",
-                 fill: bool = True, peer_wait: float = 1.0) -> None:
+                 fill: bool = True, peer_wait: float = 1.0,
+                 on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         self.plan = plan
         self._win = None
+        self._segment = None
         self._closed = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -80,6 +87,7 @@ class ClairvoyantStore:
         self.pfs_bytes = 0
         self._fill_from_peers = 0
         self.peer_wait = peer_wait
+        self.on_pfs_read = on_pfs_read
         problems = []
         if plan.world_size != self.world:
             problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
@@ -156,7 +164,9 @@ class ClairvoyantStore:
         self.transport = ("shm" if one_node else "rma") if asked == "auto" else asked
 
     def _allocate(self) -> None:
-        size = _HEADER + ALIGNMENT + self.nbytes
+        n_state = len(self.fill_order)
+        self._state_len = _align(n_state)
+        size = _HEADER + self._state_len + ALIGNMENT + self.nbytes
         if self.transport == "local":
             self._raw = np.zeros(size, dtype=np.uint8)
         else:
@@ -166,10 +176,13 @@ class ClairvoyantStore:
             self._win = alloc(size, 1, comm=self.comm)
             self._raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
             self._raw[:8] = 0
-        shift = _HEADER + (-(self._raw.ctypes.data + _HEADER)) % ALIGNMENT
+        data0 = _HEADER + self._state_len
+        shift = data0 + (-(self._raw.ctypes.data + data0)) % ALIGNMENT
         self._buf = self._raw[shift:shift + self.nbytes]
         self._counter = self._raw[:8].view(np.int64)
         self._filled = 0
+        self._state = self._raw[_HEADER:_HEADER + n_state].view(np.int8)
+        self._state[:] = _EMPTY
         self._known = np.zeros(self.world, dtype=np.int64)  # cached peer counters
         if self._win is None:
             self._base = np.array([shift], dtype=np.int64)
@@ -210,8 +223,58 @@ class ClairvoyantStore:
             parts.append((src, rec[sel], sel))
         return parts
 
+    def _done_at(self, lpos: np.ndarray) -> np.ndarray:
+        if len(self._state) == 0:
+            return np.zeros(len(lpos), dtype=bool)
+        return (lpos >= 0) & (self._state[np.maximum(lpos, 0)] == _DONE)
+
+    def _claim(self, pos: np.ndarray) -> np.ndarray:
+        """Claim tier positions for writing; returns which ones this caller got."""
+        with self._lock:
+            free = self._state[pos] == _EMPTY
+            self._state[pos[free]] = _WRITING
+        return free
+
+    def _read_into_tier(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Copy records from the dataset files into this rank's tier (a PFS read)."""
+        t0 = time.perf_counter()
+        dst = self.local_off[ids]
+        for src, rec, sel in self._record_parts(ids, rows):
+            gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], self._buf, dst[sel])
+        nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
+        if self.on_pfs_read is not None and len(ids):
+            self.on_pfs_read(nbytes, len(ids), time.perf_counter() - t0)
+        with self._lock:
+            self.pfs_reads += len(ids)
+            self.pfs_bytes += nbytes
+
+    def _load(self, ids: np.ndarray, pos: np.ndarray, wait: float) -> None:
+        """Write claimed positions ``pos`` (samples ``ids``) of this rank's tier, then
+        mark them done.  Extra copies come from their owner's tier when it has them
+        (waiting up to ``wait`` s for an owner still filling), so the PFS serves each
+        sample once; everything else is read from the dataset files."""
+        rows = self.ds._index[ids]
+        extra = pos >= self._n_own
+        from_peer = np.zeros(len(ids), dtype=bool)
+        if extra.any():
+            from_peer[extra] = self._present(ids[extra], wait=wait)
+        if from_peer.any():
+            src, rec, sel = self._peer_part(ids, rows, from_peer)
+            gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], self._buf,
+                          self.local_off[ids][sel])
+        rest = ~from_peer
+        self._read_into_tier(ids[rest], rows[rest])
+        self._sync()  # the data is visible before its state says done
+        with self._lock:
+            self._state[pos] = _DONE
+            self._fill_from_peers += int(from_peer.sum())
+
     def fill_now(self, limit: Optional[int] = None) -> int:
-        """Fill (more of) this rank's tier in the calling thread; returns samples filled."""
+        """Fill (more of) this rank's tier in the calling thread; returns samples filled.
+
+        Positions a reader already cached (it needed them first) are skipped; positions
+        a reader is writing are waited for, so the published counter never covers a
+        sample that is not fully written."""
         order = self.fill_order
         end = len(order) if limit is None else min(len(order), self._filled + limit)
         start = self._filled
@@ -222,26 +285,17 @@ class ClairvoyantStore:
             b = a + max(1, int(np.searchsorted(cum, _CHUNK_BYTES, side="right")))
             if a < self._n_own:  # coverage copies and extra copies never share a chunk
                 b = min(b, self._n_own)
-            ids = order[a:b]
-            rows = self.ds._index[ids]
-            dst = self.local_off[ids]
-            # extra copies come from their owner's tier when it has them (waiting a
-            # little for an owner still filling), so the PFS serves each sample once
-            from_peer = self._present(ids, wait=self.peer_wait) if a >= self._n_own else \
-                np.zeros(len(ids), dtype=bool)
-            if from_peer.any():
-                src, rec, sel = self._peer_part(ids, rows, from_peer)
-                gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], self._buf, dst[sel])
-            rest = np.flatnonzero(~from_peer)
-            for src, rec, sel in self._record_parts(ids[rest], rows[rest]):
-                gather_ranges(src, rec, rows[rest][sel, IndexLayout.REC_LEN], self._buf,
-                              dst[rest][sel])
+            pos = np.arange(a, b)
+            got = self._claim(pos)
+            self._load(order[a:b][got], pos[got], wait=self.peer_wait)
+            while (self._state[a:b] != _DONE).any():  # a reader is writing one of them
+                time.sleep(0.0005)
             self._publish(b)
-            with self._lock:
-                self.pfs_reads += len(rest)
-                self.pfs_bytes += int(rows[rest, IndexLayout.REC_LEN].sum())
-                self._fill_from_peers += int(from_peer.sum())
         return self._filled - start
+
+    def _sync(self) -> None:
+        if self._win is not None:
+            self._win.Sync()
 
     def _publish(self, count: int) -> None:
         """Make the filled bytes visible, then move the counter (never the reverse)."""
@@ -304,6 +358,14 @@ class ClairvoyantStore:
                 if self._known[o] <= slots[sel].max():
                     self._known[o] = self._peer_counter(o)
             ok = cand & (slots < self._known[np.maximum(owner, 0)])
+            late = cand & ~ok
+            if late.any() and self._segment is not None:
+                # shm: an owner's reader may have cached it ahead of the fill; its state
+                # byte says so (set only after the data was written and synced)
+                o = owner[late].astype(np.int64)
+                flags = self._segment[self._seg_base[o] + _HEADER + slots[late]]
+                ok[np.flatnonzero(late)[flags == _DONE]] = True
+                self._win.Sync()
             if ok.sum() == cand.sum() or time.perf_counter() >= deadline or self._stop.is_set():
                 return ok
             time.sleep(0.001)
@@ -330,7 +392,24 @@ class ClairvoyantStore:
         ids = self.ds.normalize_ids(ids)
         rows = self.ds._index[ids]
         p = self.placement
-        local = (self.local_pos[ids] >= 0) & (self.local_pos[ids] < self._filled)
+        lpos = self.local_pos[ids]
+        mine = lpos >= 0
+        local = mine & ((lpos < self._filled) | self._done_at(lpos))
+        # a sample of this rank's tier that is needed before the fill got to it: read
+        # it now and keep it (the fill will skip it), so the PFS serves it only once
+        need = np.flatnonzero(mine & ~local)
+        if len(need):
+            u, first = np.unique(lpos[need], return_index=True)
+            got = self._claim(u)
+            self._load(ids[need[first[got]]], u[got], wait=0.0)
+            # the rest are being written by the fill thread right now: wait for it
+            # rather than read them twice
+            busy = u[~got]
+            deadline = time.perf_counter() + self.peer_wait
+            while len(busy) and (self._state[busy] == _WRITING).any() and \
+                    time.perf_counter() < deadline:
+                time.sleep(0.0002)
+            local = mine & ((lpos < self._filled) | self._done_at(lpos))
         peer = ~local & self._present(ids)
         pfs = ~local & ~peer
         parts = []
@@ -345,13 +424,18 @@ class ClairvoyantStore:
                 mask[pidx[sel]] = True
                 parts.append((src, rec, mask))
         n_pfs = int(pfs.sum())
+        t0 = time.perf_counter()
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
+        if n_pfs and self.on_pfs_read is not None:
+            self.on_pfs_read(int(rows[pfs, IndexLayout.REC_LEN].sum()), n_pfs,
+                             time.perf_counter() - t0)
         with self._lock:
             self._stats["local"] += int(local.sum())
             self._stats["peer"] += int(peer.sum())
             self._stats["pfs"] += n_pfs
             self.pfs_reads += n_pfs
             self.pfs_bytes += int(rows[pfs, IndexLayout.REC_LEN].sum())
-        return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
+        return batch
 
     def stats(self) -> dict[str, Any]:
         """Reads by source since setup: ``fetches_by_source`` (local tier, peer tier,

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class StoreLayout:
         self.offset = run_base[run_of] + rec_off - run_start[run_of]
         self.nbytes = np.bincount(run_member, weights=run_span, minlength=width).astype(np.int64)
         self.runs = {"member": run_member, "shard": shard[run_first], "start": run_start,
-                     "len": run_len, "base": run_base}
+                     "len": run_len, "base": run_base, "count": run_last - run_first + 1}
 
 
 def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
@@ -151,6 +151,8 @@ class DistributedStore:
             ``"rma"``: MPI_Get on a passive-target window (any network);
             ``"auto"`` (default): shm when the whole group is on one node, else rma.
         progress: preload progress (default: a bar on rank 0 when it has a terminal).
+        on_pfs_read: called after each preload read from the dataset files with
+            (bytes, samples, seconds): an instrumentation hook (tracing, PFS emulation).
 
     Setup is collective: every rank of ``comm`` constructs the store with the same
     arguments; every check that fails (width, dataset fingerprints, memory) raises
@@ -159,7 +161,8 @@ class DistributedStore:
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", comm: Any = None,
                  width: Optional[int] = None, *, node_aware: bool = False,
-                 transport: str = "auto", progress: "Progress | bool | None" = None) -> None:
+                 transport: str = "auto", progress: "Progress | bool | None" = None,
+                 on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
         if transport not in ("auto", "shm", "rma"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
@@ -170,6 +173,7 @@ class DistributedStore:
         self._segment = None
         self._closed = False
         self._fetches = {"local": 0, "peer": 0}
+        self.on_pfs_read = on_pfs_read
         self._setup_groups(width, node_aware)
         self.transport = self._choose_transport(transport)
         self._check_same_dataset()
@@ -345,6 +349,7 @@ class DistributedStore:
                         start, length, base = (int(runs["start"][k]), int(runs["len"][k]),
                                                int(runs["base"][k]))
                         done = 0
+                        t0 = time.perf_counter()
                         while done < length:
                             n = min(_READ_BLOCK, length - done)
                             got = os.preadv(fd, [memoryview(self._buf[base + done:base + done + n])],
@@ -354,6 +359,9 @@ class DistributedStore:
                                                  f"{start + done} while preloading")
                             done += got
                             prog.update(got)
+                        if self.on_pfs_read is not None:
+                            self.on_pfs_read(length, int(runs["count"][k]),
+                                             time.perf_counter() - t0)
                 finally:
                     os.close(fd)
         finally:

@@ -59,6 +59,8 @@ class DataLoader:
             ``"direct"`` reads each batch from the memory-mapped shards.
         ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
             available memory shared by its ranks).
+        on_pfs_read: hook called with (bytes, samples, seconds) after each read of
+            the dataset files by the store (tracing, emulating a slower file system).
         width, node_aware, transport: replica groups of the store and how peers' memory
             is read (see :class:`~forebay.store.DistributedStore`).
 
@@ -80,6 +82,7 @@ class DataLoader:
                  drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
                  node_aware: bool = False, transport: str = "auto",
                  ram_bytes: Optional[int] = None,
+                 on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: int = 4,
                  pin_memory: bool = False, progress: Any = None) -> None:
@@ -95,12 +98,13 @@ class DataLoader:
         self.store: Any = None
         if mode == "preload":
             self.store = DistributedStore(self.ds, self.comm, width, node_aware=node_aware,
-                                          transport=transport, progress=progress)
+                                          transport=transport, progress=progress,
+                                          on_pfs_read=on_pfs_read)
         elif mode == "clairvoyant":
             if ram_bytes is None:
                 ram_bytes = _default_ram_bytes(self.comm)
             self.store = ClairvoyantStore(self.ds, self.plan, self.comm, ram_bytes=ram_bytes,
-                                          transport=transport)
+                                          transport=transport, on_pfs_read=on_pfs_read)
         self.collate_fn = collate_fn
         self.transform = transform
         self.prefetch = max(0, int(prefetch))
