@@ -272,13 +272,12 @@ def main(argv=None) -> None:
               f"{r['samples_per_s'] / base['hdf5']:.1f}x | "
               f"{r['samples_per_s'] / bound:.2f} | {r['preload_s']:.1f} |")
     print("\n| ranks | storage | loader | epoch 1 s | later epochs s (median) | stall s | "
-          "PFS reads per sample | fetches local / peer / PFS |\n|---|---|---|---:|---:|---:|---:|---|")
+          "PFS reads per sample, whole run | fetches local / peer / PFS |\n|---|---|---|---:|---:|---:|---:|---|")
     for r in results:
         t = r["epoch_s"]
         later = float(np.median(t[1:])) if len(t) > 1 else float("nan")
         reads = r.get("pfs_reads")
-        per = f"{reads / (r['samples_per_epoch'] // max(r['samples_per_epoch'] // a.samples, 1)):.2f}" \
-            if reads is not None else "1 per read"
+        per = f"{reads / a.samples:.2f}" if reads is not None else "1 per read"
         src = r.get("fetches_by_source")
         srcs = " / ".join(f"{src[k]:,}" for k in ("local", "peer", "pfs")) if src else "-"
         print(f"| {r['ranks']} | {'emulated PFS' if r['pfs'] else 'local disk, cold'} | "

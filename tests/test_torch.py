@@ -139,3 +139,20 @@ def test_bad_loader_arguments(molecules):
     dl = DataLoader(path, 4, comm=None, epochs=1)
     with pytest.raises(ValueError, match="epoch 3"):
         dl.set_epoch(3)
+
+
+def test_auto_mode_preloads_what_fits_and_streams_what_does_not(molecules, monkeypatch):
+    path, samples = molecules
+    dl = DataLoader(path, 16, comm=None, mode="auto")
+    assert dl.mode == "preload"
+    monkeypatch.setenv("FOREBAY_MEMORY_LIMIT", "20000")  # far less than the dataset
+    dl = DataLoader(path, 16, comm=None, mode="auto", ram_bytes=8000, seed=2)
+    assert dl.mode == "clairvoyant"
+    plan = AccessPlan(len(samples), 1, 16, 1, seed=2)
+    for step, b in enumerate(dl):
+        ids = plan.batches(0, 0)[step]
+        np.testing.assert_array_equal(b["y"].numpy()[:, 0], [samples[i]["y"][0] for i in ids])
+    s = dl.stats()
+    assert {"pfs_reads", "pfs_bytes", "fetches_by_source", "stall_seconds"} <= set(s)
+    assert s["fetches_by_source"]["pfs"] > 0 and s["mode"] == "clairvoyant"
+    dl.close()

@@ -19,19 +19,41 @@ from ._collate import collate_samples, default_collate
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
 
-MODES = ("preload", "clairvoyant", "direct")
+MODES = ("auto", "preload", "clairvoyant", "direct")
+
+
+def _node_ranks(comm: Any) -> int:
+    if comm is None:
+        return 1
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    n = node.Get_size()
+    node.Free()
+    return n
+
+
+def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
+    """``preload`` if every rank's chunk fits its share of the node's memory (decided
+    together: all ranks pick the same), else ``clairvoyant``."""
+    from ..store import tier_nbytes
+    from ..store._memory import MEMORY_HEADROOM
+
+    world = comm.Get_size() if comm is not None else 1
+    w = world if width is None else width
+    need = int(tier_nbytes(ds).sum()) / max(w, 1)
+    avail = available_memory()
+    fits = avail is None or need * _node_ranks(comm) <= MEMORY_HEADROOM * avail
+    if comm is not None:
+        from mpi4py import MPI
+
+        fits = comm.allreduce(bool(fits), op=MPI.LAND)
+    return "preload" if fits else "clairvoyant"
 
 
 def _default_ram_bytes(comm: Any) -> int:
     """Half of this node's available memory, shared by the node's ranks."""
-    ranks = 1
-    if comm is not None:
-        from mpi4py import MPI
-
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        ranks = node.Get_size()
-        node.Free()
-    return int((available_memory() or 0) * 0.5 / ranks)
+    return int((available_memory() or 0) * 0.5 / _node_ranks(comm))
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:
@@ -56,7 +78,9 @@ class DataLoader:
             ``"clairvoyant"`` caches what the access plan says will be needed in a
             :class:`~forebay.store.ClairvoyantStore` of ``ram_bytes`` per rank, filled
             in the background (no prestaging; the dataset may exceed memory);
-            ``"direct"`` reads each batch from the memory-mapped shards.
+            ``"direct"`` reads each batch from the memory-mapped shards;
+            ``"auto"``: preload when the dataset fits the nodes' memory at this width,
+            else clairvoyant.
         ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
             available memory shared by its ranks).
         on_pfs_read: hook called with (bytes, samples, seconds) after each read of
@@ -96,6 +120,8 @@ class DataLoader:
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
         self.store: Any = None
+        if mode == "auto":
+            mode = self.mode = _choose_mode(self.ds, self.comm, width)
         if mode == "preload":
             self.store = DistributedStore(self.ds, self.comm, width, node_aware=node_aware,
                                           transport=transport, progress=progress,
