@@ -25,7 +25,7 @@ from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._batch import assemble_batch, gather_ranges
 from ..dataset._format import ALIGNMENT, IndexLayout
 from ..plan import AccessPlan
-from ._distributed import StoreError, default_comm, rma_get
+from ._distributed import StoreError, default_comm, rma_get, shared_segment
 from ._placement import RAM, compute_placement
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
@@ -195,20 +195,11 @@ class ClairvoyantStore:
         self.comm.Barrier()
         self._segment = None
         if self.transport == "shm":
-            import ctypes
-
-            bufs = [np.frombuffer(self._win.Shared_query(m)[0], dtype=np.uint8)
-                    for m in range(self.world)]
-            addrs = np.array([b.ctypes.data for b in bufs], dtype=np.int64)
-            contiguous = all(addrs[m + 1] == addrs[m] + len(bufs[m])
-                             for m in range(self.world - 1))
-            if self.comm.allreduce(contiguous, op=MPI.LAND):
-                total = int(addrs[-1] + len(bufs[-1]) - addrs[0])
-                self._segment = np.ctypeslib.as_array(
-                    (ctypes.c_uint8 * total).from_address(int(addrs[0])))
-                self._seg_base = addrs - addrs[0]
-            else:
+            mapped = shared_segment(self._win, self.comm)
+            if mapped is None:
                 self.transport = "rma"
+            else:
+                self._segment, self._seg_base = mapped
 
     # -- filling ----------------------------------------------------------------------------
     def _record_parts(self, ids: np.ndarray, rows: np.ndarray):

@@ -49,12 +49,6 @@ def default_comm() -> Any:
     return None
 
 
-def _land() -> Any:
-    from mpi4py import MPI
-
-    return MPI.LAND
-
-
 def _align(n: np.ndarray | int) -> Any:
     return n + (-n) % ALIGNMENT
 
@@ -102,6 +96,29 @@ class StoreLayout:
         self.nbytes = np.bincount(run_member, weights=run_span, minlength=width).astype(np.int64)
         self.runs = {"member": run_member, "shard": shard[run_first], "start": run_start,
                      "len": run_len, "base": run_base, "count": run_last - run_first + 1}
+
+
+def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarray]]":
+    """View a shared-memory window's whole segment in this process.
+
+    MPI_Win_allocate_shared places the ranks' memory contiguously by default, so one
+    uint8 view spans all of it and every byte of every rank has one position in it (a
+    batch is then a single gather, whoever owns its samples).  Returns the view and
+    where each rank's memory starts in it, or None (on every rank) if some rank's
+    memory is not contiguous with the next.  Collective over ``comm``."""
+    import ctypes
+
+    from mpi4py import MPI
+
+    bufs = [np.frombuffer(win.Shared_query(m)[0], dtype=np.uint8)
+            for m in range(comm.Get_size())]
+    addrs = np.array([b.ctypes.data for b in bufs], dtype=np.int64)
+    ok = all(addrs[m + 1] == addrs[m] + len(bufs[m]) for m in range(len(bufs) - 1))
+    if not comm.allreduce(ok, op=MPI.LAND):
+        return None
+    total = int(addrs[-1] + len(bufs[-1]) - addrs[0])
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(int(addrs[0])))
+    return view, addrs - addrs[0]
 
 
 def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
@@ -308,24 +325,15 @@ class DistributedStore:
                                else [shift], dtype=np.int64)
 
     def _map_peers(self) -> None:
-        """shm transport: view the group's shared segment in this process.
-
-        MPI_Win_allocate_shared places the members' memory contiguously by default, so
-        one uint8 view spans the whole group and every record has one position in it:
-        a batch is then a single gather, whoever owns its samples.  An MPI that lays
-        the members out otherwise gets MPI_Get on the same window (transport "rma")."""
-        import ctypes
-
-        bufs = [np.frombuffer(self._win.Shared_query(m)[0], dtype=np.uint8)
-                for m in range(self.width)]
-        addrs = [b.ctypes.data for b in bufs]
-        ok = all(addrs[m + 1] == addrs[m] + len(bufs[m]) for m in range(self.width - 1))
-        if not self.group_comm.allreduce(ok, op=_land()):
+        """shm transport: one view of the group's shared segment (see
+        :func:`shared_segment`); an MPI that lays members out otherwise gets MPI_Get on
+        the same window (transport "rma")."""
+        mapped = shared_segment(self._win, self.group_comm)
+        if mapped is None:
             self.transport = "rma"
             return
-        total = addrs[-1] + len(bufs[-1]) - addrs[0]
-        self._segment = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addrs[0]))
-        seg_off = np.array(addrs, dtype=np.int64) - addrs[0] + self._shift
+        self._segment, starts = mapped
+        seg_off = starts + self._shift
         self._seg_pos = seg_off[self.layout.member] + self.layout.offset
 
     def _preload(self, prog: Progress) -> None:
