@@ -132,3 +132,32 @@ def test_single_process_and_bad_arguments(packed):
     assert zero.get_many([1, 2]).equals(ds.get_many([1, 2]))
     assert zero.stats()["fetches_by_source"]["pfs"] == 2
     zero.close()
+
+
+DIES = """
+    import os, sys, time
+    from mpi4py import MPI
+    import forebay
+    from forebay.torch import DataLoader
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(sys.argv[1])
+    dl = DataLoader(ds, 8, comm=comm, epochs=50, mode=sys.argv[2], ram_bytes=ds.nbytes,
+                    collate_fn=lambda b: b)
+    if comm.rank == 1:
+        os._exit(3)  # dies without a word, holding part of the data
+    for e in range(50):
+        dl.set_epoch(e)
+        for b in dl:
+            pass
+        comm.Barrier()  # the next collective cannot complete
+"""
+
+
+@pytest.mark.parametrize("mode", ["preload", "clairvoyant"])
+def test_a_rank_that_dies_ends_the_job_instead_of_hanging(packed, mode):
+    import time
+
+    t0 = time.monotonic()
+    p = run_mpi(2, DIES, packed[0], mode, timeout=90)
+    assert p.returncode != 0
+    assert time.monotonic() - t0 < 90
