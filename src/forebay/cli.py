@@ -141,6 +141,21 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from .store._profile import calibrate, dump_profile, load_profile
+
+    prof = calibrate(ssd_dir=a.ssd_dir, dataset=a.dataset)
+    text = dump_profile(prof)
+    if a.out:
+        from pathlib import Path
+
+        Path(a.out).write_text(text)
+        load_profile(a.out)  # what we write must read back
+        print(f"wrote {a.out}")
+    print(text, end="")
+    return 0
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from .plan import AccessPlan, frequency_tail, frequency_tail_monte_carlo
 
@@ -219,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch-size", type=int, default=32, help="per-rank batch (Monte Carlo)")
     pl.add_argument("--seed", type=int, default=0)
     pl.set_defaults(func=cmd_plan)
+
+    c = sub.add_parser("calibrate", help="measure tier and file-system bandwidths, write a "
+                       "TOML profile")
+    c.add_argument("--out", help="profile file to write (TOML)")
+    c.add_argument("--ssd-dir", help="node-local directory to measure as the SSD tier")
+    c.add_argument("--dataset", help="packed dataset on the parallel file system to measure")
+    c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")

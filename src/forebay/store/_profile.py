@@ -1,0 +1,203 @@
+"""Machine profiles for the performance model: measured by ``forebay calibrate``, stored
+as TOML, validated on load (unknown keys and nonsense bandwidths are errors)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from ..errors import ForebayError
+
+__all__ = ["ProfileError", "load_profile", "dump_profile", "calibrate", "SCHEMA"]
+
+
+class ProfileError(ForebayError, ValueError):
+    """A profile (system file) has unknown keys, missing keys or impossible values."""
+
+
+#: section -> key -> kind ("bw": {threads or readers: MB/s} or MB/s; "str"; "num")
+SCHEMA: dict[str, dict[str, str]] = {
+    "machine": {"description": "str", "date": "str"},
+    "ram": {"copy_MBps": "bw"},
+    "ssd": {"path": "str", "write_MBps": "bw", "read_MBps": "bw"},
+    "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num"},
+    "rma": {"get_MBps": "bw", "ranks": "num"},
+}
+
+
+def _check_bw(where: str, value: Any) -> dict[int, float]:
+    table = value if isinstance(value, dict) else {"1": value}
+    out = {}
+    for k, v in table.items():
+        try:
+            n = int(k)
+        except (TypeError, ValueError):
+            raise ProfileError(f"{where}: key {k!r} must be a thread or reader count") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) \
+                or v <= 0 or v > 1e7:
+            raise ProfileError(f"{where}[{k}] = {v!r}: a bandwidth must be a number of MB/s "
+                               f"in (0, 1e7]")
+        if n <= 0:
+            raise ProfileError(f"{where}: count {n} must be positive")
+        out[n] = float(v)
+    return out
+
+
+def load_profile(path: "str | os.PathLike[str]") -> dict[str, Any]:
+    """Read and validate a TOML profile; bandwidth tables come back as {count: MB/s}."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: not valid TOML ({e})") from None
+    out: dict[str, Any] = {}
+    for section, body in doc.items():
+        if section not in SCHEMA:
+            raise ProfileError(f"{path}: unknown section [{section}] (known: "
+                               f"{', '.join(SCHEMA)})")
+        if not isinstance(body, dict):
+            raise ProfileError(f"{path}: [{section}] must be a table")
+        out[section] = {}
+        for key, value in body.items():
+            kind = SCHEMA[section].get(key)
+            where = f"{path}: [{section}] {key}"
+            if kind is None:
+                raise ProfileError(f"{path}: unknown key {key!r} in [{section}] (known: "
+                                   f"{', '.join(SCHEMA[section])})")
+            if kind == "bw":
+                out[section][key] = _check_bw(where, value)
+            elif kind == "num":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ProfileError(f"{where} = {value!r}: must be a positive number")
+                out[section][key] = value
+            else:
+                out[section][key] = str(value)
+    return out
+
+
+def dump_profile(profile: dict[str, Any]) -> str:
+    """TOML text of a profile (the subset of TOML profiles use)."""
+    lines = []
+    for section, body in profile.items():
+        lines.append(f"[{section}]")
+        for key, value in body.items():
+            if isinstance(value, dict):
+                inner = ", ".join(f'"{k}" = {v:.1f}' for k, v in sorted(value.items()))
+                lines.append(f"{key} = {{ {inner} }}")
+            elif isinstance(value, str):
+                lines.append(f'{key} = "{value}"')
+            else:
+                lines.append(f"{key} = {value}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _threaded(fn, threads: int) -> float:
+    """Run fn(k) on ``threads`` threads at once; seconds for all of them."""
+    ts = [threading.Thread(target=fn, args=(k,)) for k in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _ram(threads: list[int], nbytes: int) -> dict[int, float]:
+    from ..dataset._batch import gather_ranges
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    out = {}
+    for n in threads:
+        dsts = [np.empty(nbytes // n, dtype=np.uint8) for _ in range(n)]
+
+        def copy(k):
+            d = dsts[k]
+            gather_ranges(src, np.array([k * len(d)]), np.array([len(d)]), d, np.array([0]))
+        for k in range(n):  # fault the pages in before timing
+            copy(k)
+        out[n] = nbytes / _threaded(copy, n) / 1e6
+    return out
+
+
+def _ssd(path: Path, nbytes: int) -> tuple[dict[int, float], dict[int, float]]:
+    import uuid
+
+    f = path / f".forebay-calibrate-{uuid.uuid4().hex[:12]}"
+    block = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    try:
+        t0 = time.perf_counter()
+        with open(f, "wb", buffering=0) as fh:
+            for _ in range(nbytes // len(block)):
+                fh.write(block)
+            os.fsync(fh.fileno())
+        w = nbytes / (time.perf_counter() - t0) / 1e6
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while os.read(fd, 8 << 20):
+                pass
+            r = nbytes / (time.perf_counter() - t0) / 1e6
+        finally:
+            os.close(fd)
+    finally:
+        f.unlink(missing_ok=True)
+    return {1: w}, {1: r}
+
+
+def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, float], float]:
+    from ..dataset import open_dataset
+
+    ds = open_dataset(dataset)
+    files = [dataset / s.data for s in ds.manifest.shards]
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in readers:
+        for p in files:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        ids = [rng.choice(len(ds), min(samples, len(ds)), replace=False) for _ in range(n)]
+        nbytes = sum(int(ds.sample_nbytes[i].sum()) for i in ids)
+        fresh = open_dataset(dataset)
+
+        def read(k):
+            for a in range(0, len(ids[k]), 64):
+                fresh.get_many(ids[k][a:a + 64])
+        out[n] = nbytes / _threaded(read, n) / 1e6
+    return out, float(ds.sample_nbytes.mean())
+
+
+def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
+              threads: Optional[list[int]] = None, ram_bytes: int = 256 << 20,
+              ssd_bytes: int = 256 << 20, samples: int = 500) -> dict[str, Any]:
+    """Measure this machine: RAM copy bandwidth per thread count, the SSD directory's
+    write and cold read bandwidth, and cold random reads of a packed dataset (the PFS)
+    per reader count.  Returns a profile (see :func:`dump_profile`)."""
+    import platform
+
+    threads = threads or sorted({1, 2, min(4, os.cpu_count() or 1)})
+    prof: dict[str, Any] = {"machine": {"description": f"{platform.node()} "
+                                        f"{os.cpu_count()} cores {platform.machine()}",
+                                        "date": time.strftime("%Y-%m-%d %H:%M")},
+                            "ram": {"copy_MBps": _ram(threads, ram_bytes)}}
+    if ssd_dir is not None:
+        w, r = _ssd(Path(ssd_dir), ssd_bytes)
+        prof["ssd"] = {"path": str(ssd_dir), "write_MBps": w, "read_MBps": r}
+    if dataset is not None:
+        bw, rec = _pfs(Path(dataset), threads, samples)
+        prof["pfs"] = {"path": str(dataset), "read_MBps": bw, "record_bytes": round(rec)}
+    return prof
