@@ -53,8 +53,11 @@ def cmd_synth(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = synthesize(a.kind, a.out, a.samples, a.seed, overwrite=a.overwrite, progress=_progress(),
                      format=a.format, per_file=a.per_file, classes=a.classes, size=a.size)
+    how = KINDS[a.kind][1]
+    if "|" in how:  # pff | cff: the hint for the format just written
+        how = [h.split(" (")[0].strip() for h in how.split("|")][a.format == "cff"]
     print(f"wrote {a.samples} {a.kind} samples to {out} in {time.perf_counter() - t0:.1f} s "
-          f"(ingest with: forebay ingest {out} OUT {KINDS[a.kind][1]})")
+          f"(ingest with: forebay ingest {out} OUT {how})")
     return 0
 
 
@@ -178,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .dataset.sources import SOURCES
     from .synth import KINDS
 
-    p = argparse.ArgumentParser(prog="forebay", description="Keep accelerators fed: packed "
-                                "datasets, distributed caching, I/O tracing on HPC systems.")
+    p = argparse.ArgumentParser(prog="forebay", description="Keep accelerators fed on HPC systems: "
+                                "packed datasets, distributed in-memory stores, clairvoyant caching.")
     p.add_argument("--version", action="version", version=f"forebay {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
