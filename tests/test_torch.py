@@ -146,7 +146,8 @@ def test_auto_mode_preloads_what_fits_and_streams_what_does_not(molecules, monke
     dl = DataLoader(path, 16, comm=None, mode="auto")
     assert dl.mode == "preload"
     monkeypatch.setenv("FOREBAY_MEMORY_LIMIT", "20000")  # far less than the dataset
-    dl = DataLoader(path, 16, comm=None, mode="auto", ram_bytes=8000, seed=2)
+    dl = DataLoader(path, 16, comm=None, mode="auto", ram_bytes=8000, seed=2,
+                    ssd_dir=str(path.parent), ssd_bytes=30000)
     assert dl.mode == "clairvoyant"
     plan = AccessPlan(len(samples), 1, 16, 1, seed=2)
     for step, b in enumerate(dl):
@@ -155,4 +156,6 @@ def test_auto_mode_preloads_what_fits_and_streams_what_does_not(molecules, monke
     s = dl.stats()
     assert {"pfs_reads", "pfs_bytes", "fetches_by_source", "stall_seconds"} <= set(s)
     assert s["fetches_by_source"]["pfs"] > 0 and s["mode"] == "clairvoyant"
+    assert s["ssd_bytes"] > 0 and list(path.parent.glob("*.tier"))
     dl.close()
+    assert not list(path.parent.glob("*.tier"))

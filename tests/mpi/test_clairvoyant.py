@@ -161,3 +161,76 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging(packed, mode):
     p = run_mpi(2, DIES, packed[0], mode, timeout=90)
     assert p.returncode != 0
     assert time.monotonic() - t0 < 90
+
+
+SSD = """
+    import os, sys
+    from mpi4py import MPI
+    import forebay
+    from forebay.store import ClairvoyantStore, tier_nbytes
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(sys.argv[1])
+    ssd_dir = sys.argv[2]
+    plan = forebay.AccessPlan(len(ds), comm.size, 8, 3, seed=5)
+    need = int(tier_nbytes(ds).sum())
+    # RAM for a quarter of the dataset, SSD for the rest and some: coverage is complete
+    st = ClairvoyantStore(ds, plan, comm, ram_bytes=need // (4 * comm.size),
+                          ssd_dir=ssd_dir, ssd_bytes=need // comm.size, transport=sys.argv[3])
+    p = st.placement
+    assert p.covered == 1.0 and len(p.own_ssd) > 0
+    files = len([f for f in os.listdir(ssd_dir) if f.endswith(".tier")])
+    assert st.wait_filled(timeout=60)
+    comm.Barrier()
+    for e in range(3):
+        for ids in plan.batches(comm.rank, e):
+            assert st.get_many(ids).equals(ds.get_many(ids))
+    s = st.stats()
+    total = comm.allreduce(s["pfs_reads"])
+    st.close()
+    comm.Barrier()
+    left = len([f for f in os.listdir(ssd_dir) if f.endswith(".tier")])
+    say(f"rank {comm.rank} files {files} left {left} pfs_total {total} n {len(ds)} "
+        f"pfs_fetches {s['fetches_by_source']['pfs']}")
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "rma"])
+def test_ssd_tier_holds_what_ram_cannot(packed, tmp_path, transport):
+    p = run_mpi(2, SSD, packed[0], tmp_path, transport, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line for line in p.stdout.splitlines() if "files" in line]
+    assert len(lines) == 2
+    n = len(packed[1])
+    for line in lines:
+        assert "files 2 left 0" in line  # one tier file per rank, removed at close
+        if transport == "shm":  # peers read each other's SSD tier on the node
+            assert f"pfs_total {n} n {n} pfs_fetches 0" in line, line
+
+
+def test_unusable_ssd_dir_warns_and_falls_back(packed, tmp_path):
+    ds = forebay.open_dataset(packed[0])
+    plan = forebay.AccessPlan(len(ds), 1, 16, 1, seed=0)
+    with pytest.warns(RuntimeWarning, match="SSD tier skipped: .* is not a directory"):
+        st = ClairvoyantStore(ds, plan, comm=None, ram_bytes=1000,
+                              ssd_dir=tmp_path / "missing", ssd_bytes=10**6)
+    assert st.ssd_nbytes == 0
+    assert st.get_many(range(20)).equals(ds.get_many(range(20)))
+    st.close()
+    with pytest.warns(RuntimeWarning, match="bytes free"):
+        st = ClairvoyantStore(ds, plan, comm=None, ram_bytes=1000, ssd_dir=tmp_path,
+                              ssd_bytes=10**18)
+    st.close()
+    # one process: RAM then SSD, file removed at close
+    from forebay.store import tier_nbytes
+
+    need = int(tier_nbytes(ds).sum())
+    with ClairvoyantStore(ds, plan, comm=None, ram_bytes=need // 3, ssd_dir=tmp_path,
+                          ssd_bytes=need) as st:
+        assert st.placement.covered == 1.0 and len(st.placement.own_ssd) > 0
+        assert len(list(tmp_path.glob("*.tier"))) == 1
+        st.wait_filled(timeout=30)
+        assert st.get_many(plan.batches(0, 0).reshape(-1)).equals(
+            ds.get_many(plan.batches(0, 0).reshape(-1)))
+        assert st.stats()["pfs_reads"] == len(ds)
+    assert list(tmp_path.glob("*.tier")) == []

@@ -14,9 +14,13 @@ Samples not (yet) cached anywhere are read from the dataset itself.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
+import uuid
+import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -56,6 +60,11 @@ class ClairvoyantStore:
         plan: the run's :class:`~forebay.AccessPlan` (world size = the communicator's).
         comm: mpi4py communicator (default :func:`default_comm`; None: one rank).
         ram_bytes: this rank's RAM tier capacity (ranks may differ; exchanged at setup).
+        ssd_dir, ssd_bytes: a node-local directory and the capacity of this rank's SSD
+            tier (a file there, removed at close).  If the directory is missing, not
+            writable or short of space, a warning is given and the tier is skipped.
+            Peers on the same node read it too (shared memory transport); across
+            nodes, samples held only in a peer's SSD tier are read from the files.
         transport: ``"auto"``, ``"shm"`` or ``"rma"``, as for the DistributedStore.
         fill: start the background fill thread (False: nothing is cached until
             :meth:`fill_now`; for tests and benchmarks).
@@ -69,6 +78,7 @@ class ClairvoyantStore:
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", plan: AccessPlan,
                  comm: Any = None, *, ram_bytes: int, transport: str = "auto",
+                 ssd_dir: "str | os.PathLike[str] | None" = None, ssd_bytes: int = 0,
                  fill: bool = True, peer_wait: float = 1.0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
@@ -97,18 +107,26 @@ class ClairvoyantStore:
         if ram_bytes < 0:
             problems.append(f"ram_bytes must be >= 0, got {ram_bytes}")
         self._agree("; ".join(problems) or None)
+        ssd_bytes = self._check_ssd(ssd_dir, int(ssd_bytes))
+        self.ssd_dir = Path(ssd_dir) if ssd_bytes else None
         if self.comm is not None:
             fps = self.comm.allgather(self.ds.fingerprint)
             if len(set(fps)) > 1:
                 raise StoreError(f"ranks opened different datasets (fingerprints "
                                  f"{sorted(set(fps))})")
             rams = np.array(self.comm.allgather(int(ram_bytes)), dtype=np.int64)
+            ssds = np.array(self.comm.allgather(ssd_bytes), dtype=np.int64)
         else:
             rams = np.array([int(ram_bytes)], dtype=np.int64)
+            ssds = np.array([ssd_bytes], dtype=np.int64)
         self._sizes = tier_nbytes(self.ds)
-        self.placement = compute_placement(plan, self._sizes, rams,
-                                           np.zeros(self.world, np.int64), self.rank)
+        self.placement = compute_placement(plan, self._sizes, rams, ssds, self.rank)
         self._layout_offsets()
+        mine = (len(self._ram_order), self.ssd_nbytes, str(self.ssd_dir or ""))
+        every = self.comm.allgather(mine) if self.comm is not None else [mine]
+        self._R_all = np.array([r for r, _, _ in every], dtype=np.int64)
+        self._ssd_all = np.array([b for _, b, _ in every], dtype=np.int64)
+        self._peer_dirs = [Path(d) for _, _, d in every]
         self._choose_transport(transport)
         self._allocate()
         if fill:
@@ -117,6 +135,30 @@ class ClairvoyantStore:
             self._thread.start()
 
     # -- setup ----------------------------------------------------------------------------
+    def _check_ssd(self, ssd_dir: Any, ssd_bytes: int) -> int:
+        """The SSD capacity this rank can really use (0, with a warning, if none)."""
+        if ssd_bytes <= 0:
+            return 0
+        problem = None
+        if ssd_dir is None:
+            problem = "no ssd_dir given"
+        else:
+            d = Path(ssd_dir)
+            if not d.is_dir():
+                problem = f"{d} is not a directory"
+            elif not os.access(d, os.W_OK):
+                problem = f"{d} is not writable"
+            else:
+                st = os.statvfs(d)
+                free = st.f_bavail * st.f_frsize
+                if free < ssd_bytes:
+                    problem = f"{d} has {free} bytes free, {ssd_bytes} asked"
+        if problem:
+            warnings.warn(f"rank {self.rank}: SSD tier skipped: {problem}; its samples go "
+                          f"to the other tiers or the files", RuntimeWarning, stacklevel=3)
+            return 0
+        return ssd_bytes
+
     def _agree(self, message: Optional[str]) -> None:
         msgs = self.comm.allgather(message) if self.comm is not None else [message]
         bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
@@ -124,29 +166,41 @@ class ClairvoyantStore:
             raise StoreError("; ".join(bad[:4]))
 
     def _layout_offsets(self) -> None:
-        """Byte offset of every coverage copy in its owner's tier, and of this rank's
-        extra copies in its own tier (after its coverage copies)."""
+        """Byte offset of every coverage copy in its owner's tier (RAM buffer or SSD
+        file), and of this rank's extra copies after its coverage copies; one fill
+        position per sample this rank holds: its RAM order, then its SSD order."""
         p, f = self.placement, len(self.ds)
         self.cov_off = np.full(f, -1, dtype=np.int64)
-        held = np.flatnonzero((p.owner >= 0) & (p.tier == RAM))
-        o = held[np.lexsort((p.slot[held], p.owner[held]))]
-        own = p.owner[o]
+        held = np.flatnonzero(p.owner >= 0)
+        key = p.owner[held].astype(np.int64) * 2 + p.tier[held]
+        o = held[np.lexsort((p.slot[held], key))]
+        k = p.owner[o].astype(np.int64) * 2 + p.tier[o]
         cum = np.cumsum(self._sizes[o])
-        starts = np.flatnonzero(np.r_[True, own[1:] != own[:-1]]) if len(o) else o
-        base = np.repeat(cum[starts] - self._sizes[o][starts],
-                         np.diff(np.r_[starts, len(o)])) if len(o) else cum
-        self.cov_off[o] = cum - self._sizes[o] - base
-        order = p.ram_order()
+        if len(o):
+            starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+            base = np.repeat(cum[starts] - self._sizes[o][starts], np.diff(np.r_[starts, len(o)]))
+            self.cov_off[o] = cum - self._sizes[o] - base
+        self._ram_order = p.ram_order()
+        ssd_order = p.ssd_order()
+        order = np.concatenate([self._ram_order, ssd_order])
         self.fill_order = order
-        self._n_own = len(p.own_ram)
+        r = len(self._ram_order)
+        self._R = r
+        n = len(order)
+        self._is_extra = np.zeros(n, dtype=bool)
+        self._is_extra[len(p.own_ram):r] = True
+        self._is_extra[r + len(p.own_ssd):] = True
+        self._bounds = np.array(sorted({len(p.own_ram), r, r + len(p.own_ssd), n}))
         self.local_off = np.full(f, -1, dtype=np.int64)
         self.local_pos = np.full(f, -1, dtype=np.int64)
-        ex = p.extra_ram
-        ex_off = int(p.ram_used[self.rank]) + np.cumsum(self._sizes[ex]) - self._sizes[ex]
-        self.local_off[p.own_ram] = self.cov_off[p.own_ram]
-        self.local_off[ex] = ex_off
-        self.local_pos[order] = np.arange(len(order))
-        self.nbytes = int(p.ram_used[self.rank] + self._sizes[ex].sum())
+        for own, extra, used in ((p.own_ram, p.extra_ram, p.ram_used),
+                                 (p.own_ssd, p.extra_ssd, p.ssd_used)):
+            self.local_off[own] = self.cov_off[own]
+            self.local_off[extra] = int(used[self.rank]) + np.cumsum(self._sizes[extra]) - \
+                self._sizes[extra]
+        self.local_pos[order] = np.arange(n)
+        self.nbytes = int(p.ram_used[self.rank] + self._sizes[p.extra_ram].sum())
+        self.ssd_nbytes = int(p.ssd_used[self.rank] + self._sizes[p.extra_ssd].sum())
 
     def _choose_transport(self, asked: str) -> None:
         if asked not in ("auto", "shm", "rma"):
@@ -184,6 +238,19 @@ class ClairvoyantStore:
         self._state = self._raw[_HEADER:_HEADER + n_state].view(np.int8)
         self._state[:] = _EMPTY
         self._known = np.zeros(self.world, dtype=np.int64)  # cached peer counters
+        self._ssd = np.zeros(0, dtype=np.uint8)
+        self._ssd_maps: dict[int, Any] = {}
+        self._ssd_path: Optional[Path] = None
+        token = uuid.uuid4().hex[:12]
+        token = self.comm.bcast(token, root=0) if self.comm is not None else token
+        self._ssd_token = token
+        if self.ssd_nbytes:
+            self._ssd_path = self._ssd_file(self.rank)
+            with open(self._ssd_path, "wb+") as fh:
+                fh.truncate(self.ssd_nbytes)
+                mm = mmap.mmap(fh.fileno(), self.ssd_nbytes, access=mmap.ACCESS_WRITE)
+            self._ssd_maps[self.rank] = mm
+            self._ssd = np.frombuffer(mm, dtype=np.uint8)
         if self._win is None:
             self._base = np.array([shift], dtype=np.int64)
             return
@@ -200,6 +267,33 @@ class ClairvoyantStore:
                 self.transport = "rma"
             else:
                 self._segment, self._seg_base = mapped
+
+    def _ssd_file(self, rank: int) -> Path:
+        assert self.ssd_dir is not None or rank != self.rank
+        d = self.ssd_dir if self.ssd_dir is not None else Path(".")
+        return d / f".forebay-{self._ssd_token}-r{rank}.tier"
+
+    def _peer_ssd(self, rank: int) -> np.ndarray:
+        """A peer's SSD tier, mapped read-only (same node: the same file)."""
+        arr = self._ssd_maps.get(rank)
+        if arr is None:
+            with open(self._ssd_dir_of(rank), "rb") as fh:
+                arr = mmap.mmap(fh.fileno(), int(self._ssd_all[rank]), access=mmap.ACCESS_READ)
+            self._ssd_maps[rank] = arr
+        return np.frombuffer(arr, dtype=np.uint8)
+
+    def _ssd_dir_of(self, rank: int) -> Path:
+        return self._peer_dirs[rank] / f".forebay-{self._ssd_token}-r{rank}.tier"
+
+    def _dest(self, pos: np.ndarray):
+        """(buffer, selector) pairs: where positions ``pos`` of this rank's tiers live."""
+        ram = pos < self._R
+        out = []
+        if ram.any():
+            out.append((self._buf, ram))
+        if (~ram).any():
+            out.append((self._ssd, ~ram))
+        return out
 
     # -- filling ----------------------------------------------------------------------------
     def _record_parts(self, ids: np.ndarray, rows: np.ndarray):
@@ -226,12 +320,15 @@ class ClairvoyantStore:
             self._state[pos[free]] = _WRITING
         return free
 
-    def _read_into_tier(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Copy records from the dataset files into this rank's tier (a PFS read)."""
+    def _read_into_tier(self, ids: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
+        """Copy records from the dataset files to positions ``pos`` of this rank's
+        tiers (a PFS read)."""
         t0 = time.perf_counter()
         dst = self.local_off[ids]
-        for src, rec, sel in self._record_parts(ids, rows):
-            gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], self._buf, dst[sel])
+        for buf, tsel in self._dest(pos):
+            for src, rec, sel in self._record_parts(ids[tsel], rows[tsel]):
+                gather_ranges(src, rec, rows[tsel][sel, IndexLayout.REC_LEN], buf,
+                              dst[tsel][sel])
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         if self.on_pfs_read is not None and len(ids):
             self.on_pfs_read(nbytes, len(ids), time.perf_counter() - t0)
@@ -240,21 +337,23 @@ class ClairvoyantStore:
             self.pfs_bytes += nbytes
 
     def _load(self, ids: np.ndarray, pos: np.ndarray, wait: float) -> None:
-        """Write claimed positions ``pos`` (samples ``ids``) of this rank's tier, then
+        """Write claimed positions ``pos`` (samples ``ids``) of this rank's tiers, then
         mark them done.  Extra copies come from their owner's tier when it has them
         (waiting up to ``wait`` s for an owner still filling), so the PFS serves each
         sample once; everything else is read from the dataset files."""
         rows = self.ds._index[ids]
-        extra = pos >= self._n_own
+        extra = self._is_extra[pos]
         from_peer = np.zeros(len(ids), dtype=bool)
         if extra.any():
             from_peer[extra] = self._present(ids[extra], wait=wait)
         if from_peer.any():
-            src, rec, sel = self._peer_part(ids, rows, from_peer)
-            gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], self._buf,
-                          self.local_off[ids][sel])
+            dst = self.local_off[ids]
+            for src, rec, sel in self._peer_parts(ids, rows, from_peer):
+                for buf, tsel in self._dest(pos[sel]):
+                    idx = np.flatnonzero(sel)[tsel]
+                    gather_ranges(src, rec[tsel], rows[idx, IndexLayout.REC_LEN], buf, dst[idx])
         rest = ~from_peer
-        self._read_into_tier(ids[rest], rows[rest])
+        self._read_into_tier(ids[rest], rows[rest], pos[rest])
         self._sync()  # the data is visible before its state says done
         with self._lock:
             self._state[pos] = _DONE
@@ -274,8 +373,8 @@ class ClairvoyantStore:
             b = min(end, a + _CHUNK_SAMPLES)
             cum = np.cumsum(self._sizes[order[a:b]])
             b = a + max(1, int(np.searchsorted(cum, _CHUNK_BYTES, side="right")))
-            if a < self._n_own:  # coverage copies and extra copies never share a chunk
-                b = min(b, self._n_own)
+            # a chunk never mixes tiers, or coverage and extra copies
+            b = min(b, int(self._bounds[np.searchsorted(self._bounds, a, side="right")]))
             pos = np.arange(a, b)
             got = self._claim(pos)
             self._load(order[a:b][got], pos[got], wait=self.peer_wait)
@@ -319,27 +418,41 @@ class ClairvoyantStore:
             return not self._thread.is_alive()
         return self._filled == len(self.fill_order)
 
-    def _peer_part(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
-        """(src, record starts, sel): where the selected samples' records are in
-        their owners' tiers (the mapped shared segment, or staged with MPI_Get)."""
-        o = self.placement.owner[ids[sel]].astype(np.int64)
-        disp = self._base[o] + self.cov_off[ids[sel]]
-        if self.transport == "shm" and self._segment is not None:
-            return self._segment, self._seg_base[o] + disp, sel
-        ln = rows[sel, IndexLayout.REC_LEN]
-        srt = np.argsort(o, kind="stable")
-        pos = np.empty(len(o), dtype=np.int64)
-        pos[srt] = np.cumsum(ln[srt]) - ln[srt]
-        stage = np.empty(int(ln.sum()), dtype=np.uint8)
-        rma_get(self._win, stage, o[srt], disp[srt], ln[srt], pos[srt])
-        return stage, pos, sel
+    def _peer_parts(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
+        """[(src, record starts, mask)]: where the selected samples' records are in
+        their owners' tiers: RAM through the mapped shared segment or staged with
+        MPI_Get, SSD through the owner's file mapped here."""
+        p = self.placement
+        parts = []
+        ram = sel & (p.tier[ids] == RAM)
+        if ram.any():
+            o = p.owner[ids[ram]].astype(np.int64)
+            disp = self._base[o] + self.cov_off[ids[ram]]
+            if self.transport == "shm" and self._segment is not None:
+                parts.append((self._segment, self._seg_base[o] + disp, ram))
+            else:
+                ln = rows[ram, IndexLayout.REC_LEN]
+                srt = np.argsort(o, kind="stable")
+                pos = np.empty(len(o), dtype=np.int64)
+                pos[srt] = np.cumsum(ln[srt]) - ln[srt]
+                stage = np.empty(int(ln.sum()), dtype=np.uint8)
+                rma_get(self._win, stage, o[srt], disp[srt], ln[srt], pos[srt])
+                parts.append((stage, pos, ram))
+        ssd = sel & ~ram
+        for o in np.unique(p.owner[ids[ssd]]).tolist():
+            m = ssd & (p.owner[ids] == o)
+            parts.append((self._peer_ssd(o), self.cov_off[ids[m]], m))
+        return parts
 
     def _present(self, ids: np.ndarray, wait: float = 0.0) -> np.ndarray:
         """Which ids are complete in their owner's tier (owner != this rank), refreshing
         a cached counter only when it no longer suffices; polls up to ``wait`` s."""
         p = self.placement
-        owner, slots = p.owner[ids], p.slot[ids]
-        cand = (owner >= 0) & (owner != self.rank) & (p.tier[ids] == RAM)
+        owner, tier = p.owner[ids], p.tier[ids]
+        # position in the owner's fill order: its RAM order, then its SSD order
+        slots = p.slot[ids] + np.where(tier == RAM, 0, self._R_all[np.maximum(owner, 0)])
+        # a peer's SSD tier is readable only on its node (the file, mapped here)
+        cand = (owner >= 0) & (owner != self.rank) & ((tier == RAM) | (self.transport == "shm"))
         if self._win is None or not cand.any():
             return np.zeros(len(ids), dtype=bool)
         deadline = time.perf_counter() + wait
@@ -405,9 +518,13 @@ class ClairvoyantStore:
         pfs = ~local & ~peer
         parts = []
         if local.any():
-            parts.append((self._buf, self.local_off[ids][local], local))
+            lp = self.local_pos[ids]
+            for buf, tier_mask in ((self._buf, lp < self._R), (self._ssd, lp >= self._R)):
+                m = local & tier_mask
+                if m.any():
+                    parts.append((buf, self.local_off[ids][m], m))
         if peer.any():
-            parts.append(self._peer_part(ids, rows, peer))
+            parts.extend(self._peer_parts(ids, rows, peer))
         if pfs.any():
             pidx = np.flatnonzero(pfs)
             for src, rec, sel in self._record_parts(ids[pidx], rows[pidx]):
@@ -435,7 +552,8 @@ class ClairvoyantStore:
             return {"fetches_by_source": dict(self._stats), "pfs_reads": self.pfs_reads,
                     "pfs_bytes": self.pfs_bytes, "filled": self._filled,
                     "filled_from_peers": self._fill_from_peers,
-                    "fill_total": len(self.fill_order), "tier_bytes": self.nbytes}
+                    "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
+                    "ssd_bytes": self.ssd_nbytes}
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -448,9 +566,18 @@ class ClairvoyantStore:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self.comm is not None:
+            self.comm.Barrier()  # nobody reads our tiers any more
+        self._ssd = np.zeros(0, dtype=np.uint8)
+        for mm in self._ssd_maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a batch still views it; the OS unmaps at exit
+                pass
+        self._ssd_maps = {}
+        if self._ssd_path is not None:
+            self._ssd_path.unlink(missing_ok=True)
         if self._win is not None:
-            if self.comm is not None:
-                self.comm.Barrier()  # nobody reads our window any more
             self._segment = None
             self._win.Unlock_all()
             self._win.Free()

@@ -83,6 +83,8 @@ class DataLoader:
             else clairvoyant.
         ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
             available memory shared by its ranks).
+        ssd_dir, ssd_bytes: clairvoyant mode: a node-local directory for this rank's SSD
+            tier and its capacity (default 0: no SSD tier).
         on_pfs_read: hook called with (bytes, samples, seconds) after each read of
             the dataset files by the store (tracing, emulating a slower file system).
         width, node_aware, transport: replica groups of the store and how peers' memory
@@ -105,7 +107,8 @@ class DataLoader:
                  comm: Any = None, seed: int = 0, epochs: int = 1, shuffle: bool = True,
                  drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
                  node_aware: bool = False, transport: str = "auto",
-                 ram_bytes: Optional[int] = None,
+                 ram_bytes: Optional[int] = None, ssd_dir: Optional[str] = None,
+                 ssd_bytes: int = 0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: int = 4,
@@ -130,6 +133,7 @@ class DataLoader:
             if ram_bytes is None:
                 ram_bytes = _default_ram_bytes(self.comm)
             self.store = ClairvoyantStore(self.ds, self.plan, self.comm, ram_bytes=ram_bytes,
+                                          ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
                                           transport=transport, on_pfs_read=on_pfs_read)
         self.collate_fn = collate_fn
         self.transform = transform
