@@ -96,18 +96,25 @@ def worker(a) -> None:
         hook = None
         if _baselines.PFS is not None:  # the store's reads of the files pay the same PFS
             hook = lambda nbytes, n, dt: _baselines.PFS.charge(nbytes, 0, dt)  # noqa: E731
-        mode, ram = "preload", None
-        if a.contender.startswith("forebay-cv"):  # clairvoyant, RAM tiers sized by share
+        mode, ram, ssd, ssd_dir = "preload", None, 0, None
+        if a.contender.startswith("forebay-cv"):  # clairvoyant, tiers sized by share
             from forebay.store import tier_nbytes
 
-            share = float(a.contender.split(":")[1])
+            shares = [float(x) for x in a.contender.split(":")[1:]]
+            share = shares[0]
             mode = "clairvoyant"
-            ram = int(tier_nbytes(forebay.open_dataset(a.packed)).sum() * share / world)
+            need = tier_nbytes(forebay.open_dataset(a.packed)).sum()
+            ram = int(need * share / world)
+            if len(shares) > 1:  # an SSD tier in a directory on the local disk
+                ssd = int(need * shares[1] / world)
+                ssd_dir = str(Path(a.packed).parent / "ssd-tier")
+                os.makedirs(ssd_dir, exist_ok=True)
             transport = "auto"
         # "rma" forces the cross-node path (MPI_Get) on this single node
         dl = DataLoader(a.packed, bs, comm=comm, seed=0, epochs=epochs, width=width,
                         transport=transport, prefetch=a.prefetch, progress=False,
-                        mode=mode, ram_bytes=ram, on_pfs_read=hook)
+                        mode=mode, ram_bytes=ram, ssd_dir=ssd_dir, ssd_bytes=ssd,
+                        on_pfs_read=hook)
         res["preload_s"] = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         res["transport"] = dl.store.transport
         if mode == "preload":
@@ -123,6 +130,7 @@ def worker(a) -> None:
             res["latency_of"] = "remote samples" if dl.store.width > 1 else "local samples"
         else:
             res["ram_share"] = share
+            res["ssd_share"] = ssd and shares[1]
             lat = [0.0]  # the run starts cold: single-sample latency is not its figure
 
         def it(e):
@@ -224,7 +232,8 @@ def main(argv=None) -> None:
         contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0), ("forebay-rma", 0)]
         if a.clairvoyant:
             contenders = [("pff", 0), ("hdf5", 0), ("forebay", 0),
-                          ("forebay-cv:1.2", 0), ("forebay-cv:0.5", 0)]
+                          ("forebay-cv:1.2", 0), ("forebay-cv:0.5", 0),
+                          ("forebay-cv:0.3:1.0", 0)]
         if not a.clairvoyant:
             contenders.append(("forebay", 2) if ranks > 2 else ("forebay", 1))
         contenders.append(("no-io", 0))
@@ -266,6 +275,9 @@ def main(argv=None) -> None:
             r["contender"], f"forebay preload, width {r.get('width')}, {r.get('transport')}")
         if r["contender"].startswith("forebay-cv"):
             name = f"forebay clairvoyant, RAM {r['ram_share']}x dataset, {r['transport']}"
+            if r.get("ssd_share"):
+                name = (f"forebay clairvoyant, RAM {r['ram_share']}x + SSD "
+                        f"{r['ssd_share']}x dataset, {r['transport']}")
         print(f"| {r['ranks']} | {'emulated PFS' if r['pfs'] else 'local disk, cold'} | {name} | "
               f"{r['lat_p50_ms']:.3f} / {r['lat_p95_ms']:.3f} / {r['lat_p99_ms']:.3f} | "
               f"{r['samples_per_s']:,.0f} | {r['samples_per_s'] / base['pff']:.1f}x | "
