@@ -240,13 +240,13 @@ class ClairvoyantStore:
         self._known = np.zeros(self.world, dtype=np.int64)  # cached peer counters
         self._ssd = np.zeros(0, dtype=np.uint8)
         self._ssd_maps: dict[int, Any] = {}
-        self._ssd_path: Optional[Path] = None
+        self._ssd_file: Optional[Path] = None
         token = uuid.uuid4().hex[:12]
         token = self.comm.bcast(token, root=0) if self.comm is not None else token
         self._ssd_token = token
         if self.ssd_nbytes:
-            self._ssd_path = self._ssd_file(self.rank)
-            with open(self._ssd_path, "wb+") as fh:
+            self._ssd_file = self._ssd_path(self.rank)
+            with open(self._ssd_file, "wb+") as fh:
                 fh.truncate(self.ssd_nbytes)
                 mm = mmap.mmap(fh.fileno(), self.ssd_nbytes, access=mmap.ACCESS_WRITE)
             self._ssd_maps[self.rank] = mm
@@ -268,22 +268,20 @@ class ClairvoyantStore:
             else:
                 self._segment, self._seg_base = mapped
 
-    def _ssd_file(self, rank: int) -> Path:
-        assert self.ssd_dir is not None or rank != self.rank
-        d = self.ssd_dir if self.ssd_dir is not None else Path(".")
-        return d / f".forebay-{self._ssd_token}-r{rank}.tier"
+    def _ssd_path(self, rank: int) -> Path:
+        """A rank's SSD tier file (each rank's own directory, exchanged at setup)."""
+        return self._peer_dirs[rank] / f".forebay-{self._ssd_token}-r{rank}.tier"
 
     def _peer_ssd(self, rank: int) -> np.ndarray:
         """A peer's SSD tier, mapped read-only (same node: the same file)."""
-        arr = self._ssd_maps.get(rank)
-        if arr is None:
-            with open(self._ssd_dir_of(rank), "rb") as fh:
-                arr = mmap.mmap(fh.fileno(), int(self._ssd_all[rank]), access=mmap.ACCESS_READ)
-            self._ssd_maps[rank] = arr
-        return np.frombuffer(arr, dtype=np.uint8)
-
-    def _ssd_dir_of(self, rank: int) -> Path:
-        return self._peer_dirs[rank] / f".forebay-{self._ssd_token}-r{rank}.tier"
+        with self._lock:
+            mm = self._ssd_maps.get(rank)
+            if mm is None:
+                with open(self._ssd_path(rank), "rb") as fh:
+                    mm = mmap.mmap(fh.fileno(), int(self._ssd_all[rank]),
+                                   access=mmap.ACCESS_READ)
+                self._ssd_maps[rank] = mm
+        return np.frombuffer(mm, dtype=np.uint8)
 
     def _dest(self, pos: np.ndarray):
         """(buffer, selector) pairs: where positions ``pos`` of this rank's tiers live."""
@@ -575,8 +573,8 @@ class ClairvoyantStore:
             except BufferError:  # a batch still views it; the OS unmaps at exit
                 pass
         self._ssd_maps = {}
-        if self._ssd_path is not None:
-            self._ssd_path.unlink(missing_ok=True)
+        if self._ssd_file is not None:
+            self._ssd_file.unlink(missing_ok=True)
         if self._win is not None:
             self._segment = None
             self._win.Unlock_all()
