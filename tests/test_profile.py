@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import forebay
 from forebay.store import ProfileError, calibrate, dump_profile, load_profile
 
 

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import forebay  # noqa: E402
 from forebay import AccessPlan  # noqa: E402
-from forebay.synth import ising_samples, molecule_samples  # noqa: E402
+from forebay.synth import molecule_samples  # noqa: E402
 from forebay.torch import DataLoader, Dataset, PlanSampler, collate_graphs  # noqa: E402
 
 

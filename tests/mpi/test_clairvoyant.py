@@ -3,7 +3,6 @@ read per sample when the tiers hold the dataset."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import forebay

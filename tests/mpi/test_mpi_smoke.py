@@ -8,7 +8,6 @@ import textwrap
 
 import pytest
 
-import forebay
 from conftest import BIN
 
 pytest.importorskip("mpi4py")

@@ -493,7 +493,6 @@ class ClairvoyantStore:
             raise StoreError(f"the fill thread failed: {err}") from err
         ids = self.ds.normalize_ids(ids)
         rows = self.ds._index[ids]
-        p = self.placement
         lpos = self.local_pos[ids]
         mine = lpos >= 0
         local = mine & ((lpos < self._filled) | self._done_at(lpos))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np

@@ -123,7 +123,7 @@ def _ram(threads: list[int], nbytes: int) -> dict[int, float]:
     for n in threads:
         dsts = [np.empty(nbytes // n, dtype=np.uint8) for _ in range(n)]
 
-        def copy(k):
+        def copy(k, dsts=dsts):
             d = dsts[k]
             gather_ranges(src, np.array([k * len(d)]), np.array([len(d)]), d, np.array([0]))
         for k in range(n):  # fault the pages in before timing
@@ -174,7 +174,7 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
         nbytes = sum(int(ds.sample_nbytes[i].sum()) for i in ids)
         fresh = open_dataset(dataset)
 
-        def read(k):
+        def read(k, ids=ids, fresh=fresh):
             for a in range(0, len(ids[k]), 64):
                 fresh.get_many(ids[k][a:a + 64])
         out[n] = nbytes / _threaded(read, n) / 1e6
