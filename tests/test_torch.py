@@ -159,3 +159,25 @@ def test_auto_mode_preloads_what_fits_and_streams_what_does_not(molecules, monke
     assert s["ssd_bytes"] > 0 and list(path.parent.glob("*.tier"))
     dl.close()
     assert not list(path.parent.glob("*.tier"))
+
+
+def test_staging_area_bounded_in_bytes(molecules):
+    path, samples = molecules
+    ds = forebay.open_dataset(path)
+    plan = AccessPlan(len(samples), 1, 8, 1, seed=6)
+    biggest = max(int(ds.sample_nbytes[b].sum()) for b in plan.batches(0, 0))
+    budget = biggest + 100  # room for about one batch at a time
+    dl = DataLoader(path, 8, comm=None, seed=6, prefetch=8, staging_bytes=budget,
+                    collate_fn=lambda b: b.ids.copy())
+    got = list(dl)
+    np.testing.assert_array_equal(np.stack(got), plan.batches(0, 0))
+    assert 0 < dl.stats()["staging_peak_bytes"] <= budget
+    unbounded = DataLoader(path, 8, comm=None, seed=6, prefetch=8,
+                           collate_fn=lambda b: (__import__("time").sleep(0.001), b.ids)[1])
+    it = iter(unbounded)
+    next(it)
+    __import__("time").sleep(0.2)  # let the thread run ahead
+    assert unbounded.stats()["staging_peak_bytes"] > budget
+    it.close()
+    with pytest.raises(ValueError, match="staging_bytes"):
+        DataLoader(path, 8, comm=None, staging_bytes=0)

@@ -97,6 +97,8 @@ class DataLoader:
             samples instead (torch's ``default_collate`` if None).
         prefetch: batches fetched ahead by a background thread while the model computes
             (0: fetch in the iterating thread).
+        staging_bytes: also bound the samples waiting in that staging area by their
+            bytes (one batch is always let in); None: only ``prefetch`` bounds it.
         pin_memory: gather batches straight into pinned host memory (CUDA only).
 
     Resume: :meth:`state_dict` / :meth:`load_state_dict` record (epoch, step); a loader
@@ -108,7 +110,7 @@ class DataLoader:
                  drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
                  node_aware: bool = False, transport: str = "auto",
                  ram_bytes: Optional[int] = None, ssd_dir: Optional[str] = None,
-                 ssd_bytes: int = 0,
+                 ssd_bytes: int = 0, staging_bytes: Optional[int] = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: int = 4,
@@ -154,6 +156,10 @@ class DataLoader:
         self.epoch = 0
         self._step = 0  # batches handed out in the current epoch
         self._stall = 0.0  # seconds the iterating thread waited for a batch
+        if staging_bytes is not None and staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+        self.staging_bytes = staging_bytes
+        self._staging_peak = 0
         self._direct_stats: dict[str, Any] = {"fetches_by_source": {}, "pfs_reads": 0,
                                               "pfs_bytes": 0}
 
@@ -228,17 +234,31 @@ class DataLoader:
         yield from self._iter_prefetched(batches, start)
 
     def _iter_prefetched(self, batches: np.ndarray, start: int) -> Iterator[Any]:
-        q: "queue.Queue[tuple[int, Any, Optional[BaseException]]]" = queue.Queue(self.prefetch)
+        """Batches fetched ahead, in consumption order, by one thread: at most
+        ``prefetch`` batches and (if set) ``staging_bytes`` of samples wait at a time;
+        a batch leaves the staging area when the loop takes it."""
+        q: "queue.Queue[tuple[int, Any, Optional[BaseException], int]]" = \
+            queue.Queue(self.prefetch)
         stop = threading.Event()
+        room = threading.Condition()
+        staged = [0]  # bytes of samples fetched and not yet taken
+        budget = self.staging_bytes
 
         def produce() -> None:
             for step in range(start, len(batches)):
+                need = int(self.ds.sample_nbytes[batches[step]].sum())
+                with room:  # wait for room, but always let one batch in
+                    while budget is not None and staged[0] and staged[0] + need > budget \
+                            and not stop.is_set():
+                        room.wait(0.1)
+                    staged[0] += need
+                    self._staging_peak = max(self._staging_peak, staged[0])
                 if stop.is_set():
                     return
                 try:
-                    item = (step, self._fetch(batches[step]), None)
+                    item = (step, self._fetch(batches[step]), None, need)
                 except BaseException as e:  # handed to the consumer
-                    item = (step, None, e)
+                    item = (step, None, e, need)
                 while not stop.is_set():
                     try:
                         q.put(item, timeout=0.1)
@@ -253,8 +273,11 @@ class DataLoader:
         try:
             for _ in range(start, len(batches)):
                 t0 = time.perf_counter()
-                step, out, err = q.get()
+                step, out, err, need = q.get()
                 self._stall += time.perf_counter() - t0
+                with room:
+                    staged[0] -= need
+                    room.notify()
                 if err is not None:
                     raise err
                 self._step = step + 1
@@ -273,6 +296,7 @@ class DataLoader:
         else:
             base.update(self._direct_stats)
         base["stall_seconds"] = self._stall
+        base["staging_peak_bytes"] = self._staging_peak
         base["mode"] = self.mode
         return base
 
