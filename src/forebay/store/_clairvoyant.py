@@ -29,7 +29,8 @@ from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._batch import assemble_batch, gather_ranges
 from ..dataset._format import ALIGNMENT, IndexLayout
 from ..plan import AccessPlan
-from ._distributed import StoreError, default_comm, rma_get, shared_segment
+from ._distributed import (StoreError, agree, check_same_dataset, default_comm, node_size,
+                           rma_get, shared_segment)
 from ._placement import RAM, compute_placement
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
@@ -106,14 +107,11 @@ class ClairvoyantStore:
                             f"{len(self.ds)}")
         if ram_bytes < 0:
             problems.append(f"ram_bytes must be >= 0, got {ram_bytes}")
-        self._agree("; ".join(problems) or None)
+        agree(self.comm, "; ".join(problems) or None)
         ssd_bytes = self._check_ssd(ssd_dir, int(ssd_bytes))
         self.ssd_dir = Path(ssd_dir) if ssd_bytes else None
+        check_same_dataset(self.comm, self.ds)
         if self.comm is not None:
-            fps = self.comm.allgather(self.ds.fingerprint)
-            if len(set(fps)) > 1:
-                raise StoreError(f"ranks opened different datasets (fingerprints "
-                                 f"{sorted(set(fps))})")
             rams = np.array(self.comm.allgather(int(ram_bytes)), dtype=np.int64)
             ssds = np.array(self.comm.allgather(ssd_bytes), dtype=np.int64)
         else:
@@ -159,12 +157,6 @@ class ClairvoyantStore:
             return 0
         return ssd_bytes
 
-    def _agree(self, message: Optional[str]) -> None:
-        msgs = self.comm.allgather(message) if self.comm is not None else [message]
-        bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-        if bad:
-            raise StoreError("; ".join(bad[:4]))
-
     def _layout_offsets(self) -> None:
         """Byte offset of every coverage copy in its owner's tier (RAM buffer or SSD
         file), and of this rank's extra copies after its coverage copies; one fill
@@ -208,11 +200,7 @@ class ClairvoyantStore:
         if self.comm is None or self.world == 1:
             self.transport = "local"
             return
-        from mpi4py import MPI
-
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        one_node = self.comm.allreduce(node.Get_size() == self.world, op=MPI.LAND)
-        node.Free()
+        one_node = node_size(self.comm) == self.world  # the same answer on every rank
         if asked == "shm" and not one_node:
             raise StoreError("transport='shm' needs every rank on one node")
         self.transport = ("shm" if one_node else "rma") if asked == "auto" else asked

@@ -25,7 +25,8 @@ from ..errors import ForebayError
 from ..progress import Progress, TqdmProgress, as_progress
 from ._memory import MEMORY_HEADROOM, available_memory
 
-__all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError"]
+__all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
+           "check_same_dataset", "node_size"]
 
 _READ_BLOCK = 64 << 20
 
@@ -95,6 +96,41 @@ class StoreLayout:
         self.nbytes = np.bincount(run_member, weights=run_span, minlength=width).astype(np.int64)
         self.runs = {"member": run_member, "shard": shard[run_first], "start": run_start,
                      "len": run_len, "base": run_base, "count": run_last - run_first + 1}
+
+
+def agree(comm: Any, message: Optional[str]) -> None:
+    """Raise :class:`StoreError` on every rank if any rank has a message: a check that
+    fails on one rank fails on all (no rank is left waiting in a collective)."""
+    msgs = comm.allgather(message) if comm is not None else [message]
+    bad = [(r, m) for r, m in enumerate(msgs) if m]
+    if bad:
+        text = "; ".join(f"rank {r}: {m}" if comm is not None else m for r, m in bad[:4])
+        raise StoreError(text + (f" (+{len(bad) - 4} more ranks)" if len(bad) > 4 else ""))
+
+
+def node_size(comm: Any) -> int:
+    """Ranks of ``comm`` on this rank's node (1 without MPI)."""
+    if comm is None:
+        return 1
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    n = node.Get_size()
+    node.Free()
+    return n
+
+
+def check_same_dataset(comm: Any, ds: PackedDataset) -> None:
+    """Every rank of ``comm`` opened the same dataset (manifest fingerprint and size)."""
+    if comm is None:
+        return
+    every = comm.allgather((ds.fingerprint, len(ds), str(ds.path)))
+    if len({(fp, n) for fp, n, _ in every}) > 1:
+        ref = every[0]
+        diff = [f"rank {r} has {p} ({n} samples, fingerprint {fp})"
+                for r, (fp, n, p) in enumerate(every) if (fp, n) != ref[:2]]
+        raise StoreError(f"ranks opened different datasets: rank 0 has {ref[2]} "
+                         f"({ref[1]} samples, fingerprint {ref[0]}); " + "; ".join(diff[:4]))
 
 
 def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarray]]":
@@ -192,7 +228,7 @@ class DistributedStore:
         self.on_pfs_read = on_pfs_read
         self._setup_groups(width, node_aware)
         self.transport = self._choose_transport(transport)
-        self._check_same_dataset()
+        check_same_dataset(self.comm, self.ds)
         self.layout = StoreLayout(self.ds, self.width)
         self._check_memory()
         if progress is None:
@@ -203,18 +239,6 @@ class DistributedStore:
         self.preload_seconds = time.perf_counter() - t0
 
     # -- setup ------------------------------------------------------------------------
-    def _fail_all(self, message: Optional[str]) -> None:
-        """Raise StoreError on every rank if any rank has a message (no rank hangs)."""
-        if self.comm is None:
-            if message:
-                raise StoreError(message)
-            return
-        msgs = self.comm.allgather(message)
-        bad = [(r, m) for r, m in enumerate(msgs) if m]
-        if bad:
-            text = "; ".join(f"rank {r}: {m}" for r, m in bad[:4])
-            raise StoreError(text + (f" (+{len(bad) - 4} more ranks)" if len(bad) > 4 else ""))
-
     def _setup_groups(self, width: Optional[int], node_aware: bool) -> None:
         if self.comm is None:
             if width not in (None, 1):
@@ -255,10 +279,8 @@ class DistributedStore:
             return "local"
         from mpi4py import MPI
 
-        shared = self.group_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.member)
-        one_node = shared.Get_size() == self.width
-        shared.Free()
-        everywhere = self.comm.allreduce(1 if one_node else 0, op=MPI.MIN) == 1
+        one_node = node_size(self.group_comm) == self.width
+        everywhere = self.comm.allreduce(one_node, op=MPI.LAND)
         if asked == "shm" and not everywhere:
             raise StoreError("transport='shm' needs every replica group on one node; use "
                              "node_aware=True or a width that fits a node, or transport='rma'")
@@ -269,18 +291,6 @@ class DistributedStore:
     @property
     def replicas(self) -> int:
         return self.world // self.width
-
-    def _check_same_dataset(self) -> None:
-        if self.comm is None:
-            return
-        mine = (self.ds.fingerprint, len(self.ds), str(self.ds.path))
-        every = self.comm.allgather(mine)
-        if len({(fp, n) for fp, n, _ in every}) > 1:
-            ref = every[0]
-            diff = [f"rank {r} has {p} ({n} samples, fingerprint {fp})"
-                    for r, (fp, n, p) in enumerate(every) if (fp, n) != ref[:2]]
-            raise StoreError(f"ranks opened different datasets: rank 0 has {ref[2]} "
-                             f"({ref[1]} samples, fingerprint {ref[0]}); " + "; ".join(diff[:4]))
 
     def _check_memory(self) -> None:
         need = int(self.layout.nbytes[self.member]) + ALIGNMENT
@@ -303,7 +313,7 @@ class DistributedStore:
                    f"{self.replicas} replicas over {self.world} ranks) but "
                    f"{avail / gib:.2f} GiB is available ({MEMORY_HEADROOM:.0%} may be used); "
                    f"use a larger width (fewer replicas) or more nodes")
-        self._fail_all(msg)
+        agree(self.comm, msg)
 
     def _allocate(self) -> None:
         size = int(self.layout.nbytes[self.member]) + ALIGNMENT

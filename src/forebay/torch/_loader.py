@@ -15,22 +15,12 @@ import torch
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
 from ..store import ClairvoyantStore, DistributedStore, available_memory, default_comm
+from ..store._distributed import node_size
 from ._collate import collate_samples, default_collate
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
 
 MODES = ("auto", "preload", "clairvoyant", "direct")
-
-
-def _node_ranks(comm: Any) -> int:
-    if comm is None:
-        return 1
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    n = node.Get_size()
-    node.Free()
-    return n
 
 
 def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
@@ -43,7 +33,7 @@ def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
     w = world if width is None else width
     need = int(tier_nbytes(ds).sum()) / max(w, 1)
     avail = available_memory()
-    fits = avail is None or need * _node_ranks(comm) <= MEMORY_HEADROOM * avail
+    fits = avail is None or need * node_size(comm) <= MEMORY_HEADROOM * avail
     if comm is not None:
         from mpi4py import MPI
 
@@ -53,7 +43,7 @@ def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
 
 def _default_ram_bytes(comm: Any) -> int:
     """Half of this node's available memory, shared by the node's ranks."""
-    return int((available_memory() or 0) * 0.5 / _node_ranks(comm))
+    return int((available_memory() or 0) * 0.5 / node_size(comm))
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:
