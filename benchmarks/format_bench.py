@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _baselines import hdf5_dataset, pff_dataset  # noqa: E402
 from _common import drop_all_caches, evict, files_under, machine, seq_write_bandwidth, summarize, time_reads  # noqa
 
 import forebay  # noqa: E402
@@ -29,35 +29,18 @@ from forebay.synth import synthesize  # noqa: E402
 
 # -- contenders: open(...) -> read(i) returning the sample's arrays in memory ----------
 def pff_reader(root: Path):
-    files = sorted(root.glob("*.pkl"))
-
-    def read(i):
-        with open(files[i], "rb") as f:
-            return pickle.load(f)
-    return read
+    """One pickle per sample (the same reader the loader benchmark's baseline uses)."""
+    return pff_dataset(root)[0].__getitem__
 
 
 def hdf5_reader(path: Path):
-    """Loads the (small) offset arrays once, then reads each field's slice per sample,
-    as a CFF data loader would."""
-    import h5py
-
-    f = h5py.File(path, "r")
-    names = [n for n in f if not n.endswith("_offsets")]
-    offs = {n: f[n + "_offsets"][:] for n in names if n + "_offsets" in f}
-    axes = {n: int(f[n + "_offsets"].attrs.get("axis", 0)) for n in offs}
-    dsets = {n: f[n] for n in names}
+    """Keeps the file open and the (small) offset arrays in memory, then reads each
+    field's slice per sample, as a CFF data loader would."""
+    ds, _ = hdf5_dataset(path)
 
     def read(i):
-        out = {}
-        for n, d in dsets.items():
-            if n in offs:
-                a, b = offs[n][i], offs[n][i + 1]
-                out[n] = d[:, a:b] if axes[n] == 1 else d[a:b]
-            else:
-                out[n] = d[i]
-        return out
-    read.close = f.close
+        return ds[i]
+    read.close = ds.close
     return read
 
 
