@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import forebay.trace as trace
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import list_collate, pff_dataset  # noqa: E402
 
@@ -58,12 +60,13 @@ def train(model, opt, batches, y_scale: float) -> tuple[int, float, float, float
         if b is None:
             break
         g = int(b["y"].shape[0])
-        pred = model(b["x"].float(), b["pos"].float(), b["edge_index"], b["edge_attr"].float(),
-                     b["batch"], g)
-        loss = nn.functional.mse_loss(pred, b["y"][:, 0].float() / y_scale)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        with trace.region("compute"):  # recorded when tracing is on, free otherwise
+            pred = model(b["x"].float(), b["pos"].float(), b["edge_index"],
+                         b["edge_attr"].float(), b["batch"], g)
+            loss = nn.functional.mse_loss(pred, b["y"][:, 0].float() / y_scale)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
         n += g
         losses.append(loss.item())
     return n, time.perf_counter() - t0, stall, float(np.mean(losses))
@@ -76,6 +79,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--trace", type=Path, help="trace the forebay run into this directory "
+                   "(then: forebay analyze DIR)")
     a = p.parse_args()
 
     from mpi4py import MPI
@@ -100,6 +105,8 @@ def main() -> None:
         return m, torch.optim.Adam(m.parameters(), lr=1e-3)
 
     results = {}
+    if a.trace:
+        trace.enable(a.trace)
     loader = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
                         progress=False)
     y_scale = 100.0
@@ -111,6 +118,8 @@ def main() -> None:
         per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
                           comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
     loader.close()
+    if a.trace:
+        trace.disable()
     results["forebay DataLoader (preload)"] = per_epoch
 
     if a.pff is not None:

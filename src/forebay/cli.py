@@ -176,6 +176,42 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .trace._analyze import analyze, format_summary
+    from .trace._read import read_traces
+
+    ev = read_traces(a.trace_dir)
+    res = analyze(a.trace_dir, events=ev)
+    summary = format_summary(res)
+    print(summary)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.json}")
+    pngs = []
+    if a.plots or a.html:
+        from .trace._plots import plot_all, write_html
+
+        pngs = plot_all(ev, res, a.plots or Path(a.html).with_suffix("").as_posix() + "_plots")
+        print("wrote " + ", ".join(str(p) for p in pngs))
+        if a.html:
+            write_html(res, summary, pngs, a.html)
+            print(f"wrote {a.html}")
+    return 0 if res["events"] else 1
+
+
+def cmd_trace_export(a: argparse.Namespace) -> int:
+    from .trace._export import export_chrome
+
+    r = export_chrome(a.trace_dir, a.out)
+    for s in r["skipped"]:
+        print(f"skipped: {s}", file=sys.stderr)
+    print(f"wrote {a.out}: {r['events']:,} events of {r['ranks']} rank(s), for Perfetto "
+          f"(ui.perfetto.dev) or chrome://tracing")
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from .dataset.sources import SOURCES
@@ -244,6 +280,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ssd-dir", help="node-local directory to measure as the SSD tier")
     c.add_argument("--dataset", help="packed dataset on the parallel file system to measure")
     c.set_defaults(func=cmd_calibrate)
+
+    an = sub.add_parser("analyze", help="summarize I/O traces (forebay's and DFTracer's)",
+                        description="Summarize every .pfw/.pfw.gz/.json trace in a directory: "
+                        "time split (compute, app-level I/O, I/O, overlapped or not), data "
+                        "stalls, fetch latency per source, where samples came from, bytes "
+                        "read from the dataset files, per-event statistics, imbalance.")
+    an.add_argument("trace_dir")
+    an.add_argument("--json", metavar="OUT", help="write the full analysis as JSON")
+    an.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    an.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
+    an.set_defaults(func=cmd_analyze)
+
+    tr = sub.add_parser("trace", help="trace files: export for Perfetto")
+    trs = tr.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    te = trs.add_parser("export", help="write one Chrome-format JSON for Perfetto / "
+                        "chrome://tracing")
+    te.add_argument("trace_dir")
+    te.add_argument("out", help="output file (.json or .json.gz)")
+    te.set_defaults(func=cmd_trace_export)
 
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")

@@ -32,6 +32,8 @@ from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_same_dataset, default_comm, node_size,
                            rma_get, shared_segment)
 from ._placement import RAM, compute_placement
+from .. import trace as _trace
+from ..trace import _hooks
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
 
@@ -316,8 +318,12 @@ class ClairvoyantStore:
                 gather_ranges(src, rec, rows[tsel][sel, IndexLayout.REC_LEN], buf,
                               dst[tsel][sel])
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
+        t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):
-            self.on_pfs_read(nbytes, len(ids), time.perf_counter() - t0)
+            self.on_pfs_read(nbytes, len(ids), t1 - t0)
+        rec = _trace.active()
+        if rec is not None:
+            _hooks.record_pfs(rec, self.ds, ids, rows, t0, t1)
         with self._lock:
             self.pfs_reads += len(ids)
             self.pfs_bytes += nbytes
@@ -363,10 +369,18 @@ class ClairvoyantStore:
             b = min(b, int(self._bounds[np.searchsorted(self._bounds, a, side="right")]))
             pos = np.arange(a, b)
             got = self._claim(pos)
+            t0 = time.perf_counter()
+            peers0 = self._fill_from_peers
             self._load(order[a:b][got], pos[got], wait=self.peer_wait)
             while (self._state[a:b] != _DONE).any():  # a reader is writing one of them
                 time.sleep(0.0005)
             self._publish(b)
+            rec = _trace.active()
+            if rec is not None:
+                rec.span("cache", "fill", t0, time.perf_counter(), count=int(got.sum()),
+                         nbytes=int(self._sizes[order[a:b][got]].sum()),
+                         args={"tier": "ram" if a < self._R else "ssd",
+                               "from_peers": self._fill_from_peers - peers0, "filled": b})
         return self._filled - start
 
     def _sync(self) -> None:
@@ -422,7 +436,12 @@ class ClairvoyantStore:
                 pos = np.empty(len(o), dtype=np.int64)
                 pos[srt] = np.cumsum(ln[srt]) - ln[srt]
                 stage = np.empty(int(ln.sum()), dtype=np.uint8)
+                t0 = time.perf_counter()
                 rma_get(self._win, stage, o[srt], disp[srt], ln[srt], pos[srt])
+                rec = _trace.active()
+                if rec is not None:
+                    rec.span("memstore", "get", t0, time.perf_counter(), count=len(o),
+                             nbytes=len(stage), args={"owners": len(np.unique(o))})
                 parts.append((stage, pos, ram))
         ssd = sel & ~ram
         for o in np.unique(p.owner[ids[ssd]]).tolist():
@@ -502,26 +521,40 @@ class ClairvoyantStore:
         peer = ~local & self._present(ids)
         pfs = ~local & ~peer
         parts = []
+        tags = []  # (source, tier) of each part, for tracing
         if local.any():
             lp = self.local_pos[ids]
-            for buf, tier_mask in ((self._buf, lp < self._R), (self._ssd, lp >= self._R)):
+            for buf, tier_mask, tier in ((self._buf, lp < self._R, "ram"),
+                                         (self._ssd, lp >= self._R, "ssd")):
                 m = local & tier_mask
                 if m.any():
                     parts.append((buf, self.local_off[ids][m], m))
+                    tags.append(("local", tier))
+        t_peer = 0.0
         if peer.any():
-            parts.extend(self._peer_parts(ids, rows, peer))
+            t0 = time.perf_counter()
+            peer_parts = self._peer_parts(ids, rows, peer)
+            t_peer = time.perf_counter() - t0
+            parts.extend(peer_parts)
+            tags.extend([("peer", None)] * len(peer_parts))
         if pfs.any():
             pidx = np.flatnonzero(pfs)
             for src, rec, sel in self._record_parts(ids[pidx], rows[pidx]):
                 mask = np.zeros(len(ids), dtype=bool)
                 mask[pidx[sel]] = True
                 parts.append((src, rec, mask))
+                tags.append(("pfs", "pfs"))
         n_pfs = int(pfs.sum())
+        tracer = _trace.active()
+        timings: Optional[list] = [] if tracer is not None else None
         t0 = time.perf_counter()
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
+                               timings=timings)
         if n_pfs and self.on_pfs_read is not None:
             self.on_pfs_read(int(rows[pfs, IndexLayout.REC_LEN].sum()), n_pfs,
                              time.perf_counter() - t0)
+        if tracer is not None:
+            self._trace_fetch(tracer, ids, rows, parts, tags, timings, t_peer)
         with self._lock:
             self._stats["local"] += int(local.sum())
             self._stats["peer"] += int(peer.sum())
@@ -529,6 +562,33 @@ class ClairvoyantStore:
             self.pfs_reads += n_pfs
             self.pfs_bytes += int(rows[pfs, IndexLayout.REC_LEN].sum())
         return batch
+
+    def _trace_fetch(self, rec: Any, ids: np.ndarray, rows: np.ndarray, parts: list,
+                     tags: list, timings: list, t_peer: float) -> None:
+        """One ``data/item`` event per sample with its source, tier and owner; peers'
+        parts include the RMA staging time; PFS parts also as file reads."""
+        sizes = rows[:, IndexLayout.REC_LEN]
+        npeer = sum(1 for s, _ in tags if s == "peer")
+        if npeer:
+            p = self.placement
+            peer_tier = np.where(p.tier[ids] == RAM, _hooks.TIER["ram"], _hooks.TIER["ssd"])
+            peer_owner = p.owner[ids]
+        tagged = []
+        pfs_sel = []
+        for (_, _, sel), (source, tier), (t0, t1) in zip(parts, tags, timings):
+            owner: Any = self.rank
+            if source == "peer":
+                tier, owner = peer_tier, peer_owner
+                t0 -= t_peer / npeer
+            elif source == "pfs":
+                owner = -1
+                pfs_sel.append((sel, t0, t1))
+            tagged.append((sel, t0, t1, source, tier, owner))
+        _hooks.record_parts(rec, ids, sizes, tagged)
+        if pfs_sel:
+            m = pfs_sel[0][0] if len(pfs_sel) == 1 else np.logical_or.reduce(
+                [q[0] for q in pfs_sel])
+            _hooks.record_pfs(rec, self.ds, ids[m], rows[m], pfs_sel[0][1], pfs_sel[-1][2])
 
     def stats(self) -> dict[str, Any]:
         """Reads by source since setup: ``fetches_by_source`` (local tier, peer tier,

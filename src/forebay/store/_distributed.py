@@ -24,6 +24,8 @@ from ..dataset._format import ALIGNMENT, IndexLayout
 from ..errors import ForebayError
 from ..progress import Progress, TqdmProgress, as_progress
 from ._memory import MEMORY_HEADROOM, available_memory
+from .. import trace as _trace
+from ..trace import _hooks
 
 __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
            "check_same_dataset", "node_size"]
@@ -376,9 +378,16 @@ class DistributedStore:
                                                  f"{start + done} while preloading")
                             done += got
                             prog.update(got)
+                        t1 = time.perf_counter()
                         if self.on_pfs_read is not None:
-                            self.on_pfs_read(length, int(runs["count"][k]),
-                                             time.perf_counter() - t0)
+                            self.on_pfs_read(length, int(runs["count"][k]), t1 - t0)
+                        rec = _trace.active()
+                        if rec is not None:
+                            rec.file_reads(path, np.array([start]), np.array([length]),
+                                           np.array([t0]), np.array([t1 - t0]),
+                                           samples=int(runs["count"][k]))
+                            rec.span("memstore", "preload", t0, t1,
+                                     count=int(runs["count"][k]), nbytes=length)
                 finally:
                     os.close(fd)
         finally:
@@ -425,6 +434,9 @@ class DistributedStore:
         nlocal = int((self.layout.member[ids] == self.member).sum())
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
+        rec = _trace.active()
+        if rec is not None:
+            return self._get_traced(rec, ids, rows, alloc)
         if self.transport == "shm":
             return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
                                   [(self._segment, self._seg_pos[ids], slice(None))], alloc)
@@ -451,6 +463,49 @@ class DistributedStore:
                 sorted_len, stage_pos[order])
         parts.append((stage, stage_pos, remote))
         return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
+
+    def _get_traced(self, rec: Any, ids: np.ndarray, rows: np.ndarray, alloc) -> SampleBatch:
+        """get_many, timing the local and remote parts apart for the trace."""
+        member = self.layout.member[ids]
+        local = member == self.member
+        owner = self.group_ranks[member]
+        src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
+        sizes = rows[:, IndexLayout.REC_LEN]
+        timings: list = []
+        t_stage = 0.0
+        if self.transport == "shm":
+            seg = self._seg_pos[ids]
+            parts = [(self._segment, seg[m], m) for m in (local, ~local) if m.any()]
+            batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
+                                   timings=timings)
+        else:
+            offset = self.layout.offset[ids]
+            parts = [(self._buf, offset[local], local)] if local.any() else []
+            if not local.all():
+                remote = ~local
+                rlen, rmember = sizes[remote], member[remote]
+                order = np.argsort(rmember, kind="stable")
+                stage_pos = np.empty(len(rlen), dtype=np.int64)
+                stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
+                stage = np.empty(int(rlen.sum()), dtype=np.uint8)
+                t0 = time.perf_counter()
+                rma_get(self._win, stage, rmember[order],
+                        offset[remote][order] + self._shift[rmember[order]], rlen[order],
+                        stage_pos[order])
+                t1 = time.perf_counter()
+                t_stage = t1 - t0
+                rec.span("memstore", "get", t0, t1, count=int(remote.sum()), nbytes=len(stage),
+                         args={"owners": len(np.unique(rmember))})
+                parts.append((stage, stage_pos, remote))
+            batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
+                                   timings=timings)
+        tagged = []
+        for (_, _, sel), (t0, t1) in zip(parts, timings):
+            remote_part = not local[sel].any()
+            tagged.append((sel, t0 - (t_stage if remote_part else 0.0), t1, src, "memory",
+                           owner))
+        _hooks.record_parts(rec, ids, sizes, tagged)
+        return batch
 
     def stats(self) -> dict[str, Any]:
         """``fetches_by_source`` (local memory, a peer's memory), and ``pfs_reads`` /

@@ -12,7 +12,9 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from .. import trace as _trace
 from ..dataset import PackedDataset, SampleBatch, open_dataset
+from ..dataset._format import IndexLayout
 from ..plan import AccessPlan
 from ..store import ClairvoyantStore, DistributedStore, available_memory, default_comm
 from ..store._distributed import node_size
@@ -152,6 +154,17 @@ class DataLoader:
         self._staging_peak = 0
         self._direct_stats: dict[str, Any] = {"fetches_by_source": {}, "pfs_reads": 0,
                                               "pfs_bytes": 0}
+        self._train_t0: Optional[float] = None
+        rec = _trace.active()
+        if rec is not None:
+            rec.world = self.world
+            rec.meta("dataset", {"path": str(self.ds.path), "samples": len(self.ds),
+                                 "bytes": int(self.ds.sample_nbytes.sum()),
+                                 "record_bytes": int(self.ds._index[:, IndexLayout.REC_LEN].sum()),
+                                 "file_bytes": sum(sh.data_nbytes
+                                                   for sh in self.ds.manifest.shards),
+                                 "mode": self.mode, "world": self.world,
+                                 "batch_size": batch_size, "epochs": epochs})
 
     # -- sizes and state ----------------------------------------------------------------
     def __len__(self) -> int:
@@ -190,9 +203,13 @@ class DataLoader:
         self.epoch, self._step = epoch, step
 
     # -- fetching -----------------------------------------------------------------------
-    def _fetch(self, ids: np.ndarray) -> Any:
+    def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
         alloc = _pinned_alloc if self.pin_memory else None
         src = self.store if self.store is not None else self.ds
+        rec = _trace.active()
+        if rec is not None:
+            rec.context.epoch, rec.context.step = epoch, step
+        t0 = time.perf_counter()
         batch: SampleBatch = src.get_many(ids, alloc=alloc)
         if self.store is None:
             d = self._direct_stats
@@ -200,10 +217,37 @@ class DataLoader:
             d["pfs_bytes"] += int(self.ds.sample_nbytes[ids].sum())
             d["fetches_by_source"]["pfs"] = d["fetches_by_source"].get("pfs", 0) + len(ids)
         if self.transform is not None:
-            return collate_samples([self.transform(s) for s in batch], self.collate_fn)
-        if self.collate_fn is not None:
-            return self.collate_fn(batch)
-        return default_collate(batch, pin=self.pin_memory)
+            out = collate_samples([self.transform(s) for s in batch], self.collate_fn)
+        elif self.collate_fn is not None:
+            out = self.collate_fn(batch)
+        else:
+            out = default_collate(batch, pin=self.pin_memory)
+        if rec is not None:
+            self._trace_fetch(rec, ids, t0)
+        return out
+
+    def _trace_fetch(self, rec: Any, ids: np.ndarray, t0: float) -> None:
+        t1 = time.perf_counter()
+        if self.store is None:  # direct: every sample read from the dataset files
+            from ..trace import _hooks
+
+            rows = self.ds._index[ids]
+            _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN],
+                                [(slice(None), t0, t1, "pfs", "pfs", -1)])
+            _hooks.record_pfs(rec, self.ds, ids, rows, t0, t1)
+        cat = "prefetch" if threading.current_thread().name == "forebay-prefetch" \
+            else "dataloader"
+        rec.span(cat, "fetch.batch", t0, t1, epoch=rec.context.epoch, step=rec.context.step,
+                 count=len(ids), nbytes=int(self.ds.sample_nbytes[ids].sum()))
+
+    def _waited(self, t0: float, epoch: int, step: int) -> None:
+        """The training loop waited from ``t0`` for batch ``step``: a stall."""
+        t1 = time.perf_counter()
+        self._stall += t1 - t0
+        rec = _trace.active()
+        if rec is not None:
+            rec.span("dataloader", "fetch.iter", t0, t1, epoch=epoch, step=step)
+            rec.context.epoch, rec.context.step = epoch, step  # for the user's regions
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.epoch, self._step
@@ -213,17 +257,26 @@ class DataLoader:
             epoch, start = epoch + 1, 0
             self.epoch, self._step = epoch, 0
         batches = self.plan.batches(self.rank, epoch)
-        if self.prefetch == 0:
-            for step in range(start, len(batches)):
-                t0 = time.perf_counter()
-                out = self._fetch(batches[step])
-                self._stall += time.perf_counter() - t0
-                self._step = step + 1
-                yield out
-            return
-        yield from self._iter_prefetched(batches, start)
+        t_epoch = time.perf_counter()
+        if self._train_t0 is None:
+            self._train_t0 = t_epoch
+        try:
+            if self.prefetch == 0:
+                for step in range(start, len(batches)):
+                    t0 = time.perf_counter()
+                    out = self._fetch(batches[step], epoch, step)
+                    self._waited(t0, epoch, step)
+                    self._step = step + 1
+                    yield out
+            else:
+                yield from self._iter_prefetched(batches, start, epoch)
+        finally:
+            rec = _trace.active()
+            if rec is not None:
+                rec.span("pipeline", "epoch.block", t_epoch, time.perf_counter(), epoch=epoch,
+                         count=self._step - start)
 
-    def _iter_prefetched(self, batches: np.ndarray, start: int) -> Iterator[Any]:
+    def _iter_prefetched(self, batches: np.ndarray, start: int, epoch: int) -> Iterator[Any]:
         """Batches fetched ahead, in consumption order, by one thread: at most
         ``prefetch`` batches and (if set) ``staging_bytes`` of samples wait at a time;
         a batch leaves the staging area when the loop takes it."""
@@ -246,7 +299,7 @@ class DataLoader:
                 if stop.is_set():
                     return
                 try:
-                    item = (step, self._fetch(batches[step]), None, need)
+                    item = (step, self._fetch(batches[step], epoch, step), None, need)
                 except BaseException as e:  # handed to the consumer
                     item = (step, None, e, need)
                 while not stop.is_set():
@@ -264,7 +317,7 @@ class DataLoader:
             for _ in range(start, len(batches)):
                 t0 = time.perf_counter()
                 step, out, err, need = q.get()
-                self._stall += time.perf_counter() - t0
+                self._waited(t0, epoch, step)
                 with room:
                     staged[0] -= need
                     room.notify()
@@ -292,6 +345,10 @@ class DataLoader:
 
     def close(self) -> None:
         """Release the store (collective)."""
+        rec = _trace.active()
+        if rec is not None and self._train_t0 is not None:
+            rec.span("pipeline", "train", self._train_t0, time.perf_counter())
+            self._train_t0 = None
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -1,0 +1,381 @@
+"""forebay.trace: the recorder, DFTracer-format files, the analyzer, bad traces, export."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import forebay
+import forebay.trace as trace
+from forebay.trace._analyze import analyze, union_length
+from forebay.trace._read import read_traces
+
+DATA = Path(__file__).parent / "data" / "dftracer"
+S = 1_000_000  # microseconds per second: hand-built traces are written in seconds
+
+
+def _ev(name, cat, ts, dur, pid=100, tid=100, ph=1, **args):
+    e = {"id": 0, "name": name, "cat": cat, "type": 6, "pid": pid, "tid": tid,
+         "ts": int(ts * S), "ph": ph, "args": {"hhash": "h0", **args}}
+    if dur is not None:
+        e["dur"] = int(dur * S)
+    return e
+
+
+def _write(path: Path, events, rank=None, pid=100, t0=0.0):
+    lines = []
+    if rank is not None:
+        lines.append({"id": 1, "name": "start", "cat": "dftracer", "type": 1, "pid": pid,
+                      "tid": pid, "ts": int(t0 * S), "dur": 0, "ph": 1,
+                      "args": {"hhash": "h0", "rank": rank}})
+    lines += events
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(e) for e in lines) + "\n")
+
+
+def _rank0(t0=0.0, pid=100):
+    """compute [0,10) [20,30); POSIX read on a second thread [5,15) with a nested reader
+    read [6,8); sample fetches [25,40); a stall [40,45)."""
+    E = [_ev("compute", "compute", t0 + 0, 10, pid),
+         _ev("compute", "compute", t0 + 20, 10, pid),
+         _ev("read", "POSIX", t0 + 5, 10, pid, tid=7, ret=4096, count=4096),
+         _ev("read", "reader", t0 + 6, 2, pid, tid=7, count=100, ret=100),
+         _ev("item", "data", t0 + 25, 15, pid, image_idx=3, image_size=10, source="pfs"),
+         _ev("fetch.iter", "dataloader", t0 + 40, 5, pid, epoch=0, step=0)]
+    return E
+
+
+def test_union_length_merges_overlaps_and_nesting():
+    s = np.array([5.0, 0, 1, 20, 2, 30])
+    e = np.array([8.0, 3, 2, 25, 4, 30])
+    assert union_length(s, e) == 4 + 3 + 5  # [0,4) [5,8) [20,25) + an empty one
+    assert union_length(np.zeros(0), np.zeros(0)) == 0
+
+
+def test_known_intervals_give_exact_overlap_figures(tmp_path):
+    _write(tmp_path / "a-0-100.pfw.gz", _rank0(), rank=0)
+    a = analyze(tmp_path)
+    assert a["ranks"] == 1 and a["skipped"] == []
+    assert a["job_time_s"] == pytest.approx(45)
+    assert a["compute_time_s"] == pytest.approx(20)
+    assert a["io_time_s"] == pytest.approx(10)            # [5,15): POSIX + nested reader
+    assert a["unoverlapped_io_s"] == pytest.approx(5)     # [10,15)
+    assert a["app_io_time_s"] == pytest.approx(2 + 15 + 5)
+    assert a["unoverlapped_app_io_s"] == pytest.approx(10 + 5)   # [30,40) [40,45)
+    assert a["unoverlapped_compute_s"] == pytest.approx(5 + 5)  # [0,5) [20,25)
+    assert a["stall_s"] == pytest.approx(5)
+    assert a["fetch_sources"] == {"pfs": {"count": 1, "bytes": 10, "share": 1.0}}
+    assert a["fetch_latency_us"]["pfs"]["p50"] == pytest.approx(15 * S)
+    names = {(d["cat"], d["name"]): d for d in a["events_by_name"]}
+    assert names[("posix", "read")]["size_bytes"]["max"] == 4096
+    assert names[("compute", "compute")]["dur_us"]["mean"] == pytest.approx(10 * S)
+
+
+def test_ranks_with_skewed_clocks_are_measured_on_their_own(tmp_path):
+    _write(tmp_path / "a-0-100.pfw.gz", _rank0(), rank=0)
+    # rank 1: an hour ahead, twice the compute, no I/O
+    _write(tmp_path / "a-1-200.pfw.gz",
+           [_ev("compute", "compute", 3600 + 0, 40, pid=200)], rank=1, pid=200, t0=3600)
+    a = analyze(tmp_path)
+    assert a["ranks"] == 2
+    assert a["job_time_s"] == pytest.approx(45)
+    per = {p["rank"]: p for p in a["per_rank"]}
+    assert per[1]["compute_time_s"] == pytest.approx(40)
+    assert a["compute_time_s"] == pytest.approx((20 + 40) / 2)
+    assert a["imbalance_max_over_mean"]["compute_time_s"] == pytest.approx(40 / 30)
+    assert any("clock skew" in s for s in a["skipped"])
+
+
+def test_bad_traces_are_reported_and_the_rest_summarized(tmp_path):
+    _write(tmp_path / "good-0-100.pfw.gz", _rank0(), rank=0)
+    # garbled line and an event without dur
+    with gzip.open(tmp_path / "bad-1-200.pfw.gz", "wt") as f:
+        f.write(json.dumps(_ev("compute", "compute", 0, 4, pid=200)) + "\n")
+        f.write('{"name": "read", "cat": "POSIX", "ts": 12\n')
+        f.write(json.dumps(_ev("compute", "compute", 5, None, pid=200)) + "\n")
+    # truncated gzip: keeps what came before the cut
+    raw = gzip.compress(("\n".join(json.dumps(_ev("compute", "compute", i, 1, pid=300))
+                                   for i in range(2000)) + "\n").encode())
+    (tmp_path / "cut-2-300.pfw.gz").write_bytes(raw[:len(raw) // 2])
+    a = analyze(tmp_path)
+    text = "\n".join(a["skipped"])
+    assert "bad-1-200.pfw.gz: 1 garbled line" in text
+    assert "without dur" in text
+    assert "cut-2-300.pfw.gz: unreadable after line" in text
+    per = {p["rank"]: p for p in a["per_rank"]}
+    assert per[0]["compute_time_s"] == pytest.approx(20)
+    assert per[1]["compute_time_s"] == pytest.approx(4)
+    assert 0 < per[2]["compute_time_s"] < 2000
+
+
+def test_empty_directory_says_so(tmp_path, cli):
+    a = analyze(tmp_path)
+    assert a["events"] == 0 and "no trace files" in a["skipped"][0]
+    code, out, _ = cli("analyze", tmp_path)
+    assert code == 1 and "no trace files" in out
+
+
+def test_legacy_bracketed_dftracer_format(tmp_path):
+    legacy = ['[',
+              '{"id":"0","name":"open64","cat":"POSIX","pid":"9","tid":"9","ts":"1000",'
+              '"dur":"5","ph":"X","args":{"fname":"/p/a.npz"}},',
+              '{"id":"1","name":"read","cat":"POSIX","pid":"9","tid":"9","ts":"1010",'
+              '"dur":"20","ph":"X","args":{"fname":"/p/a.npz","ret":4096}},',
+              '{"id":"2","name":"compute","cat":"compute","pid":"9","tid":"9","ts":"1040",'
+              '"dur":"100","ph":"X"}',
+              ']']
+    (tmp_path / "legacy.pfw").write_text("\n".join(legacy) + "\n")
+    a = analyze(tmp_path)
+    assert a["skipped"] == []
+    assert a["posix"] == {"events": 2, "read_bytes": 4096, "write_bytes": 0,
+                          "time_s": pytest.approx(25e-6), "files": 1}
+    assert a["compute_time_s"] == pytest.approx(100e-6)
+    assert a["job_time_s"] == pytest.approx(140e-6)
+
+
+def test_real_dftracer_traces_are_read(tmp_path):
+    """Files written by the dftracer 2.2.0 wheel (tests/data/dftracer/*.py made them)."""
+    ev = read_traces(DATA)
+    a = analyze(DATA, events=ev)
+    assert a["skipped"] == []
+    raw = []
+    for p in sorted(DATA.glob("*.pfw.gz")):
+        raw += [json.loads(x) for x in gzip.open(p, "rt")]
+    posix = [e for e in raw if e["cat"] == "POSIX"]
+    reads = [e for e in posix if e["name"] == "read"]
+    assert a["posix"]["events"] == len(posix)
+    assert a["posix"]["read_bytes"] == sum(e["args"]["ret"] for e in reads)
+    # file hashes resolved through the FH records
+    assert "/tmp/dft/run/data/f0.bin" in set(ev.fname.tolist())
+    # the AI-logging program: dlio names understood
+    names = {(d["cat"], d["name"]): d["count"] for d in a["events_by_name"]}
+    assert names[("pipeline", "epoch.block")] == 2
+    assert names[("data", "item")] == 24
+    assert a["steps"] == 6  # dataloader/fetch.iter
+    assert a["compute_time_s"] > 0
+
+
+@pytest.fixture
+def small(tmp_path):
+    path = tmp_path / "ds.fb"
+    forebay.write_dataset(path, ({"x": np.full((i % 5 + 1, 2), i, np.float32),
+                                  "y": np.int64(i)} for i in range(300)), shard_bytes=4096)
+    return path
+
+
+def _lines(d: Path):
+    files = sorted(d.glob("*.pfw.gz"))
+    assert len(files) == 1
+    return files[0], [json.loads(x) for x in gzip.open(files[0], "rt")]
+
+
+@pytest.mark.parametrize("mode", ["direct", "clairvoyant", "clairvoyant-small"])
+def test_traced_loader_writes_dftracer_lines_matching_its_stats(tmp_path, small, mode):
+    from forebay.torch import DataLoader
+
+    d = tmp_path / "tr"
+    rec = trace.enable(d, prefix="run")
+    kw = {}
+    if mode.startswith("clairvoyant"):
+        kw = {"ram_bytes": 4096 if mode.endswith("small") else 1 << 20}
+    dl = DataLoader(small, 16, epochs=2, mode=mode.split("-")[0], progress=False, **kw)
+    for e in range(2):
+        dl.set_epoch(e)
+        for _ in dl:
+            with trace.region("compute", kind="step"):
+                time.sleep(0.0005)
+    stats = dl.stats()
+    dl.close()
+    path = trace.disable()
+    assert trace.active() is None
+    assert path.name == f"run-0-{os.getpid()}.pfw.gz" and path.parent == d
+    assert not list(d.glob(".*"))  # no spill or temporary left
+    f, ev = _lines(d)
+    for e in ev:
+        assert isinstance(e["ph"], int) and isinstance(e["type"], int)
+        assert isinstance(e["ts"], int) and isinstance(e["dur"], int) and e["dur"] >= 0
+        assert e["pid"] == os.getpid() and "hhash" in e["args"]
+    meta = [e for e in ev if e["ph"] == 4]
+    assert {"HH", "FH", "CM", "dataset"} <= {e["name"] for e in meta}
+    assert all(e["dur"] == 0 for e in meta)
+    fh = {e["args"]["value"]: e["args"]["name"] for e in meta if e["name"] == "FH"}
+    items = [e for e in ev if (e["cat"], e["name"]) == ("data", "item")]
+    by_src = {}
+    for e in items:
+        by_src[e["args"]["source"]] = by_src.get(e["args"]["source"], 0) + 1
+        assert {"image_idx", "image_size", "epoch", "step", "tier", "owner_rank", "hit"} \
+            <= set(e["args"])
+    assert by_src == {k: v for k, v in stats["fetches_by_source"].items() if v}
+    reads = [e for e in ev if (e["cat"], e["name"]) == ("reader", "read")]
+    assert len(reads) == stats["pfs_reads"]
+    for e in reads:
+        assert fh[e["args"]["fhash"]] == e["args"]["fname"]
+        assert e["args"]["ret"] == e["args"]["count"] > 0
+    stalls = [e for e in ev if (e["cat"], e["name"]) == ("dataloader", "fetch.iter")]
+    assert len(stalls) == 2 * len(dl)
+    assert sum(e["dur"] for e in stalls) / 1e6 == pytest.approx(stats["stall_seconds"],
+                                                                abs=1e-3 + 1e-6 * len(stalls))
+    comp = [e for e in ev if e["cat"] == "compute"]
+    assert len(comp) == 2 * len(dl) and all(e["args"]["kind"] == "step" for e in comp)
+    assert {e["args"]["epoch"] for e in comp} == {0, 1}
+    assert sum(e["name"] == "epoch.block" for e in ev) == 2
+    a = analyze(d)
+    assert a["fetch_sources"].keys() == by_src.keys()
+    assert a["steps"] == 2 * len(dl)
+    assert a["pfs_reads"] == stats["pfs_reads"]
+    ds = forebay.open_dataset(small)
+    files = sum(sh.data_nbytes for sh in ds.manifest.shards)
+    assert a["pfs_read_amplification"] == pytest.approx(sum(e["args"]["ret"] for e in reads)
+                                                        / files)
+    assert a["pfs_reads_per_sample"] == pytest.approx(stats["pfs_reads"] / len(ds))
+    if mode == "clairvoyant":  # everything fits: each record read from the files once
+        assert a["pfs_reads_per_sample"] == 1.0
+    assert rec.closed
+
+
+def test_regions_nest_across_threads_and_work_as_decorators(tmp_path):
+    rec = trace.enable(tmp_path)
+
+    @trace.region("checkpoint/capture")
+    def save():
+        time.sleep(0.001)
+
+    def work():
+        with trace.region("compute"):
+            with trace.region("compute/forward"):
+                time.sleep(0.001)
+            save()
+
+    ts = [threading.Thread(target=work) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    trace.disable()
+    _, ev = _lines(tmp_path)
+    got = [(e["cat"], e["name"], e["tid"]) for e in ev if e["ph"] == 1 and e["type"] == 6
+           and e["cat"] != "ai_root"]
+    assert sorted({(c, n) for c, n, _ in got}) == [("checkpoint", "capture"),
+                                                   ("compute", "compute"),
+                                                   ("compute", "forward")]
+    assert len(got) == 9 and len({t for *_, t in got}) == 3
+    outer = {e["tid"]: e for e in ev if e["name"] == "compute"}
+    for e in ev:
+        if e["name"] in ("forward", "capture"):  # nested inside its thread's outer region
+            o = outer[e["tid"]]
+            assert o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] + 1
+    assert rec.num_events == 9
+
+
+def test_recorder_spills_full_chunks_and_reads_them_back(tmp_path):
+    rec = trace.Recorder(tmp_path, chunk=1000)
+    t = time.perf_counter()
+    n = 9000  # spans wait as tuples, then move into rows in bulk; rows spill per chunk
+    for i in range(n):
+        rec.span("compute", "c", t + i, t + i + 0.5, step=i)
+    assert (tmp_path / f".forebay-0-{os.getpid()}.spill").exists()
+    assert rec.num_events == n
+    ev = rec.events()
+    assert len(ev) == n and (ev[:, 6 + 2] == np.arange(n)).all()  # a2: the step
+    rec.close()
+    assert not (tmp_path / f".forebay-0-{os.getpid()}.spill").exists()
+    _, lines = _lines(tmp_path)
+    got = [e for e in lines if e["name"] == "c"]
+    assert [e["args"]["step"] for e in got] == list(range(n))
+    assert all(e["dur"] == 500_000 for e in got)
+    assert got[1]["ts"] - got[0]["ts"] == 1_000_000
+
+
+def test_forebay_trace_environment_variable(tmp_path, small):
+    code = ("import sys, forebay; from forebay.torch import DataLoader\n"
+            "dl = DataLoader(sys.argv[1], 32, mode='direct', progress=False)\n"
+            "n = sum(1 for _ in dl)\n")
+    env = dict(os.environ, FOREBAY_TRACE=str(tmp_path / "env"))
+    p = subprocess.run([sys.executable, "-c", code, str(small)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    _, ev = _lines(tmp_path / "env")  # written at exit
+    assert sum(e["name"] == "item" for e in ev) == 10 * 32  # 300 samples padded to 10 steps
+
+
+def test_chrome_export_for_perfetto(tmp_path, small, cli):
+    from forebay.torch import DataLoader
+
+    trace.enable(tmp_path / "tr", rank=3)
+    with DataLoader(small, 32, mode="direct", progress=False) as dl:
+        for _ in dl:
+            pass
+    trace.disable()
+    out = tmp_path / "perfetto.json.gz"
+    code, text, _ = cli("trace", "export", tmp_path / "tr", out)
+    assert code == 0 and "1 rank" in text
+    doc = json.load(gzip.open(out, "rt"))
+    evs = doc["traceEvents"]
+    assert {e["ph"] for e in evs} <= {"X", "M", "C"}
+    for e in evs:
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert isinstance(e["name"], str)
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], int) and isinstance(e["dur"], int)
+    assert {e["pid"] for e in evs} == {3}
+    assert any(e["name"] == "process_name" and e["args"]["name"] == "rank 3" for e in evs)
+    assert sum(e["name"] == "item" for e in evs) == len(dl) * 32
+
+
+def test_cli_analyze_json_plots_and_html(tmp_path, small, cli):
+    from forebay.torch import DataLoader
+
+    trace.enable(tmp_path / "tr")
+    with DataLoader(small, 32, mode="clairvoyant", ram_bytes=8192, progress=False) as dl:
+        for _ in dl:
+            with trace.region("compute"):
+                time.sleep(0.001)
+    trace.disable()
+    code, out, _ = cli("analyze", tmp_path / "tr", "--json", tmp_path / "a.json", "--plots",
+                       tmp_path / "plots", "--html", tmp_path / "r.html")
+    assert code == 0
+    assert "sample fetches by source" in out and "data stall" in out
+    a = json.loads((tmp_path / "a.json").read_text())
+    for k in ("job_time_s", "io_time_s", "unoverlapped_io_s", "compute_time_s",
+              "unoverlapped_compute_s", "stall_s", "fetch_latency_us", "fetch_sources",
+              "pfs_read_amplification"):
+        assert k in a, k
+    assert set(a["fetch_latency_us"]["pfs"]) >= {"p50", "p95", "p99"}
+    assert sum(v["count"] for v in a["fetch_sources"].values()) == len(dl) * 32
+    for name in ("latency_cdf.png", "fetch_sources.png", "timeline.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") == 3
+
+
+def test_batch_parts_share_their_time_by_bytes_back_to_back(tmp_path):
+    from forebay.trace import _hooks
+    from forebay.trace._recorder import A, K_ITEM
+
+    rec = trace.Recorder(tmp_path)
+    ids = np.arange(6) + 100
+    sizes = np.array([10, 30, 20, 10, 40, 0])
+    local = np.array([1, 0, 1, 0, 0, 1], dtype=bool)
+    owner = np.array([5, 6, 7, 8, 9, 10])
+    _hooks.record_parts(rec, ids, sizes, [(local, 1.0, 1.3, "local", "ram", 2),
+                                          (~local, 2.0, 2.8, "peer", "memory", owner)])
+    ev = rec.events()
+    ts, dur = rec.times_us(ev)
+    ts = ts - rec._wall0 + int(round(rec._perf0 * 1e6))  # back to perf_counter us
+    assert (ev[:, 0] == K_ITEM).all() and (ev[:, A] == ids).all()
+    assert dur.tolist() == [100_000, 300_000, 200_000, 100_000, 400_000, 0]
+    # local part [1.0, 1.3): ids 100, 102, 105 back to back; peer part [2.0, 2.8)
+    assert ts.tolist() == [1_000_000, 2_000_000, 1_100_000, 2_300_000, 2_400_000, 1_300_000]
+    assert (ev[:, A + 4] == [2, 6, 2, 8, 9, 2]).all()                    # owner ranks
+    code = ev[:, A + 5]
+    assert ((code & 15) == [0, 1, 0, 1, 1, 0]).all()                     # source
+    assert ((code >> 8) & 1).all()                                       # all hits
+    rec.close()
