@@ -263,20 +263,22 @@ class DataLoader:
         try:
             if self.prefetch == 0:
                 for step in range(start, len(batches)):
-                    t0 = time.perf_counter()
+                    # the first wait includes the epoch's set-up
+                    t0 = t_epoch if step == start else time.perf_counter()
                     out = self._fetch(batches[step], epoch, step)
-                    self._waited(t0, epoch, step)
                     self._step = step + 1
+                    self._waited(t0, epoch, step)
                     yield out
             else:
-                yield from self._iter_prefetched(batches, start, epoch)
+                yield from self._iter_prefetched(batches, start, epoch, t_epoch)
         finally:
             rec = _trace.active()
             if rec is not None:
                 rec.span("pipeline", "epoch.block", t_epoch, time.perf_counter(), epoch=epoch,
                          count=self._step - start)
 
-    def _iter_prefetched(self, batches: np.ndarray, start: int, epoch: int) -> Iterator[Any]:
+    def _iter_prefetched(self, batches: np.ndarray, start: int, epoch: int,
+                         t_epoch: float) -> Iterator[Any]:
         """Batches fetched ahead, in consumption order, by one thread: at most
         ``prefetch`` batches and (if set) ``staging_bytes`` of samples wait at a time;
         a batch leaves the staging area when the loop takes it."""
@@ -314,16 +316,19 @@ class DataLoader:
         t = threading.Thread(target=produce, name="forebay-prefetch", daemon=True)
         t.start()
         try:
-            for _ in range(start, len(batches)):
-                t0 = time.perf_counter()
+            for k in range(start, len(batches)):
+                # the first wait includes the epoch's set-up (plan, thread start)
+                t0 = t_epoch if k == start else time.perf_counter()
                 step, out, err, need = q.get()
-                self._waited(t0, epoch, step)
                 with room:
                     staged[0] -= need
                     room.notify()
                 if err is not None:
                     raise err
                 self._step = step + 1
+                # the wait ends here, not at q.get: handing the GIL back from the
+                # prefetch thread can take as long as the get itself
+                self._waited(t0, epoch, step)
                 yield out
         finally:
             stop.set()

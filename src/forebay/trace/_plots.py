@@ -73,23 +73,27 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
 
     nr = max(len(set(rank.tolist())), 1)
     fig, ax = plt.subplots(figsize=(9, 1.0 + 0.7 * nr))
+    stall = (ev.cat == STALL[0]) & (ev.name == STALL[1])
+    body = np.array([n.endswith(".block") for n in ev.name.tolist()], dtype=bool)
     lanes = [("compute", np.isin(ev.cat, list(CLASSES["compute"]))),
-             ("io", np.isin(ev.cat, list(CLASSES["io"]))),
-             ("stall", (ev.cat == STALL[0]) & (ev.name == STALL[1]))]
+             ("app-level I/O", np.isin(ev.cat, list(CLASSES["app_io"])) & ~stall & ~body),
+             ("I/O", np.isin(ev.cat, list(CLASSES["io"]))),
+             ("stall", stall)]
+    colors = [_COLORS["compute"], _COLORS["app_io"], _COLORS["io"], _COLORS["stall"]]
     for i, r in enumerate(sorted(set(rank.tolist()))):
         m = rank == r
         t0 = ev.ts[m & (ev.cat != "ai_root")].min()
-        for k, (lane, sel) in enumerate(lanes):
+        for k, ((lane, sel), color) in enumerate(zip(lanes, colors)):
             s = m & sel
             if s.any():
                 ax.broken_barh(list(zip((ev.ts[s] - t0) / 1e6, ev.dur[s] / 1e6)),
-                               (i + k * 0.28, 0.26), facecolors=_COLORS[lane],
+                               (i + k * 0.21, 0.19), facecolors=color,
                                label=lane if i == 0 else None)
     ax.set_yticks([i + 0.4 for i in range(nr)])
     ax.set_yticklabels([f"rank {r}" for r in sorted(set(rank.tolist()))])
     ax.set_xlabel("seconds since the rank's first event")
     ax.set_title("Timeline: compute, I/O, data stalls")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     paths.append(_save(fig, out / "timeline.png", plt))
     return paths
 
