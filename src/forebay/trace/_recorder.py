@@ -91,26 +91,24 @@ class Recorder:
         atexit.register(self.close)
 
     # -- interning ------------------------------------------------------------------------
-    def intern(self, s: str) -> int:
-        i = self._strings.get(s)
+    def _number(self, table: dict[str, int], names: list[str], s: str) -> int:
+        """A small integer for ``s`` in ``table`` (thread-safe, first come first served)."""
+        i = table.get(s)
         if i is None:
             with self._lock:
-                i = self._strings.get(s)
+                i = table.get(s)
                 if i is None:
-                    i = self._strings[s] = len(self._string_list)
-                    self._string_list.append(s)
+                    i = table[s] = len(names)
+                    names.append(s)
         return i
 
+    def intern(self, s: str) -> int:
+        """Event names and categories."""
+        return self._number(self._strings, self._string_list, s)
+
     def file_id(self, path: "str | os.PathLike[str]") -> int:
-        p = str(path)
-        i = self._files.get(p)
-        if i is None:
-            with self._lock:
-                i = self._files.get(p)
-                if i is None:
-                    i = self._files[p] = len(self._file_list)
-                    self._file_list.append(p)
-        return i
+        """Dataset files (written as FH records)."""
+        return self._number(self._files, self._file_list, str(path))
 
     def times_us(self, events: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows' (ts, dur) in trace microseconds."""
