@@ -212,6 +212,57 @@ def cmd_trace_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(a: argparse.Namespace) -> int:
+    from .models import open_repository
+
+    repo = open_repository(a.url, create=False)
+    try:
+        if a.models_command == "ls":
+            listing = repo.list()
+            if not listing:
+                print(f"{repo.url}: no models")
+            for name, vs in sorted(listing.items()):
+                m = repo.manifest(name, vs[-1])
+                print(f"{name:<32} versions {vs[0]}..{vs[-1]} ({len(vs)})  latest: "
+                      f"{len(m['tensors'])} tensors, {human_bytes(m['logical_bytes'])}, "
+                      f"{m['created'][:19]}")
+            st = repo.stats()
+            print(f"store: {st['tensors']} tensors, {human_bytes(st['stored_bytes'])} stored for "
+                  f"{human_bytes(st['logical_bytes'])} of versions")
+        elif a.models_command == "show":
+            m = repo.manifest(a.name, a.version)
+            if a.json:
+                print(json.dumps(m, indent=1))
+                return 0
+            g = m["graph"]
+            print(f"{m['name']} version {m['version']} (parent {m['parent']}), created "
+                  f"{m['created'][:19]}, metadata {json.dumps(m['metadata'])}")
+            print(f"  {len(m['tensors'])} tensors, {human_bytes(m['logical_bytes'])}; "
+                  f"{human_bytes(m['new_bytes'])} new in this version")
+            if g is not None:
+                print(f"  {len(g['nodes'])} leaf layers, edges from {g['source']}:")
+                for k, node in enumerate(g["nodes"]):
+                    ins = ",".join(map(str, node["inputs"])) or "-"
+                    print(f"  {k:>4} {node['name'] or '(root)':<40} <- {ins:<12} "
+                          f"id {node['id'][:16]}")
+        elif a.models_command == "verify":
+            problems = repo.verify()
+            for p in problems:
+                print(f"CORRUPT {p}", file=sys.stderr)
+            if problems:
+                return 1
+            st = repo.stats()
+            print(f"ok: {st['versions']} versions of {st['models']} models, "
+                  f"{st['tensors']} tensors ({human_bytes(st['stored_bytes'])}) checked")
+        elif a.models_command == "gc":
+            r = repo.gc(grace_seconds=a.grace_hours * 3600)
+            print(f"removed {r['tensors_removed']} tensors ({human_bytes(r['bytes_freed'])}), "
+                  f"{r['stale_saves']} records of crashed saves")
+    finally:
+        repo.close()
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from .dataset.sources import SOURCES
@@ -299,6 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("trace_dir")
     te.add_argument("out", help="output file (.json or .json.gz)")
     te.set_defaults(func=cmd_trace_export)
+
+    mo = sub.add_parser("models", help="model repository: list, show, verify, gc")
+    mos = mo.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    ml = mos.add_parser("ls", help="models and versions")
+    ml.add_argument("url", help="repository: file:///path, a path")
+    ms = mos.add_parser("show", help="a version's metadata and architecture graph")
+    ms.add_argument("url")
+    ms.add_argument("name")
+    ms.add_argument("--version", type=int, help="default: the latest")
+    ms.add_argument("--json", action="store_true", help="the whole manifest")
+    mv = mos.add_parser("verify", help="check every stored tensor; exit 1 on corruption")
+    mv.add_argument("url")
+    mg = mos.add_parser("gc", help="delete tensors no version references")
+    mg.add_argument("url")
+    mg.add_argument("--grace-hours", type=float, default=6.0,
+                    help="spare saves in progress younger than this (default 6)")
+    for q in (ml, ms, mv, mg):
+        q.set_defaults(func=cmd_models)
 
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")

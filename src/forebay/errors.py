@@ -23,6 +23,10 @@ __all__ = [
     "EmptySourceError",
     "SourceError",
     "UntrustedPickleError",
+    "ModelRepositoryError",
+    "ModelNotFoundError",
+    "CorruptModelError",
+    "ModelMismatchError",
 ]
 
 
@@ -80,3 +84,23 @@ class SourceError(ForebayError, ValueError):
 
 class UntrustedPickleError(ForebayError, PermissionError):
     """Pickle sources run code when read; they need an explicit ``trust_pickle=True``."""
+
+
+class ModelRepositoryError(ForebayError):
+    """A model repository operation failed (bad URL, bad name, unusable store)."""
+
+
+class ModelNotFoundError(ModelRepositoryError, KeyError):
+    """No model of that name, or no such version of it."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptModelError(ModelRepositoryError, ValueError):
+    """Stored bytes do not match their hash (the message names model, version, tensor)."""
+
+
+class ModelMismatchError(ModelRepositoryError, ValueError):
+    """A module to load into has other tensor names, shapes or dtypes than the stored
+    model (the message lists every mismatch)."""

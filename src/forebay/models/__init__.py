@@ -1,0 +1,18 @@
+"""Model repository (DStore): models stored as tensors plus a compact architecture graph
+with stable IDs.
+
+    repo = forebay.models.open_repository("file:///scratch/models")
+    v = repo.save("resnet", model, metadata={"epoch": 3})     # next version
+    repo.load("resnet", into=model)                           # in place, verified
+    repo.load("resnet", include="layer4.*")                   # only those tensors read
+    repo.load_matching("resnet", new_model)                   # transfer: by structure
+
+Each tensor is stored once by content, so a version that changes k layers adds only
+those bytes; a version is visible only after all its tensors are durable.
+"""
+
+from ._arch import Architecture, IdCache, Leaf, capture, stable_ids
+from ._repo import Repository, open_repository, tensor_hash
+
+__all__ = ["open_repository", "Repository", "capture", "Architecture", "Leaf", "IdCache",
+           "stable_ids", "tensor_hash"]

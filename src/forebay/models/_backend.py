@@ -1,0 +1,180 @@
+"""Key-value backends of the model repository: LMDB in a directory, or process memory.
+
+Three tables: ``tensors`` (content hash -> raw bytes), ``versions`` (name and version ->
+manifest JSON) and ``pending`` (saves whose tensors are written but whose manifest is
+not yet: garbage collection spares them for a grace period).  Writes happen in
+transactions: all or nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ..errors import ModelRepositoryError
+
+__all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
+
+TABLES = ("tensors", "versions", "pending")
+
+
+class Txn:
+    """What a transaction offers: get (a buffer valid inside the transaction), put
+    (``overwrite=False`` keeps an existing value), delete, and prefix scans."""
+
+    def get(self, table: str, key: bytes) -> Optional[Any]:
+        raise NotImplementedError
+
+    def put(self, table: str, key: bytes, value: Any, overwrite: bool = True) -> bool:
+        raise NotImplementedError
+
+    def delete(self, table: str, key: bytes) -> bool:
+        raise NotImplementedError
+
+    def items(self, table: str, prefix: bytes = b"", values: bool = True) -> Iterator[tuple]:
+        raise NotImplementedError
+
+
+class Backend:
+    url: str
+
+    def read(self) -> Any:  # context manager yielding a Txn
+        raise NotImplementedError
+
+    def write(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _LmdbTxn(Txn):
+    def __init__(self, txn: Any, dbs: dict[str, Any]) -> None:
+        self.txn, self.dbs = txn, dbs
+
+    def get(self, table, key):
+        return self.txn.get(key, db=self.dbs[table])
+
+    def put(self, table, key, value, overwrite=True):
+        return self.txn.put(key, value, db=self.dbs[table], overwrite=overwrite)
+
+    def delete(self, table, key):
+        return self.txn.delete(key, db=self.dbs[table])
+
+    def items(self, table, prefix=b"", values=True):
+        cur = self.txn.cursor(db=self.dbs[table])
+        if not cur.set_range(prefix):
+            return
+        for k, v in cur:
+            k = bytes(k)
+            if not k.startswith(prefix):
+                return
+            yield (k, v) if values else (k, None)
+
+
+class LmdbBackend(Backend):
+    """One LMDB environment in ``path`` (a directory): concurrent readers, one writer at
+    a time across processes, durable commits."""
+
+    def __init__(self, path: "str | Path", *, create: bool = True,
+                 map_size: int = 1 << 40) -> None:
+        import lmdb
+
+        self.path = Path(path)
+        self.url = f"file://{self.path.resolve()}"
+        if not self.path.exists():
+            if not create:
+                raise ModelRepositoryError(f"{self.path}: no model repository here")
+            self.path.mkdir(parents=True)
+        elif not self.path.is_dir():
+            raise ModelRepositoryError(f"{self.path}: not a directory")
+        try:
+            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(TABLES),
+                                 subdir=True, readahead=False, sync=True, metasync=True)
+        except lmdb.Error as e:
+            raise ModelRepositoryError(f"{self.path}: cannot open the LMDB store: {e}") from e
+        self.dbs = {t: self.env.open_db(t.encode()) for t in TABLES}
+
+    @contextmanager
+    def read(self):
+        with self.env.begin(buffers=True) as txn:
+            yield _LmdbTxn(txn, self.dbs)
+
+    @contextmanager
+    def write(self):
+        with self.env.begin(write=True, buffers=True) as txn:
+            yield _LmdbTxn(txn, self.dbs)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class _MemTxn(Txn):
+    def __init__(self, tables: dict[str, dict[bytes, bytes]], write: bool) -> None:
+        self.tables = tables
+        self.staged: dict[tuple[str, bytes], Optional[bytes]] = {}
+        self.writable = write
+
+    def get(self, table, key):
+        if (table, key) in self.staged:
+            v = self.staged[(table, key)]
+            return None if v is None else memoryview(v)
+        v = self.tables[table].get(key)
+        return None if v is None else memoryview(v)
+
+    def put(self, table, key, value, overwrite=True):
+        if not overwrite and self.get(table, key) is not None:
+            return False
+        self.staged[(table, bytes(key))] = bytes(value)
+        return True
+
+    def delete(self, table, key):
+        found = self.get(table, key) is not None
+        self.staged[(table, bytes(key))] = None
+        return found
+
+    def items(self, table, prefix=b"", values=True):
+        keys = {k for k in self.tables[table] if k.startswith(prefix)}
+        keys |= {k for (t, k) in self.staged if t == table and k.startswith(prefix)}
+        for k in sorted(keys):
+            v = self.get(table, k)
+            if v is not None:
+                yield (k, v) if values else (k, None)
+
+
+class MemoryBackend(Backend):
+    """Tables in this process's memory (tests, ephemeral ensembles); ``memory://NAME``
+    opens the same one again within the process."""
+
+    _named: dict[str, "MemoryBackend"] = {}
+
+    def __init__(self, name: str = "") -> None:
+        self.url = f"memory://{name}"
+        self.tables: dict[str, dict[bytes, bytes]] = {t: {} for t in TABLES}
+        self.lock = threading.RLock()
+
+    @classmethod
+    def named(cls, name: str) -> "MemoryBackend":
+        if not name:
+            return cls()
+        if name not in cls._named:
+            cls._named[name] = cls(name)
+        return cls._named[name]
+
+    @contextmanager
+    def read(self):
+        with self.lock:
+            yield _MemTxn(self.tables, False)
+
+    @contextmanager
+    def write(self):
+        with self.lock:
+            txn = _MemTxn(self.tables, True)
+            yield txn
+            for (t, k), v in txn.staged.items():  # commit: only if the body returned
+                if v is None:
+                    self.tables[t].pop(k, None)
+                else:
+                    self.tables[t][k] = v

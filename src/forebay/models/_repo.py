@@ -1,0 +1,454 @@
+"""The model repository: models stored as tensors (each once, by content) plus a compact
+architecture graph with stable IDs; versions published atomically; partial loads read
+only the selected tensors; every read verified against its hash."""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import json
+import os
+import re
+import time
+import uuid
+from typing import Any, Iterable, Optional, Union
+
+import numpy as np
+import xxhash
+
+from ..errors import (CorruptModelError, ModelMismatchError, ModelNotFoundError,
+                      ModelRepositoryError)
+from ._arch import Architecture, IdCache, capture
+from ._backend import Backend, LmdbBackend, MemoryBackend
+
+__all__ = ["Repository", "open_repository", "tensor_hash"]
+
+FORMAT = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,254}$")
+PENDING_GRACE_S = 6 * 3600  # a save older than this without a manifest crashed
+
+
+def tensor_hash(dtype: str, shape: Iterable[int], data: Any) -> str:
+    """Content hash of a tensor: xxh3-128 of its dtype, shape and bytes."""
+    h = xxhash.xxh3_128()
+    h.update(f"{dtype}|{','.join(map(str, shape))}|".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _as_bytes(t: Any) -> np.ndarray:
+    """A CPU tensor's bytes as a uint8 array (no copy when already contiguous on CPU;
+    works for bfloat16 and other dtypes numpy lacks)."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8).numpy()
+
+
+def _vkey(name: str, version: int) -> bytes:
+    return f"{name}\x00{version:012d}".encode()
+
+
+def open_repository(url: str, token: Optional[str] = None, *, create: bool = True
+                    ) -> "Repository":
+    """``file:///path`` (or a plain path): LMDB in that directory; ``memory://`` (fresh)
+    or ``memory://NAME`` (shared within the process); ``tcp://host:port[,...]``: a
+    provider (``forebay models serve``)."""
+    token = token or os.environ.get("FOREBAY_TOKEN")
+    if url.startswith("memory://"):
+        return Repository(MemoryBackend.named(url[len("memory://"):]))
+    if url.startswith("tcp://"):
+        raise ModelRepositoryError(
+            f"{url}: model providers over TCP are not available in this version yet; use "
+            f"file:///path (shared LMDB, concurrent processes on one node) or memory://")
+    if url.startswith("file://"):
+        path = url[len("file://"):]
+    elif url.startswith("file:"):
+        path = url[len("file:"):]
+    elif "://" in url:
+        raise ModelRepositoryError(f"{url}: unknown repository URL scheme (file://, "
+                                   f"memory://, tcp://)")
+    else:
+        path = url
+    return Repository(LmdbBackend(path, create=create))
+
+
+class Repository:
+    """Models and their versions in one store (see :func:`open_repository`)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.url = backend.url
+        self.cache = IdCache()
+        self._io = {"bytes_read": 0, "bytes_written": 0, "tensors_read": 0,
+                    "tensors_written": 0, "tensors_deduplicated": 0}
+
+    # -- saving -------------------------------------------------------------------------
+    def save(self, name: str, model: Any, metadata: Optional[dict[str, Any]] = None,
+             *, parent: Optional[int] = None) -> int:
+        """Store ``model`` (an ``nn.Module`` or a state dict of tensors) as the next
+        version of ``name``; returns the version.  Tensors already stored (any model,
+        any version) are not written again; the version becomes visible only after all
+        its tensors are durable."""
+        import torch
+
+        _check_name(name)
+        if metadata is not None:
+            try:
+                json.dumps(metadata)
+            except TypeError as e:
+                raise ModelRepositoryError(f"metadata must be JSON-serializable: {e}") from e
+        t_start = time.perf_counter()
+        arch: Optional[Architecture] = None
+        if isinstance(model, torch.nn.Module):
+            sd = model.state_dict()
+            arch = capture(model, self.cache)
+        elif isinstance(model, dict):
+            sd = model
+        else:
+            raise TypeError(f"save() takes an nn.Module or a state dict, got "
+                            f"{type(model).__name__}")
+        leaf_of: dict[str, tuple[str, str]] = {}  # state key -> (leaf id, tensor name)
+        leaves: dict[str, dict[str, Any]] = {}
+        if arch is not None:
+            for lf in arch.leaves:
+                rels = {}
+                for rel in lf.config["tensors"]:
+                    key = f"{lf.name}.{rel}" if lf.name else rel
+                    if key in sd:
+                        leaf_of[key] = (lf.id, rel)
+                        rels[rel] = key
+                leaves[lf.id] = {"name": lf.name, "tensors": rels}
+        entries: dict[str, dict[str, Any]] = {}
+        blobs: dict[str, np.ndarray] = {}
+        for key, t in sd.items():
+            if not isinstance(t, torch.Tensor):
+                raise ModelRepositoryError(f"{name}: state entry {key!r} is a "
+                                           f"{type(t).__name__}, not a tensor")
+            data = _as_bytes(t)
+            dt, shape = _dtype_name(t), list(t.shape)
+            h = tensor_hash(dt, shape, data)
+            entries[key] = {"hash": h, "dtype": dt, "shape": shape, "nbytes": int(data.nbytes),
+                            "leaf": leaf_of.get(key, (None,))[0]}
+            blobs[h] = data
+        token = uuid.uuid4().hex.encode()
+        written = 0
+        with self.backend.write() as txn:  # 1: the tensors, durable before any manifest
+            txn.put("pending", token, json.dumps({"created": time.time(),
+                                                  "hashes": sorted(blobs)}).encode())
+            for h, data in blobs.items():
+                if txn.put("tensors", h.encode(), memoryview(data), overwrite=False):
+                    written += int(data.nbytes)
+                    self._io["tensors_written"] += 1
+                else:
+                    self._io["tensors_deduplicated"] += 1
+        self._io["bytes_written"] += written
+        with self.backend.write() as txn:  # 2: the manifest, atomically, then un-pend
+            last = self._last_version(txn, name)
+            version = last + 1
+            manifest = {
+                "format": FORMAT, "name": name, "version": version,
+                "parent": parent if parent is not None else (last if last else None),
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "metadata": metadata or {},
+                "graph": arch.encode() if arch is not None else None,
+                "leaves": leaves, "tensors": entries,
+                "logical_bytes": sum(e["nbytes"] for e in entries.values()),
+                "new_bytes": written, "save_seconds": time.perf_counter() - t_start}
+            txn.put("versions", _vkey(name, version), json.dumps(manifest).encode())
+            txn.delete("pending", token)
+        return version
+
+    # -- reading manifests --------------------------------------------------------------
+    @staticmethod
+    def _last_version(txn: Any, name: str) -> int:
+        last = 0
+        for k, _ in txn.items("versions", f"{name}\x00".encode(), values=False):
+            last = max(last, int(k.split(b"\x00")[1]))
+        return last
+
+    def versions(self, name: str) -> list[int]:
+        """Versions of ``name``, oldest first."""
+        with self.backend.read() as txn:
+            return [int(k.split(b"\x00")[1]) for k, _ in
+                    txn.items("versions", f"{name}\x00".encode(), values=False)]
+
+    def list(self) -> dict[str, list[int]]:
+        """Every model name with its versions."""
+        out: dict[str, list[int]] = {}
+        with self.backend.read() as txn:
+            for k, _ in txn.items("versions", values=False):
+                n, v = k.split(b"\x00")
+                out.setdefault(n.decode(), []).append(int(v))
+        return out
+
+    def manifest(self, name: str, version: Optional[int] = None) -> dict[str, Any]:
+        """A version's manifest (the latest when ``version`` is None)."""
+        with self.backend.read() as txn:
+            if version is None:
+                version = self._last_version(txn, name)
+                if version == 0:
+                    raise ModelNotFoundError(f"no model named {name!r} in {self.url}")
+            raw = txn.get("versions", _vkey(name, version))
+            if raw is None:
+                have = [int(k.split(b"\x00")[1]) for k, _ in
+                        txn.items("versions", f"{name}\x00".encode(), values=False)]
+                raise ModelNotFoundError(
+                    f"no version {version} of {name!r} in {self.url} (versions: "
+                    f"{have or 'none'})")
+            try:
+                return json.loads(bytes(raw))
+            except ValueError as e:
+                raise CorruptModelError(f"model {name!r} version {version}: the manifest "
+                                        f"is not valid JSON ({e})") from e
+
+    def graph(self, name: str, version: Optional[int] = None) -> Optional[dict[str, Any]]:
+        """The compact architecture graph stored with a version (None for a state dict)."""
+        return self.manifest(name, version)["graph"]
+
+    # -- loading ------------------------------------------------------------------------
+    def _select(self, m: dict[str, Any], include: Any) -> list[str]:
+        keys = list(m["tensors"])
+        if include is None:
+            return keys
+        pats = [include] if isinstance(include, str) else list(include)
+        by_leaf = {lid: set(v["tensors"].values()) for lid, v in m["leaves"].items()}
+        out = []
+        for k in keys:
+            e = m["tensors"][k]
+            for p in pats:
+                if p in by_leaf and k in by_leaf[p]:
+                    out.append(k)
+                    break
+                if fnmatch.fnmatchcase(k, p) or fnmatch.fnmatchcase(k.rpartition(".")[0], p):
+                    out.append(k)
+                    break
+                if e["leaf"] is not None and e["leaf"] == p:
+                    out.append(k)
+                    break
+        if not out:
+            raise ModelNotFoundError(f"{m['name']!r} version {m['version']}: nothing matches "
+                                     f"include={include!r}")
+        return out
+
+    def _read(self, txn: Any, m: dict[str, Any], key: str) -> Any:
+        e = m["tensors"][key]
+        buf = txn.get("tensors", e["hash"].encode())
+        where = f"model {m['name']!r} version {m['version']}: tensor {key!r}"
+        if buf is None:
+            raise CorruptModelError(f"{where} ({e['hash'][:16]}) is missing from the store")
+        if len(buf) != e["nbytes"] or tensor_hash(e["dtype"], e["shape"], buf) != e["hash"]:
+            raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do not match "
+                                    f"their hash (corrupt)")
+        self._io["bytes_read"] += len(buf)
+        self._io["tensors_read"] += 1
+        return buf
+
+    def load(self, name: str, version: Optional[int] = None, into: Any = None,
+             include: Any = None, device: Any = None) -> Any:
+        """A version as a state dict of tensors, or copied into module ``into`` in place
+        (returned).  ``include``: state-dict name patterns (``"blocks.3.*"``), module
+        paths, or leaf IDs; only the selected tensors' bytes are read."""
+        import torch
+
+        m = self.manifest(name, version)
+        keys = self._select(m, include)
+        if into is not None:
+            self._check_into(m, keys, into)
+            target = into.state_dict(keep_vars=True)
+            with self.backend.read() as txn:
+                for k in keys:
+                    _copy_into(target[k], self._read(txn, m, k), m["tensors"][k]["dtype"])
+            return into
+        out: dict[str, Any] = {}
+        with self.backend.read() as txn:
+            for k in keys:
+                e = m["tensors"][k]
+                buf = self._read(txn, m, k)
+                t = _from_bytes(buf, e["dtype"], e["shape"])
+                out[k] = t.to(device) if device is not None else t
+        return out
+
+    def _check_into(self, m: dict[str, Any], keys: list[str], into: Any) -> None:
+        sd = into.state_dict()
+        problems = []
+        for k in keys:
+            e = m["tensors"][k]
+            if k not in sd:
+                problems.append(f"{k}: stored, not in the module")
+                continue
+            t = sd[k]
+            if list(t.shape) != e["shape"] or _dtype_name(t) != e["dtype"]:
+                problems.append(f"{k}: stored {e['dtype']}{tuple(e['shape'])}, module has "
+                                f"{_dtype_name(t)}{tuple(t.shape)}")
+        if problems:
+            raise ModelMismatchError(f"cannot load {m['name']!r} version {m['version']} into "
+                                     f"{type(into).__name__}: " + "; ".join(problems))
+
+    def load_matching(self, name: str, into: Any, version: Optional[int] = None
+                      ) -> dict[str, Any]:
+        """Fill every leaf layer of ``into`` whose stable structural ID equals a stored
+        leaf's, whatever the layer names (transfer learning).  Returns ``matched``
+        (into's module path, the stored one, the ID), ``unmatched`` (into's leaves with
+        no stored twin) and ``graph`` (how into's edges were found)."""
+        m = self.manifest(name, version)
+        arch = capture(into, self.cache)
+        target = into.state_dict(keep_vars=True)
+        matched, unmatched, keys = [], [], []
+        pairs: list[tuple[str, str]] = []
+        for lf in arch.leaves:
+            st = m["leaves"].get(lf.id)
+            if st is None:
+                unmatched.append(lf.name)
+                continue
+            matched.append({"into": lf.name, "stored": st["name"], "id": lf.id})
+            for rel, key in st["tensors"].items():
+                dst = f"{lf.name}.{rel}" if lf.name else rel
+                if dst in target:
+                    pairs.append((dst, key))
+                    keys.append(key)
+        with self.backend.read() as txn:
+            for dst, key in pairs:
+                _copy_into(target[dst], self._read(txn, m, key), m["tensors"][key]["dtype"])
+        return {"matched": matched, "unmatched": unmatched, "graph": arch.source,
+                "tensors": len(pairs)}
+
+    # -- housekeeping -------------------------------------------------------------------
+    def delete(self, name: str, version: int) -> None:
+        """Remove a version (its tensors go at the next :meth:`gc` if nothing else uses
+        them)."""
+        with self.backend.write() as txn:
+            if not txn.delete("versions", _vkey(name, version)):
+                raise ModelNotFoundError(f"no version {version} of {name!r} in {self.url}")
+
+    def _referenced(self, txn: Any, grace_s: float) -> set[bytes]:
+        refs: set[bytes] = set()
+        for _, raw in txn.items("versions"):
+            for e in json.loads(bytes(raw))["tensors"].values():
+                refs.add(e["hash"].encode())
+        now = time.time()
+        for _, raw in txn.items("pending"):
+            p = json.loads(bytes(raw))
+            if now - p["created"] < grace_s:  # a save in progress: keep its tensors
+                refs.update(h.encode() for h in p["hashes"])
+        return refs
+
+    def gc(self, grace_seconds: float = PENDING_GRACE_S) -> dict[str, int]:
+        """Delete tensors no version references (sparing saves in progress for
+        ``grace_seconds``; older pending records are crashed saves and go too)."""
+        removed = freed = stale = 0
+        with self.backend.write() as txn:
+            refs = self._referenced(txn, grace_seconds)
+            dead = [(k, len(v)) for k, v in txn.items("tensors") if k not in refs]
+            for k, n in dead:
+                txn.delete("tensors", k)
+                removed += 1
+                freed += n
+            now = time.time()
+            old = [k for k, raw in txn.items("pending")
+                   if now - json.loads(bytes(raw))["created"] >= grace_seconds]
+            for k in old:
+                txn.delete("pending", k)
+                stale += 1
+        return {"tensors_removed": removed, "bytes_freed": freed, "stale_saves": stale}
+
+    def verify(self) -> list[str]:
+        """Check every stored tensor against its hash and every manifest against the
+        store; returns the problems found (empty: intact)."""
+        problems: list[str] = []
+        with self.backend.read() as txn:
+            known: dict[bytes, str] = {}
+            for k, raw in txn.items("versions"):
+                n, v = k.split(b"\x00")
+                try:
+                    m = json.loads(bytes(raw))
+                except ValueError:
+                    problems.append(f"{n.decode()} version {int(v)}: manifest is not JSON")
+                    continue
+                for key, e in m["tensors"].items():
+                    h = e["hash"].encode()
+                    where = f"{m['name']} version {m['version']}: tensor {key!r}"
+                    if h not in known:
+                        buf = txn.get("tensors", h)
+                        if buf is None:
+                            known[h] = "missing"
+                        elif tensor_hash(e["dtype"], e["shape"], buf) != e["hash"]:
+                            known[h] = "corrupt"
+                        else:
+                            known[h] = ""
+                    if known[h]:
+                        problems.append(f"{where} ({e['hash'][:16]}) is {known[h]}")
+        return problems
+
+    def stats(self) -> dict[str, Any]:
+        """``logical_bytes`` (every version's tensors counted in full), ``stored_bytes``
+        (tensor bytes actually in the store), counts, and this client's I/O."""
+        logical = versions = 0
+        names = set()
+        with self.backend.read() as txn:
+            for k, raw in txn.items("versions"):
+                logical += json.loads(bytes(raw))["logical_bytes"]
+                versions += 1
+                names.add(k.split(b"\x00")[0])
+            stored = tensors = 0
+            for _, v in txn.items("tensors"):
+                stored += len(v)
+                tensors += 1
+        return {"models": len(names), "versions": versions, "tensors": tensors,
+                "logical_bytes": logical, "stored_bytes": stored,
+                "id_cache": {"hits": self.cache.hits, "misses": self.cache.misses},
+                **self._io}
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "Repository":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ModelRepositoryError(
+            f"bad model name {name!r}: 1-255 characters, letters, digits and . _ - /, "
+            f"starting with a letter or digit")
+
+
+_NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+       "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+       "uint8": np.uint8, "bool": np.uint8}
+
+
+def _from_bytes(buf: Any, dtype: str, shape: list[int]) -> Any:
+    """A new CPU tensor holding a copy of ``buf``."""
+    import torch
+
+    if dtype == "bool":
+        return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8) != 0).reshape(shape)
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    raw = torch.from_numpy(np.array(np.frombuffer(buf, dtype=np.uint8)))
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _copy_into(dst: Any, buf: Any, dtype: str) -> None:
+    """Copy stored bytes into tensor ``dst`` in place (straight into its memory on CPU)."""
+    import torch
+
+    with torch.no_grad():
+        if dst.device.type == "cpu" and dst.is_contiguous() and dtype != "bool":
+            view = dst.detach().reshape(-1).view(torch.uint8).numpy()
+            view[:] = np.frombuffer(buf, dtype=np.uint8)
+        else:
+            dst.copy_(_from_bytes(buf, dtype, list(dst.shape)).to(dst.device))

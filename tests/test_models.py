@@ -1,0 +1,351 @@
+"""forebay.models: architecture capture and stable IDs, the repository (LMDB and memory),
+partial loads, dedup, transfer by structure, corruption, crashes and concurrent clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lmdb")
+from torch import nn  # noqa: E402
+
+import forebay.models as fm  # noqa: E402
+from forebay.errors import (CorruptModelError, ModelMismatchError,  # noqa: E402
+                            ModelNotFoundError, ModelRepositoryError)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.lin(x)) + x)
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4, out: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, out)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class Renamed(nn.Module):
+    """Net's structure, other attribute names, built in another order."""
+
+    def __init__(self, d: int = 16, n: int = 4, out: int = 3) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(d, out)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.stem = nn.Linear(8, d)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.layers:
+            x = b(x)
+        return self.classifier(x)
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = fm.open_repository(f"file://{tmp_path / 'repo'}")
+    yield r
+    r.close()
+
+
+def _equal_sd(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].reshape(-1).view(torch.uint8).tolist() == \
+            b[k].contiguous().reshape(-1).view(torch.uint8).tolist(), k
+
+
+def test_round_trip_is_bit_exact_for_every_dtype(repo):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=g)
+    sd = {"f16": base.half(), "bf16": base.bfloat16(), "f32": base, "f64": base.double(),
+          "i64": torch.arange(7), "i8": torch.arange(-3, 3, dtype=torch.int8),
+          "u8": torch.arange(5, dtype=torch.uint8), "flag": torch.tensor([True, False, True]),
+          "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
+          "transposed": base.t(), "strided": base[::2, 1:]}
+    assert not sd["transposed"].is_contiguous()
+    v = repo.save("dtypes", sd)
+    _equal_sd(repo.load("dtypes", v), sd)
+
+
+def test_module_round_trip_with_buffers_in_place(repo):
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                      nn.LazyLinear(2) if False else nn.Linear(4 * 6 * 6, 2))
+    m(torch.randn(2, 3, 8, 8))  # running stats and num_batches_tracked move
+    repo.save("cnn", m)
+    fresh = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 2))
+    assert repo.load("cnn", into=fresh) is fresh
+    _equal_sd(fresh.state_dict(), m.state_dict())
+    assert int(fresh[1].num_batches_tracked) == 1
+
+
+def test_stable_ids_ignore_names_and_construction_order():
+    torch.manual_seed(0)
+    a, b = fm.capture(Net()), fm.capture(Renamed())
+    assert a.source == b.source == "fx"
+    assert [lf.id for lf in a.leaves] == [lf.id for lf in b.leaves]
+    assert len({lf.id for lf in a.leaves}) == len(a.leaves)  # repeated blocks differ
+    assert a.leaves[1].name == "blocks.0.lin" and a.leaves[1].inputs == [0]
+    # the residual: blocks.0.norm reads embed and blocks.0.lin (inputs in graph order)
+    names = [lf.name for lf in a.leaves]
+    assert a.leaves[names.index("blocks.0.norm")].inputs == [0, 1]
+    assert a.leaves[names.index("blocks.1.lin")].inputs == [names.index("blocks.0.norm")]
+
+
+def test_stable_ids_change_with_a_shape_or_an_edge():
+    base = [lf.id for lf in fm.capture(Net()).leaves]
+    wider = [lf.id for lf in fm.capture(Net(out=5)).leaves]
+    assert wider[:-1] == base[:-1] and wider[-1] != base[-1]  # only the head changes
+
+    class NoResidual(Block):
+        def forward(self, x):
+            return self.norm(torch.relu(self.lin(x)))
+
+    n = Net()
+    n.blocks[2] = NoResidual(16)
+    edged = [lf.id for lf in fm.capture(n).leaves]
+    k = 1 + 2 * 2 + 1  # blocks.2.norm: its inputs changed, and everything downstream
+    assert edged[:k] == base[:k] and all(x != y for x, y in zip(edged[k:], base[k:]))
+
+
+def test_untraceable_models_fall_back_to_module_order():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent: torch.fx cannot trace it
+                x = self.a(x)
+            return self.b(x)
+
+    arch = fm.capture(Branchy())
+    assert arch.source == "module order"
+    assert [lf.inputs for lf in arch.leaves] == [[], [0]]
+
+
+def test_partial_load_reads_only_the_selected_tensors(repo):
+    torch.manual_seed(1)
+    m = Net()
+    v = repo.save("net", m)
+    sd = m.state_dict()
+    before = repo.stats()["bytes_read"]
+    got = repo.load("net", v, include="blocks.3.*")
+    assert sorted(got) == sorted(k for k in sd if k.startswith("blocks.3."))
+    want = sum(sd[k].numel() * sd[k].element_size() for k in got)
+    assert repo.stats()["bytes_read"] - before == want
+    for k in got:
+        assert torch.equal(got[k], sd[k])
+    # by module path and by leaf ID
+    assert sorted(repo.load("net", include=["head"])) == ["head.bias", "head.weight"]
+    lid = fm.capture(m).ids()["embed"]
+    assert sorted(repo.load("net", include=lid)) == ["embed.bias", "embed.weight"]
+    with pytest.raises(ModelNotFoundError, match="nothing matches"):
+        repo.load("net", include="nope.*")
+
+
+def test_a_new_version_stores_only_the_changed_layer(repo):
+    torch.manual_seed(2)
+    m = Net(d=64)
+    repo.save("net", m)
+    s1 = repo.stats()
+    with torch.no_grad():
+        m.blocks[1].lin.weight.add_(1.0)
+    v2 = repo.save("net", m, metadata={"note": "one layer changed"})
+    s2 = repo.stats()
+    assert s2["stored_bytes"] - s1["stored_bytes"] == 64 * 64 * 4
+    assert s2["logical_bytes"] == 2 * s1["logical_bytes"]
+    m2 = repo.manifest("net", v2)
+    assert m2["parent"] == 1 and m2["metadata"] == {"note": "one layer changed"}
+    assert m2["new_bytes"] == 64 * 64 * 4
+    assert s2["id_cache"]["hits"] >= len(fm.capture(m).leaves)  # second save: all cached
+
+
+def test_load_matching_reuses_a_backbone_under_new_names(repo):
+    torch.manual_seed(3)
+    src = Net(out=3)
+    repo.save("pretrained", src)
+    dst = Renamed(out=10)  # same backbone, new head
+    r = repo.load_matching("pretrained", dst)
+    assert r["graph"] == "fx"
+    assert r["unmatched"] == ["classifier"]
+    pairs = {d["into"]: d["stored"] for d in r["matched"]}
+    assert pairs["stem"] == "embed" and pairs["layers.2.norm"] == "blocks.2.norm"
+    assert torch.equal(dst.layers[2].lin.weight, src.blocks[2].lin.weight)
+    assert torch.equal(dst.stem.bias, src.embed.bias)
+
+
+def test_loading_into_other_shapes_lists_every_mismatch(repo):
+    repo.save("net", Net(d=16))
+    with pytest.raises(ModelMismatchError) as e:
+        repo.load("net", into=Net(d=32))
+    msg = str(e.value)
+    assert "embed.weight: stored float32(16, 8), module has float32(32, 8)" in msg
+    assert "blocks.3.norm.bias" in msg
+
+
+def test_corrupt_tensor_is_named(repo, tmp_path, cli):
+    import lmdb
+
+    m = Net()
+    repo.save("net", m)
+    man = repo.manifest("net")
+    h = man["tensors"]["blocks.1.lin.weight"]["hash"].encode()
+    repo.close()
+    env = lmdb.open(str(tmp_path / "repo"), max_dbs=3)
+    db = env.open_db(b"tensors")
+    with env.begin(write=True) as txn:
+        bad = bytearray(txn.get(h, db=db))
+        bad[10] ^= 0xFF
+        txn.put(h, bytes(bad), db=db)
+    env.close()
+    r = fm.open_repository(str(tmp_path / "repo"))
+    with pytest.raises(CorruptModelError, match=r"model 'net' version 1: tensor "
+                       r"'blocks.1.lin.weight' .*corrupt"):
+        r.load("net")
+    assert r.load("net", include="head.*")  # the rest still loads
+    assert any("blocks.1.lin.weight" in p for p in r.verify())
+    r.close()
+    code, _, err = cli("models", "verify", tmp_path / "repo")
+    assert code == 1 and "CORRUPT net version 1: tensor 'blocks.1.lin.weight'" in err
+
+
+def test_delete_and_gc(repo):
+    torch.manual_seed(4)
+    a, b = Net(), Net()
+    repo.save("a", a)
+    repo.save("b", b)
+    n = repo.stats()["stored_bytes"]
+    assert repo.gc() == {"tensors_removed": 0, "bytes_freed": 0, "stale_saves": 0}
+    repo.delete("b", 1)
+    r = repo.gc()
+    assert r["tensors_removed"] > 0 and repo.stats()["stored_bytes"] == n - r["bytes_freed"]
+    _equal_sd(repo.load("a"), a.state_dict())
+    with pytest.raises(ModelNotFoundError, match="no model named 'b'"):
+        repo.load("b")
+    with pytest.raises(ModelNotFoundError, match=r"no version 7 of 'a'.*versions: \[1\]"):
+        repo.load("a", 7)
+
+
+def test_memory_backend_and_urls(tmp_path):
+    r = fm.open_repository("memory://shared")
+    r.save("m", Net())
+    again = fm.open_repository("memory://shared")
+    assert again.versions("m") == [1]
+    assert fm.open_repository("memory://").list() == {}
+    for bad in ("s3://bucket/x", "tcp://127.0.0.1:1"):
+        with pytest.raises(ModelRepositoryError, match=bad.split(":")[0]):
+            fm.open_repository(bad)
+    with pytest.raises(ModelRepositoryError, match="bad model name"):
+        r.save("../etc", Net())
+    with pytest.raises(ModelRepositoryError, match="JSON"):
+        r.save("m", Net(), metadata={"f": object()})
+    with pytest.raises(TypeError, match="nn.Module or a state dict"):
+        r.save("m", [1, 2])
+    with pytest.raises(ModelRepositoryError, match="not a tensor"):
+        r.save("m", {"w": np.zeros(3)})
+    with pytest.raises(ModelRepositoryError, match="no model repository"):
+        fm.open_repository(str(tmp_path / "missing"), create=False)
+
+
+_SAVER = """
+    import sys, torch, forebay.models as fm
+    from torch import nn
+    url, name, n, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    repo = fm.open_repository(url)
+    torch.manual_seed(seed)
+    m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(n)])
+    print("READY", flush=True)
+    for k in range(int(sys.argv[5])):
+        with torch.no_grad():
+            m[k % n].weight.add_(1)
+        v = repo.save(name, m, metadata={"seed": seed, "k": k})
+        print("SAVED", v, flush=True)
+"""
+
+
+def _spawn(tmp_path, *args):
+    script = tmp_path / "saver.py"
+    script.write_text(textwrap.dedent(_SAVER))
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_concurrent_writers_get_consistent_versions(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    procs = [_spawn(tmp_path, url, "shared", 4, seed, 3) for seed in range(4)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    got = sorted(int(line.split()[1]) for o in outs for line in o.splitlines()
+                 if line.startswith("SAVED"))
+    assert got == list(range(1, 13))  # 12 saves, 12 distinct versions
+    r = fm.open_repository(url)
+    assert r.versions("shared") == list(range(1, 13))
+    assert r.verify() == []
+    for v in r.versions("shared"):  # every version whole and loadable
+        m = r.manifest("shared", v)
+        sd = r.load("shared", v)
+        assert len(sd) == 8 and m["metadata"]["k"] in (0, 1, 2)
+
+
+def test_kill_during_save_leaves_the_previous_version(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    p = _spawn(tmp_path, url, "big", 64, 0, 1)  # one save first, to completion
+    assert p.communicate(timeout=240)[0].count("SAVED") == 1
+    r = fm.open_repository(url)
+    first = r.load("big", 1)
+    r.close()
+    p = _spawn(tmp_path, url, "big", 64, 1, 1000)  # saves in a loop: kill it mid-way
+    assert p.stdout.readline().startswith("READY")
+    time.sleep(1.0)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    saved = p.stdout.read().count("SAVED")
+    p.stdout.close()
+    r = fm.open_repository(url)
+    assert r.verify() == []
+    versions = r.versions("big")
+    assert versions == list(range(1, 2 + saved)) or versions == list(range(1, 3 + saved))
+    for v in versions:  # whatever was published is whole
+        assert len(r.load("big", v)) == 128
+    _equal_sd(r.load("big", 1), first)
+    r.gc(grace_seconds=0)  # tensors of the killed save: unreferenced, removed
+    assert r.verify() == []
+    _equal_sd(r.load("big", 1), first)
+
+
+def test_cli_models(tmp_path, cli):
+    r = fm.open_repository(str(tmp_path / "repo"))
+    r.save("net", Net(), metadata={"lr": 0.1})
+    r.close()
+    code, out, _ = cli("models", "ls", tmp_path / "repo")
+    assert code == 0 and "net" in out and "versions 1..1" in out
+    code, out, _ = cli("models", "show", tmp_path / "repo", "net")
+    assert code == 0 and "edges from fx" in out and "blocks.2.lin" in out and '"lr": 0.1' in out
+    code, out, _ = cli("models", "verify", tmp_path / "repo")
+    assert code == 0 and out.startswith("ok: 1 versions")
+    code, out, _ = cli("models", "gc", tmp_path / "repo")
+    assert code == 0 and "removed 0 tensors" in out
