@@ -349,3 +349,19 @@ def test_cli_models(tmp_path, cli):
     assert code == 0 and out.startswith("ok: 1 versions")
     code, out, _ = cli("models", "gc", tmp_path / "repo")
     assert code == 0 and "removed 0 tensors" in out
+
+
+def test_corrupt_large_tensor_detected_while_copying():
+    r = fm.open_repository("memory://")
+    sd = {"big": torch.randn(1024, 1024), "small": torch.randn(4)}  # 4 MiB: verified in parallel
+    r.save("m", sd)
+    h = r.manifest("m")["tensors"]["big"]["hash"].encode()
+    bad = bytearray(r.backend.tables["tensors"][h])
+    bad[-1] ^= 1
+    r.backend.tables["tensors"][h] = bytes(bad)
+    with pytest.raises(CorruptModelError, match=r"tensor 'big' .*corrupt"):
+        r.load("m")
+    dst = {k: torch.zeros_like(t) for k, t in sd.items()}
+    with pytest.raises(CorruptModelError, match="the tensor loaded into holds them"):
+        r.load("m", into=dst)
+    assert torch.equal(r.load("m", include="small")["small"], sd["small"])

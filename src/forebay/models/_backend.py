@@ -76,26 +76,41 @@ class _LmdbTxn(Txn):
 
 class LmdbBackend(Backend):
     """One LMDB environment in ``path`` (a directory): concurrent readers, one writer at
-    a time across processes, durable commits."""
+    a time across processes, durable commits.  Repositories opened on the same path in
+    one process share the environment (LMDB allows one per process)."""
+
+    _open: dict[str, list] = {}  # resolved path -> [env, dbs, users]
+    _open_lock = threading.Lock()
 
     def __init__(self, path: "str | Path", *, create: bool = True,
                  map_size: int = 1 << 40) -> None:
         import lmdb
 
         self.path = Path(path)
-        self.url = f"file://{self.path.resolve()}"
         if not self.path.exists():
             if not create:
                 raise ModelRepositoryError(f"{self.path}: no model repository here")
             self.path.mkdir(parents=True)
         elif not self.path.is_dir():
             raise ModelRepositoryError(f"{self.path}: not a directory")
-        try:
-            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(TABLES),
-                                 subdir=True, readahead=False, sync=True, metasync=True)
-        except lmdb.Error as e:
-            raise ModelRepositoryError(f"{self.path}: cannot open the LMDB store: {e}") from e
-        self.dbs = {t: self.env.open_db(t.encode()) for t in TABLES}
+        self.key = str(self.path.resolve())
+        self.url = f"file://{self.key}"
+        self.closed = False
+        with self._open_lock:
+            entry = self._open.get(self.key)
+            if entry is None:
+                try:
+                    # readahead on: values are whole tensors read front to back (off, a
+                    # cold 100 MB load ran at 35 MB/s here instead of 0.9 GB/s)
+                    env = lmdb.open(self.key, map_size=map_size, max_dbs=len(TABLES),
+                                    subdir=True, readahead=True, sync=True, metasync=True)
+                except lmdb.Error as e:
+                    raise ModelRepositoryError(f"{self.path}: cannot open the LMDB store: "
+                                               f"{e}") from e
+                entry = self._open[self.key] = [env, {t: env.open_db(t.encode())
+                                                      for t in TABLES}, 0]
+            entry[2] += 1
+        self.env, self.dbs = entry[0], entry[1]
 
     @contextmanager
     def read(self):
@@ -108,7 +123,15 @@ class LmdbBackend(Backend):
             yield _LmdbTxn(txn, self.dbs)
 
     def close(self) -> None:
-        self.env.close()
+        if self.closed:
+            return
+        self.closed = True
+        with self._open_lock:
+            entry = self._open[self.key]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self._open[self.key]
+                self.env.close()
 
 
 class _MemTxn(Txn):

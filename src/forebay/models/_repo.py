@@ -11,7 +11,7 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import xxhash
@@ -26,6 +26,18 @@ __all__ = ["Repository", "open_repository", "tensor_hash"]
 FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,254}$")
 PENDING_GRACE_S = 6 * 3600  # a save older than this without a manifest crashed
+_PARALLEL_VERIFY = 1 << 20  # tensors from this size are hashed while they are copied
+_pool: Any = None
+
+
+def _hasher() -> Any:
+    """One helper thread for hashing (xxhash releases the GIL on large buffers)."""
+    global _pool
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="forebay-verify")
+    return _pool
 
 
 def tensor_hash(dtype: str, shape: Iterable[int], data: Any) -> str:
@@ -217,46 +229,80 @@ class Repository:
 
     # -- loading ------------------------------------------------------------------------
     def _select(self, m: dict[str, Any], include: Any) -> list[str]:
+        """State keys selected by ``include``: exact keys, module paths or leaf IDs
+        (dictionary lookups), or glob patterns over keys and module paths."""
         keys = list(m["tensors"])
         if include is None:
             return keys
         pats = [include] if isinstance(include, str) else list(include)
-        by_leaf = {lid: set(v["tensors"].values()) for lid, v in m["leaves"].items()}
-        out = []
+        by_mod: dict[str, list[str]] = {}
         for k in keys:
-            e = m["tensors"][k]
-            for p in pats:
-                if p in by_leaf and k in by_leaf[p]:
-                    out.append(k)
-                    break
-                if fnmatch.fnmatchcase(k, p) or fnmatch.fnmatchcase(k.rpartition(".")[0], p):
-                    out.append(k)
-                    break
-                if e["leaf"] is not None and e["leaf"] == p:
-                    out.append(k)
-                    break
+            by_mod.setdefault(k.rpartition(".")[0], []).append(k)
+        chosen: set[str] = set()
+        for p in pats:
+            if any(c in p for c in "*?["):
+                rx = re.compile(fnmatch.translate(p))
+                chosen.update(k for k in keys if rx.match(k) or rx.match(k.rpartition(".")[0]))
+                continue
+            if p in m["tensors"]:
+                chosen.add(p)
+            chosen.update(by_mod.get(p, ()))
+            leaf = m["leaves"].get(p)
+            if leaf is not None:
+                chosen.update(leaf["tensors"].values())
+        out = [k for k in keys if k in chosen]
         if not out:
             raise ModelNotFoundError(f"{m['name']!r} version {m['version']}: nothing matches "
                                      f"include={include!r}")
         return out
 
-    def _read(self, txn: Any, m: dict[str, Any], key: str) -> Any:
+    def _buffer(self, txn: Any, m: dict[str, Any], key: str) -> tuple[Any, str]:
+        """The stored bytes of ``key`` (unverified) and how to name it in errors."""
         e = m["tensors"][key]
         buf = txn.get("tensors", e["hash"].encode())
         where = f"model {m['name']!r} version {m['version']}: tensor {key!r}"
         if buf is None:
             raise CorruptModelError(f"{where} ({e['hash'][:16]}) is missing from the store")
-        if len(buf) != e["nbytes"] or tensor_hash(e["dtype"], e["shape"], buf) != e["hash"]:
-            raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do not match "
-                                    f"their hash (corrupt)")
+        if len(buf) != e["nbytes"]:
+            raise CorruptModelError(f"{where} ({e['hash'][:16]}): {len(buf)} bytes stored, "
+                                    f"{e['nbytes']} expected (corrupt)")
         self._io["bytes_read"] += len(buf)
         self._io["tensors_read"] += 1
+        return buf, where
+
+    def _read(self, txn: Any, m: dict[str, Any], key: str) -> Any:
+        """Verified bytes of ``key``."""
+        e = m["tensors"][key]
+        buf, where = self._buffer(txn, m, key)
+        if tensor_hash(e["dtype"], e["shape"], buf) != e["hash"]:
+            raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do not match "
+                                    f"their hash (corrupt)")
         return buf
+
+    def _read_into(self, txn: Any, m: dict[str, Any], key: str, dst: Any) -> None:
+        """Copy ``key``'s stored bytes into tensor ``dst``, verified.  Large tensors are
+        hashed on a helper thread while the copy runs (0.77x memcpy instead of 0.5x when
+        one after the other); if the hash then disagrees, ``dst`` holds the unverified
+        bytes and the CorruptModelError says so.  Small ones are verified first."""
+        e = m["tensors"][key]
+        if e["nbytes"] < _PARALLEL_VERIFY or dst.device.type != "cpu" or \
+                not dst.is_contiguous() or e["dtype"] == "bool":
+            _copy_into(dst, self._read(txn, m, key), e["dtype"])
+            return
+        buf, where = self._buffer(txn, m, key)
+        fut = _hasher().submit(tensor_hash, e["dtype"], e["shape"], buf)
+        try:
+            _copy_into(dst, buf, e["dtype"])
+        finally:
+            ok = fut.result() == e["hash"]
+        if not ok:
+            raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do not match "
+                                    f"their hash (corrupt); the tensor loaded into holds them")
 
     def load(self, name: str, version: Optional[int] = None, into: Any = None,
              include: Any = None, device: Any = None) -> Any:
-        """A version as a state dict of tensors, or copied into module ``into`` in place
-        (returned).  ``include``: state-dict name patterns (``"blocks.3.*"``), module
+        """A version as a state dict of tensors, or copied in place into ``into`` (a
+        module or a state dict of tensors; returned).  ``include``: state-dict name patterns (``"blocks.3.*"``), module
         paths, or leaf IDs; only the selected tensors' bytes are read."""
         import torch
 
@@ -264,22 +310,22 @@ class Repository:
         keys = self._select(m, include)
         if into is not None:
             self._check_into(m, keys, into)
-            target = into.state_dict(keep_vars=True)
+            target = into.state_dict(keep_vars=True) if hasattr(into, "state_dict") else into
             with self.backend.read() as txn:
                 for k in keys:
-                    _copy_into(target[k], self._read(txn, m, k), m["tensors"][k]["dtype"])
+                    self._read_into(txn, m, k, target[k])
             return into
         out: dict[str, Any] = {}
         with self.backend.read() as txn:
             for k in keys:
                 e = m["tensors"][k]
-                buf = self._read(txn, m, k)
-                t = _from_bytes(buf, e["dtype"], e["shape"])
+                t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+                self._read_into(txn, m, k, t)
                 out[k] = t.to(device) if device is not None else t
         return out
 
     def _check_into(self, m: dict[str, Any], keys: list[str], into: Any) -> None:
-        sd = into.state_dict()
+        sd = into.state_dict() if hasattr(into, "state_dict") else into
         problems = []
         for k in keys:
             e = m["tensors"][k]
@@ -318,7 +364,7 @@ class Repository:
                     keys.append(key)
         with self.backend.read() as txn:
             for dst, key in pairs:
-                _copy_into(target[dst], self._read(txn, m, key), m["tensors"][key]["dtype"])
+                self._read_into(txn, m, key, target[dst])
         return {"matched": matched, "unmatched": unmatched, "graph": arch.source,
                 "tensors": len(pairs)}
 
