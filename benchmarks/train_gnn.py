@@ -72,6 +72,27 @@ def train(model, opt, batches, y_scale: float) -> tuple[int, float, float, float
     return n, time.perf_counter() - t0, stall, float(np.mean(losses))
 
 
+def save_and_reload(url: str, model: nn.Module, per_epoch: list) -> None:
+    """Store the trained model as a new version, then load only its head into a fresh
+    model (a partial load: only those tensors are read)."""
+    import forebay.models as fm
+
+    with fm.open_repository(url) as repo, trace.region("checkpoint/capture"):
+        v = repo.save("graphnet", model, metadata={"epochs": len(per_epoch),
+                                                   "loss": per_epoch[-1][3]})
+        fresh = GraphNet(in_dim=1)
+        before = repo.stats()["bytes_read"]
+        repo.load("graphnet", v, into=fresh, include="head.*")
+        read = repo.stats()["bytes_read"] - before
+        ok = all(torch.equal(a, b) for a, b in zip(fresh.head.parameters(),
+                                                   model.head.parameters()))
+        st = repo.stats()
+        print(f"saved graphnet version {v} to {url} ({st['stored_bytes']:,} B stored for "
+              f"{st['logical_bytes']:,} B of versions); reloaded head.* alone: {read:,} of "
+              f"{repo.manifest('graphnet', v)['logical_bytes']:,} B read, "
+              f"{'identical' if ok else 'DIFFERENT'}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--packed", type=Path, required=True)
@@ -81,6 +102,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", type=Path, help="trace the forebay run into this directory "
                    "(then: forebay analyze DIR)")
+    p.add_argument("--repo", help="save the forebay-trained model into this model repository "
+                   "(e.g. file:///tmp/models) and reload its head alone")
     a = p.parse_args()
 
     from mpi4py import MPI
@@ -118,6 +141,8 @@ def main() -> None:
         per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
                           comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
     loader.close()
+    if a.repo and rank == 0:
+        save_and_reload(a.repo, model.module, per_epoch)
     if a.trace:
         trace.disable()
     results["forebay DataLoader (preload)"] = per_epoch

@@ -365,3 +365,21 @@ def test_corrupt_large_tensor_detected_while_copying():
     with pytest.raises(CorruptModelError, match="the tensor loaded into holds them"):
         r.load("m", into=dst)
     assert torch.equal(r.load("m", include="small")["small"], sd["small"])
+
+
+def test_saves_and_loads_are_traced(tmp_path):
+    import gzip
+    import json
+
+    import forebay.trace as trace
+
+    trace.enable(tmp_path / "tr")
+    r = fm.open_repository("memory://")
+    v = r.save("net", Net())
+    r.load("net", v, include="head.*")
+    trace.disable()
+    ev = [json.loads(x) for f in (tmp_path / "tr").glob("*.pfw.gz") for x in gzip.open(f, "rt")]
+    ck = [e for e in ev if e["cat"] == "checkpoint"]
+    assert [e["name"] for e in ck] == ["save", "load"]
+    assert ck[0]["args"]["model"] == "net" and ck[0]["args"]["version"] == v
+    assert ck[1]["args"]["count"] == 2 and ck[1]["args"]["size"] == (16 * 3 + 3) * 4

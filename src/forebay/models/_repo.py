@@ -178,6 +178,7 @@ class Repository:
                 "new_bytes": written, "save_seconds": time.perf_counter() - t_start}
             txn.put("versions", _vkey(name, version), json.dumps(manifest).encode())
             txn.delete("pending", token)
+        _traced("save", t_start, name, version, written, len(blobs))
         return version
 
     # -- reading manifests --------------------------------------------------------------
@@ -306,6 +307,8 @@ class Repository:
         paths, or leaf IDs; only the selected tensors' bytes are read."""
         import torch
 
+        t_start = time.perf_counter()
+        read0 = self._io["bytes_read"]
         m = self.manifest(name, version)
         keys = self._select(m, include)
         if into is not None:
@@ -314,6 +317,8 @@ class Repository:
             with self.backend.read() as txn:
                 for k in keys:
                     self._read_into(txn, m, k, target[k])
+            _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0,
+                    len(keys))
             return into
         out: dict[str, Any] = {}
         with self.backend.read() as txn:
@@ -322,6 +327,7 @@ class Repository:
                 t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
                 self._read_into(txn, m, k, t)
                 out[k] = t.to(device) if device is not None else t
+        _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0, len(keys))
         return out
 
     def _check_into(self, m: dict[str, Any], keys: list[str], into: Any) -> None:
@@ -462,6 +468,16 @@ class Repository:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _traced(op: str, t0: float, name: str, version: int, nbytes: int, tensors: int) -> None:
+    """A ``checkpoint/save`` or ``checkpoint/load`` event when tracing is on."""
+    from .. import trace
+
+    rec = trace.active()
+    if rec is not None:
+        rec.span("checkpoint", op, t0, time.perf_counter(), count=tensors, nbytes=nbytes,
+                 args={"model": name, "version": version})
 
 
 def _check_name(name: str) -> None:
