@@ -212,10 +212,32 @@ def cmd_trace_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_serve(a: argparse.Namespace) -> int:
+    import logging
+
+    from .models._remote import serve, token_from_file
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    token = token_from_file(a.token_file)
+    host = a.listen.rpartition(":")[0]
+    if not token and host not in ("127.0.0.1", "localhost", "::1"):
+        print("forebay models serve: listening beyond localhost needs a token "
+              "(--token-file or FOREBAY_TOKEN)", file=sys.stderr)
+        return 2
+    try:
+        serve(a.listen, a.store, token, workers=a.workers, max_data=a.max_frame,
+              ready=lambda srv: print(f"serving {a.store} on {srv.address}", flush=True))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     from .models import open_repository
+    from .models._remote import token_from_file
 
-    repo = open_repository(a.url, create=False)
+    repo = open_repository(a.url, token_from_file(getattr(a, "token_file", None)),
+                           create=False)
     try:
         if a.models_command == "ls":
             listing = repo.list()
@@ -368,6 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="spare saves in progress younger than this (default 6)")
     for q in (ml, ms, mv, mg):
         q.set_defaults(func=cmd_models)
+        q.add_argument("--token-file", help="shared token for tcp:// providers "
+                       "(default: FOREBAY_TOKEN)")
+    sv = mos.add_parser("serve", help="serve a repository to clients over TCP (tcp://)")
+    sv.add_argument("--listen", default="127.0.0.1:7531", help="HOST:PORT (default "
+                    "127.0.0.1:7531; other hosts need a token)")
+    sv.add_argument("--store", required=True, help="the repository served: file:///path "
+                    "or memory://")
+    sv.add_argument("--token-file", help="file whose first line is the shared token "
+                    "(default: FOREBAY_TOKEN)")
+    sv.add_argument("--workers", type=int, default=16, help="clients served at once")
+    sv.add_argument("--max-frame", type=parse_size, default="16GiB",
+                    help="largest request accepted (default 16GiB)")
+    sv.set_defaults(func=cmd_models_serve)
 
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")

@@ -90,7 +90,7 @@ class LmdbBackend(Backend):
         if not self.path.exists():
             if not create:
                 raise ModelRepositoryError(f"{self.path}: no model repository here")
-            self.path.mkdir(parents=True)
+            self.path.mkdir(parents=True, exist_ok=True)  # other processes may race us
         elif not self.path.is_dir():
             raise ModelRepositoryError(f"{self.path}: not a directory")
         self.key = str(self.path.resolve())

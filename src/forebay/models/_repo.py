@@ -79,9 +79,9 @@ def open_repository(url: str, token: Optional[str] = None, *, create: bool = Tru
     if url.startswith("memory://"):
         return Repository(MemoryBackend.named(url[len("memory://"):]))
     if url.startswith("tcp://"):
-        raise ModelRepositoryError(
-            f"{url}: model providers over TCP are not available in this version yet; use "
-            f"file:///path (shared LMDB, concurrent processes on one node) or memory://")
+        from ._remote import RemoteRepository
+
+        return RemoteRepository(url, token)
     if url.startswith("file://"):
         path = url[len("file://"):]
     elif url.startswith("file:"):
@@ -142,6 +142,7 @@ class Repository:
                 leaves[lf.id] = {"name": lf.name, "tensors": rels}
         entries: dict[str, dict[str, Any]] = {}
         blobs: dict[str, np.ndarray] = {}
+        kinds: dict[str, dict[str, Any]] = {}  # hash -> dtype and shape
         for key, t in sd.items():
             if not isinstance(t, torch.Tensor):
                 raise ModelRepositoryError(f"{name}: state entry {key!r} is a "
@@ -152,6 +153,23 @@ class Repository:
             entries[key] = {"hash": h, "dtype": dt, "shape": shape, "nbytes": int(data.nbytes),
                             "leaf": leaf_of.get(key, (None,))[0]}
             blobs[h] = data
+            kinds[h] = {"dtype": dt, "shape": shape}
+        token, written = self._store_tensors(blobs, kinds)
+        body = {"metadata": metadata or {},
+                "graph": arch.encode() if arch is not None else None,
+                "leaves": leaves, "tensors": entries,
+                "logical_bytes": sum(e["nbytes"] for e in entries.values()),
+                "new_bytes": written, "save_seconds": time.perf_counter() - t_start}
+        version = self._publish(name, body, token, parent)
+        _traced("save", t_start, name, version, written, len(blobs))
+        return version
+
+    # -- the storage side of a save (a provider runs these for its clients) -------------
+    def _store_tensors(self, blobs: dict[str, Any], kinds: Optional[dict] = None
+                       ) -> tuple[bytes, int]:
+        """Write the tensors not stored yet, durably, under a pending record; returns
+        the record's token and the bytes written (``kinds``: hash -> dtype and shape,
+        for a store that re-verifies)."""
         token = uuid.uuid4().hex.encode()
         written = 0
         with self.backend.write() as txn:  # 1: the tensors, durable before any manifest
@@ -159,27 +177,43 @@ class Repository:
                                                   "hashes": sorted(blobs)}).encode())
             for h, data in blobs.items():
                 if txn.put("tensors", h.encode(), memoryview(data), overwrite=False):
-                    written += int(data.nbytes)
+                    written += len(memoryview(data).cast("B"))
                     self._io["tensors_written"] += 1
                 else:
                     self._io["tensors_deduplicated"] += 1
         self._io["bytes_written"] += written
+        return token, written
+
+    def _missing(self, hashes: list[str]) -> list[str]:
+        """Which of these tensors the store does not hold."""
+        with self.backend.read() as txn:
+            return [h for h in hashes if txn.get("tensors", h.encode()) is None]
+
+    def _publish(self, name: str, body: dict[str, Any], token: bytes,
+                 parent: Optional[int]) -> int:
+        """Write the manifest as the next version of ``name``, atomically, and drop the
+        pending record of its tensors."""
+        _check_name(name)
         with self.backend.write() as txn:  # 2: the manifest, atomically, then un-pend
+            for e in body["tensors"].values():
+                if txn.get("tensors", e["hash"].encode()) is None:
+                    raise ModelRepositoryError(f"{name}: tensor {e['hash'][:16]} was never "
+                                               f"stored; not publishing")
             last = self._last_version(txn, name)
             version = last + 1
             manifest = {
                 "format": FORMAT, "name": name, "version": version,
                 "parent": parent if parent is not None else (last if last else None),
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "metadata": metadata or {},
-                "graph": arch.encode() if arch is not None else None,
-                "leaves": leaves, "tensors": entries,
-                "logical_bytes": sum(e["nbytes"] for e in entries.values()),
-                "new_bytes": written, "save_seconds": time.perf_counter() - t_start}
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), **body}
             txn.put("versions", _vkey(name, version), json.dumps(manifest).encode())
             txn.delete("pending", token)
-        _traced("save", t_start, name, version, written, len(blobs))
         return version
+
+    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]]) -> None:
+        """Fill each ``(key, destination tensor)`` with ``key``'s verified bytes."""
+        with self.backend.read() as txn:
+            for k, dst in pairs:
+                self._read_into(txn, m, k, dst)
 
     # -- reading manifests --------------------------------------------------------------
     @staticmethod
@@ -314,19 +348,17 @@ class Repository:
         if into is not None:
             self._check_into(m, keys, into)
             target = into.state_dict(keep_vars=True) if hasattr(into, "state_dict") else into
-            with self.backend.read() as txn:
-                for k in keys:
-                    self._read_into(txn, m, k, target[k])
+            self._fetch(m, [(k, target[k]) for k in keys])
             _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0,
                     len(keys))
             return into
         out: dict[str, Any] = {}
-        with self.backend.read() as txn:
-            for k in keys:
-                e = m["tensors"][k]
-                t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-                self._read_into(txn, m, k, t)
-                out[k] = t.to(device) if device is not None else t
+        for k in keys:
+            e = m["tensors"][k]
+            out[k] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        self._fetch(m, list(out.items()))
+        if device is not None:
+            out = {k: t.to(device) for k, t in out.items()}
         _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0, len(keys))
         return out
 
@@ -368,9 +400,7 @@ class Repository:
                 if dst in target:
                     pairs.append((dst, key))
                     keys.append(key)
-        with self.backend.read() as txn:
-            for dst, key in pairs:
-                self._read_into(txn, m, key, target[dst])
+        self._fetch(m, [(key, target[dst]) for dst, key in pairs])
         return {"matched": matched, "unmatched": unmatched, "graph": arch.source,
                 "tensors": len(pairs)}
 

@@ -1,0 +1,246 @@
+"""Model providers on 127.0.0.1: a real `forebay models serve` process, real sockets,
+concurrent client processes, bad clients, a provider killed mid-save, rendezvous."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lmdb")
+pytest.importorskip("msgpack")
+from torch import nn  # noqa: E402
+
+import forebay.models as fm  # noqa: E402
+from forebay.errors import ModelNotFoundError, ModelRepositoryError  # noqa: E402
+from forebay.models._remote import HEADER, MAGIC, OP, _packb  # noqa: E402
+
+TOKEN = "s3cret-token"
+
+
+def _serve(tmp_path, store: str, *extra: str):
+    tok = tmp_path / "token"
+    tok.write_text(TOKEN + "\n")
+    p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "models", "serve", "--listen",
+                          "127.0.0.1:0", "--store", store, "--token-file", str(tok), *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.startswith("serving"), (line, p.stderr.read() if p.poll() is not None else "")
+    return p, line.split()[-1]
+
+
+def _stop(p):
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    p.stdout.close()
+    p.stderr.close()
+
+
+@pytest.fixture
+def provider(tmp_path):
+    p, url = _serve(tmp_path, f"file://{tmp_path / 'store'}")
+    yield url
+    _stop(p)
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 4))
+
+
+def test_round_trip_partial_and_matching_over_tcp(provider):
+    r = fm.open_repository(provider, token=TOKEN)
+    m = net()
+    v = r.save("mlp", m, metadata={"lr": 0.1})
+    assert r.versions("mlp") == [v] and r.list() == {"mlp": [v]}
+    fresh = net(seed=1)
+    r.load("mlp", into=fresh)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), fresh.parameters()))
+    before = r.stats()["bytes_read"]
+    part = r.load("mlp", include="4.*")
+    assert sorted(part) == ["4.bias", "4.weight"]
+    assert r.stats()["bytes_read"] - before == (64 * 4 + 4) * 4
+    # a second save of the same weights sends nothing new
+    r.save("mlp", m)
+    st = r.stats()
+    assert st["stored_bytes"] * 2 == st["logical_bytes"] and st["tensors_deduplicated"] == 6
+    other = net(seed=2)
+    rep = r.load_matching("mlp", other)
+    assert len(rep["matched"]) == 3 and torch.equal(other[2].weight, m[2].weight)
+    assert r.manifest("mlp", v)["metadata"] == {"lr": 0.1}
+    with pytest.raises(ModelNotFoundError, match="no model named 'nope'"):
+        r.load("nope")
+    r.close()
+
+
+def test_wrong_token_is_refused_and_others_go_on(provider):
+    with pytest.raises(ModelRepositoryError, match="wrong token"):
+        fm.open_repository(provider, token="guess").list()
+    assert fm.open_repository(provider, token=TOKEN).list() == {}
+
+
+def _raw(url: str, hello: bool = True) -> socket.socket:
+    host, port = url[len("tcp://"):].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    if hello:
+        m = _packb({"token": TOKEN})
+        s.sendall(HEADER.pack(MAGIC, 1, OP["HELLO"], 0, len(m), 0) + m)
+        hdr = s.recv(HEADER.size, socket.MSG_WAITALL)
+        mlen = HEADER.unpack(hdr)[4]
+        s.recv(mlen, socket.MSG_WAITALL)
+    return s
+
+
+def _reply(s: socket.socket):
+    import msgpack
+
+    hdr = s.recv(HEADER.size, socket.MSG_WAITALL)
+    if not hdr:
+        return None, None
+    _, _, op, _, mlen, _ = HEADER.unpack(hdr)
+    return op, msgpack.unpackb(s.recv(mlen, socket.MSG_WAITALL))
+
+
+@pytest.mark.parametrize("bad", ["magic", "oversized", "garbled", "unknown-op", "truncated",
+                                 "corrupt-put", "no-hello"])
+def test_bad_clients_are_dropped_and_the_provider_keeps_serving(tmp_path, bad):
+    p, url = _serve(tmp_path, "memory://", "--max-frame", "1MiB")
+    try:
+        good = fm.open_repository(url, token=TOKEN)
+        good.save("keep", net())
+        s = _raw(url, hello=bad != "no-hello")
+        if bad == "magic":
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        elif bad == "oversized":
+            s.sendall(HEADER.pack(MAGIC, 1, OP["PUT"], 0, 2, 2 << 20) + b"\x80\x80")
+        elif bad == "garbled":
+            s.sendall(HEADER.pack(MAGIC, 1, OP["LIST"], 0, 3, 0) + b"\xc1\xc1\xc1")
+        elif bad == "unknown-op":
+            m = _packb({})
+            s.sendall(HEADER.pack(MAGIC, 1, 77, 0, len(m), 0) + m)
+        elif bad == "truncated":  # announces 1000 bytes of data, sends 10, hangs up
+            m = _packb({"tensors": [{"hash": "0" * 32, "nbytes": 1000, "dtype": "uint8",
+                                     "shape": [1000]}]})
+            s.sendall(HEADER.pack(MAGIC, 1, OP["PUT"], 0, len(m), 1000) + m + b"x" * 10)
+        elif bad == "corrupt-put":  # bytes that do not match the hash they claim
+            m = _packb({"tensors": [{"hash": "0" * 32, "nbytes": 8, "dtype": "uint8",
+                                     "shape": [8]}]})
+            s.sendall(HEADER.pack(MAGIC, 1, OP["PUT"], 0, len(m), 8) + m + b"12345678")
+        elif bad == "no-hello":
+            m = _packb({})
+            s.sendall(HEADER.pack(MAGIC, 1, OP["LIST"], 0, len(m), 0) + m)
+        if bad == "truncated":
+            s.close()
+        else:
+            op, meta = _reply(s)
+            assert op == OP["ERR"], meta
+            want = {"magic": "bad magic", "oversized": "exceeds", "garbled": "malformed",
+                    "unknown-op": "unknown op", "corrupt-put": "arrived corrupt",
+                    "no-hello": "HELLO"}[bad]
+            assert want in meta["error"]
+            s.close()
+        # the provider still serves everybody else, and stored nothing bad
+        assert good.versions("keep") == [1]
+        assert fm.open_repository(url, token=TOKEN).verify() == []
+        good.close()
+    finally:
+        _stop(p)
+
+
+_CLIENT = """
+    import sys, torch, forebay.models as fm
+    from torch import nn
+    url, token, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    r = fm.open_repository(url, token=token)
+    torch.manual_seed(seed)
+    m = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
+    for k in range(3):
+        with torch.no_grad():
+            m[k].weight.add_(1)
+        v = r.save("shared", m, metadata={"seed": seed})
+        got = r.load("shared", v)
+        assert all(torch.equal(got[n], t) for n, t in m.state_dict().items())
+        print("SAVED", v, flush=True)
+"""
+
+
+def test_four_concurrent_writers_and_readers(tmp_path, provider):
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(_CLIENT))
+    procs = [subprocess.Popen([sys.executable, str(script), provider, TOKEN, str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for seed in range(4)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    versions = sorted(int(x.split()[1]) for o, _ in outs for x in o.splitlines())
+    assert versions == list(range(1, 13))
+    r = fm.open_repository(provider, token=TOKEN)
+    assert r.versions("shared") == list(range(1, 13)) and r.verify() == []
+
+
+def test_provider_killed_mid_save_leaves_whole_versions(tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    p, url = _serve(tmp_path, store)
+    r = fm.open_repository(url, token=TOKEN)
+    big = nn.Sequential(*[nn.Linear(512, 512) for _ in range(16)])
+    r.save("big", big)
+    first = r.load("big")
+
+    import threading
+
+    errors = []
+
+    def keep_saving():
+        try:
+            for _ in range(1000):
+                with torch.no_grad():
+                    big[0].weight.add_(1)
+                r.save("big", big)
+        except ModelRepositoryError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=keep_saving)
+    t.start()
+    time.sleep(1.0)
+    os.kill(p.pid, signal.SIGKILL)
+    t.join(timeout=60)
+    p.wait()
+    p.stdout.close()
+    p.stderr.close()
+    assert errors and "model provider" in str(errors[0])
+    p, url = _serve(tmp_path, store)  # the same store, a new provider
+    try:
+        r2 = fm.open_repository(url, token=TOKEN)
+        assert r2.verify() == []
+        for v in r2.versions("big"):
+            assert len(r2.load("big", v)) == 32
+        got = r2.load("big", 1)
+        assert all(torch.equal(got[k], first[k]) for k in first)
+    finally:
+        _stop(p)
+
+
+def test_rendezvous_moves_only_names_of_a_new_provider():
+    from forebay.models._remote import RemoteRepository
+
+    two = RemoteRepository("tcp://10.0.0.1:1,10.0.0.2:1")
+    three = RemoteRepository("tcp://10.0.0.1:1,10.0.0.2:1,10.0.0.3:1")
+    names = [f"model-{k}" for k in range(400)]
+    a = [two.provider_for(n) for n in names]
+    b = [three.provider_for(n) for n in names]
+    assert 150 < a.count(0) < 250  # spread
+    moved = [(x, y) for x, y in zip(a, b) if x != y]
+    assert moved and all(y == 2 for _, y in moved)  # only onto the new one
+    assert 90 < b.count(2) < 180
