@@ -116,7 +116,9 @@ def parse_addresses(url: str) -> list[tuple[str, int]]:
     rest = url[len("tcp://"):] if url.startswith("tcp://") else url
     out = []
     for part in rest.split(","):
-        host, _, port = part.strip().rpartition(":")
+        part = part.strip()
+        part = part[len("tcp://"):] if part.startswith("tcp://") else part
+        host, _, port = part.rpartition(":")
         if not host or not port.isdigit():
             raise ModelRepositoryError(f"{url}: expected tcp://host:port[,host:port...]")
         out.append((host, int(port)))
