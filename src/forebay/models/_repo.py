@@ -347,8 +347,9 @@ class Repository:
     def load(self, name: str, version: Optional[int] = None, into: Any = None,
              include: Any = None, device: Any = None) -> Any:
         """A version as a state dict of tensors, or copied in place into ``into`` (a
-        module or a state dict of tensors; returned).  ``include``: state-dict name patterns (``"blocks.3.*"``), module
-        paths, or leaf IDs; only the selected tensors' bytes are read."""
+        module or a state dict of tensors; returned).  ``include``: state-dict name
+        patterns (``"blocks.3.*"``), module paths, or leaf IDs; only the selected
+        tensors' bytes are read."""
         import torch
 
         t_start = time.perf_counter()

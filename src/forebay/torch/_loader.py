@@ -158,9 +158,10 @@ class DataLoader:
         rec = _trace.active()
         if rec is not None:
             rec.world = self.world
+            records = int(self.ds._index[:, IndexLayout.REC_LEN].sum())
             rec.meta("dataset", {"path": str(self.ds.path), "samples": len(self.ds),
                                  "bytes": int(self.ds.sample_nbytes.sum()),
-                                 "record_bytes": int(self.ds._index[:, IndexLayout.REC_LEN].sum()),
+                                 "record_bytes": records,
                                  "file_bytes": sum(sh.data_nbytes
                                                    for sh in self.ds.manifest.shards),
                                  "mode": self.mode, "world": self.world,
