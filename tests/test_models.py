@@ -292,7 +292,8 @@ _SAVER = """
 
 def _spawn(tmp_path, *args):
     script = tmp_path / "saver.py"
-    script.write_text(textwrap.dedent(_SAVER))
+    if not script.exists():  # rewriting it while an earlier client starts would race
+        script.write_text(textwrap.dedent(_SAVER))
     return subprocess.Popen([sys.executable, str(script), *map(str, args)],
                             stdout=subprocess.PIPE, text=True)
 
