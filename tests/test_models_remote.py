@@ -244,3 +244,18 @@ def test_rendezvous_moves_only_names_of_a_new_provider():
     moved = [(x, y) for x, y in zip(a, b) if x != y]
     assert moved and all(y == 2 for _, y in moved)  # only onto the new one
     assert 90 < b.count(2) < 180
+
+
+def test_cli_against_a_provider(tmp_path, provider, cli):
+    r = fm.open_repository(provider, token=TOKEN)
+    r.save("mlp", net())
+    r.close()
+    tok = tmp_path / "token"  # written by _serve
+    code, out, _ = cli("models", "ls", provider, "--token-file", tok)
+    assert code == 0 and "mlp" in out and "versions 1..1" in out
+    code, out, _ = cli("models", "show", provider, "mlp", "--token-file", tok)
+    assert code == 0 and "3 leaf layers" in out
+    code, out, _ = cli("models", "verify", provider, "--token-file", tok)
+    assert code == 0 and out.startswith("ok:")
+    code, _, err = cli("models", "ls", provider)  # no token
+    assert code == 2 and "wrong token" in err
