@@ -329,6 +329,13 @@ def test_chrome_export_for_perfetto(tmp_path, small, cli):
     assert {e["pid"] for e in evs} == {3}
     assert any(e["name"] == "process_name" and e["args"]["name"] == "rank 3" for e in evs)
     assert sum(e["name"] == "item" for e in evs) == len(dl) * 32
+    # exported into the trace directory: analyze does not count the events twice
+    code, _, _ = cli("trace", "export", tmp_path / "tr", tmp_path / "tr" / "all.json.gz")
+    a = analyze(tmp_path / "tr")
+    assert sum(v["count"] for v in a["fetch_sources"].values()) == len(dl) * 32
+    assert any("not read twice" in x for x in a["skipped"])
+    assert analyze(tmp_path / "tr" / "all.json.gz")["fetch_sources"]["pfs"]["count"] == \
+        len(dl) * 32  # alone, the export is a trace like any other
 
 
 def test_cli_analyze_json_plots_and_html(tmp_path, small, cli):

@@ -74,8 +74,9 @@ def _lines(path: Path, skipped: list[str]) -> Iterator[tuple[int, str]]:
                        f"the {n} lines before were kept")
 
 
-def _records(path: Path, skipped: list[str]) -> Iterator[dict]:
-    """Event objects of one file in any of the accepted layouts."""
+def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iterator[dict]:
+    """Event objects of one file in any of the accepted layouts (``skip_exports``: not
+    from a ``forebay trace export`` of traces that are read too)."""
     garbled: list[int] = []
     first = True
     for n, line in _lines(path, skipped):
@@ -87,6 +88,12 @@ def _records(path: Path, skipped: list[str]) -> Iterator[dict]:
                 doc = json.loads(text)
             except ValueError as e:
                 skipped.append(f"{path.name}: not valid JSON ({e})")
+                return
+            other = doc.get("otherData") if isinstance(doc, dict) else None
+            if skip_exports and isinstance(other, dict) and \
+                    other.get("producer") == "forebay trace export":
+                skipped.append(f"{path.name}: an export of the traces beside it, not read "
+                               f"twice")
                 return
             yield from (e for e in doc.get("traceEvents", []) if isinstance(e, dict))
             return
@@ -137,7 +144,7 @@ def read_traces(directory: "str | Path") -> Events:
     meta: list[dict[str, Any]] = []
     no_dur = no_ts = 0
     for path in files:
-        for e in _records(path, skipped):
+        for e in _records(path, skipped, skip_exports=len(files) > 1):
             args = e.get("args") if isinstance(e.get("args"), dict) else {}
             ph = e.get("ph")
             key = (str(args.get("hhash", "")), e.get("pid"))
