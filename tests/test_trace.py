@@ -386,3 +386,21 @@ def test_batch_parts_share_their_time_by_bytes_back_to_back(tmp_path):
     assert ((code & 15) == [0, 1, 0, 1, 1, 0]).all()                     # source
     assert ((code >> 8) & 1).all()                                       # all hits
     rec.close()
+
+
+def test_a_forked_child_does_not_overwrite_the_parents_trace(tmp_path):
+    rec = trace.enable(tmp_path)
+    t = time.perf_counter()
+    rec.span("compute", "parent", t, t + 0.001)
+    pid = os.fork()
+    if pid == 0:  # the child exits normally: atexit handlers run
+        try:
+            trace.region("compute/child").__enter__()
+            trace.disable()
+        finally:
+            os._exit(0 if not list(tmp_path.glob("*.pfw.gz")) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    trace.disable()
+    _, ev = _lines(tmp_path)
+    assert [e["name"] for e in ev if e["cat"] == "compute"] == ["parent"]

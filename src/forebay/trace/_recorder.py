@@ -243,8 +243,13 @@ class Recorder:
         return self._spilled + self._n + len(self._spans)
 
     def close(self) -> Optional[Path]:
-        """Write the trace file (idempotent); returns its path."""
+        """Write the trace file (idempotent); returns its path.  In a process forked
+        from the one that started recording, nothing is written (the parent's events
+        are the parent's; the child would overwrite its file)."""
         if self.closed:
+            return None
+        if os.getpid() != self.pid:
+            self.closed = True
             return None
         end = time.perf_counter()
         events = self.events()
