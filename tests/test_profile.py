@@ -28,6 +28,10 @@ def test_calibrate_round_trips(tmp_path, packed):
     ("[pfs]\nread_MBps = { \"1\" = \"fast\" }\n", "must be a number of MB/s"),
     ("[pfs]\nread_MBps = { \"one\" = 3 }\n", "thread or reader count"),
     ("[rma]\nranks = 0\n", "positive number"),
+    ("[tiers]\nram_bytes = \"lots\"\n", "not a size"),
+    ("[tiers]\nssd_bytes = -1\n", "non-negative integer of bytes"),
+    ("[tiers]\nprefetch = 1.5\n", "non-negative integer"),
+    ("[tiers]\nnvme_bytes = 1\n", "unknown key 'nvme_bytes'"),
     ("[ram\ncopy_MBps = 1\n", "not valid TOML"),
 ])
 def test_bad_profiles_are_named(tmp_path, text, words):
@@ -42,3 +46,34 @@ def test_cli_calibrate(tmp_path, cli):
     code, out, err = cli("calibrate", "--out", tmp_path / "m.toml")
     assert code == 0, err
     assert "[ram]" in out and load_profile(tmp_path / "m.toml")["ram"]["copy_MBps"]
+
+
+def test_loader_takes_its_tiers_from_a_system_file(tmp_path, packed):
+    pytest.importorskip("torch")
+    from forebay.torch import DataLoader
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    sysf = tmp_path / "system.toml"
+    sysf.write_text(f'''[machine]
+description = "test node"
+
+[tiers]
+ram_bytes = "16KiB"
+ssd_dir = "{ssd}"
+ssd_bytes = 65536
+staging_bytes = "1MiB"
+prefetch = 2
+''')
+    assert load_profile(sysf)["tiers"]["ram_bytes"] == 16 << 10
+    with DataLoader(packed[0], 8, mode="clairvoyant", system=sysf, progress=False) as dl:
+        st = dl.store.stats()
+        assert st["ssd_bytes"] > 0 and 0 < st["tier_bytes"] <= 16 << 10
+        assert dl.staging_bytes == 1 << 20 and dl.prefetch == 2
+        n = sum(1 for _ in dl)
+        assert n == len(dl)
+    # explicit arguments win over the file
+    with DataLoader(packed[0], 8, mode="clairvoyant", system=sysf, prefetch=0,
+                    ram_bytes=8 << 10, staging_bytes=4096, progress=False) as dl:
+        assert dl.prefetch == 0 and dl.staging_bytes == 4096
+        assert dl.store.stats()["tier_bytes"] <= 8 << 10

@@ -28,7 +28,26 @@ SCHEMA: dict[str, dict[str, str]] = {
     "ssd": {"path": "str", "write_MBps": "bw", "read_MBps": "bw"},
     "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num"},
     "rma": {"get_MBps": "bw", "ranks": "num"},
+    # tier settings for the clairvoyant loader (DataLoader(system=...)); sizes in bytes
+    # or as "8GiB"; 0 disables a tier
+    "tiers": {"ram_bytes": "size", "ssd_dir": "str", "ssd_bytes": "size",
+              "staging_bytes": "size", "prefetch": "count"},
 }
+
+
+def _check_size(where: str, value: Any) -> int:
+    if isinstance(value, str):
+        from ..cli import parse_size
+
+        try:
+            return parse_size(value) if value.strip() not in ("0", "0B") else 0
+        except Exception:
+            raise ProfileError(f"{where} = {value!r}: not a size (try 8GiB, 512MiB, "
+                               f"65536)") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProfileError(f"{where} = {value!r}: a size is a non-negative integer of bytes "
+                           f"or a string such as \"8GiB\"")
+    return value
 
 
 def _check_bw(where: str, value: Any) -> dict[int, float]:
@@ -78,6 +97,12 @@ def load_profile(path: "str | os.PathLike[str]") -> dict[str, Any]:
                                    f"{', '.join(SCHEMA[section])})")
             if kind == "bw":
                 out[section][key] = _check_bw(where, value)
+            elif kind == "size":
+                out[section][key] = _check_size(where, value)
+            elif kind == "count":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ProfileError(f"{where} = {value!r}: must be a non-negative integer")
+                out[section][key] = value
             elif kind == "num":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                     raise ProfileError(f"{where} = {value!r}: must be a positive number")

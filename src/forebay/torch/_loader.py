@@ -92,6 +92,10 @@ class DataLoader:
         staging_bytes: also bound the samples waiting in that staging area by their
             bytes (one batch is always let in); None: only ``prefetch`` bounds it.
         pin_memory: gather batches straight into pinned host memory (CUDA only).
+        system: a TOML system file (the ``forebay calibrate`` profile format) whose
+            ``[tiers]`` table gives ``ram_bytes``, ``ssd_dir``, ``ssd_bytes``,
+            ``staging_bytes`` and ``prefetch`` (sizes as bytes or "8GiB"); arguments
+            passed explicitly win over it.
 
     Resume: :meth:`state_dict` / :meth:`load_state_dict` record (epoch, step); a loader
     at another world size with the same global batch resumes the same global batches.
@@ -105,10 +109,22 @@ class DataLoader:
                  ssd_bytes: int = 0, staging_bytes: Optional[int] = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  collate_fn: Optional[Callable] = None,
-                 transform: Optional[Callable] = None, prefetch: int = 4,
-                 pin_memory: bool = False, progress: Any = None) -> None:
+                 transform: Optional[Callable] = None, prefetch: Optional[int] = None,
+                 pin_memory: bool = False, progress: Any = None,
+                 system: "Optional[str | os.PathLike[str]]" = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if system is not None:  # a system file's [tiers]; explicit arguments win
+            from ..store._profile import load_profile
+
+            tiers = load_profile(system).get("tiers", {})
+            ram_bytes = tiers.get("ram_bytes") if ram_bytes is None else ram_bytes
+            ssd_dir = tiers.get("ssd_dir") if ssd_dir is None else ssd_dir
+            ssd_bytes = tiers.get("ssd_bytes", 0) if not ssd_bytes else ssd_bytes
+            staging_bytes = tiers.get("staging_bytes") if staging_bytes is None \
+                else staging_bytes
+            prefetch = tiers.get("prefetch") if prefetch is None else prefetch
+        prefetch = 4 if prefetch is None else prefetch
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
