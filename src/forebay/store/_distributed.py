@@ -431,59 +431,28 @@ class DistributedStore:
             raise StoreError("the store is closed")
         ids = self.ds.normalize_ids(ids)
         rows = self.ds._index[ids]
-        nlocal = int((self.layout.member[ids] == self.member).sum())
+        member = self.layout.member[ids]
+        local = member == self.member
+        nlocal = int(local.sum())
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
         rec = _trace.active()
-        if rec is not None:
-            return self._get_traced(rec, ids, rows, alloc)
-        if self.transport == "shm":
-            return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
-                                  [(self._segment, self._seg_pos[ids], slice(None))], alloc)
-        member = self.layout.member[ids]
-        offset = self.layout.offset[ids]
-        local = member == self.member
-        parts = []
-        if local.all():
-            return assemble_batch(ids, rows, self.ds.schema, self.ds._layout,
-                                  [(self._buf, offset, slice(None))], alloc)
-        if local.any():
-            parts.append((self._buf, offset[local], local))
-        remote = ~local
-        rlen = rows[remote, IndexLayout.REC_LEN]
-        rmember = member[remote]
-        roff = offset[remote]
-        # stage remote records contiguously, grouped by owner: one Get per owner
-        order = np.argsort(rmember, kind="stable")
-        stage_pos = np.empty(len(rlen), dtype=np.int64)
-        sorted_len = rlen[order]
-        stage_pos[order] = np.cumsum(sorted_len) - sorted_len
-        stage = np.empty(int(rlen.sum()), dtype=np.uint8)
-        rma_get(self._win, stage, rmember[order], roff[order] + self._shift[rmember[order]],
-                sorted_len, stage_pos[order])
-        parts.append((stage, stage_pos, remote))
-        return assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc)
-
-    def _get_traced(self, rec: Any, ids: np.ndarray, rows: np.ndarray, alloc) -> SampleBatch:
-        """get_many, timing the local and remote parts apart for the trace."""
-        member = self.layout.member[ids]
-        local = member == self.member
-        owner = self.group_ranks[member]
-        src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
-        sizes = rows[:, IndexLayout.REC_LEN]
-        timings: list = []
         t_stage = 0.0
         if self.transport == "shm":
             seg = self._seg_pos[ids]
-            parts = [(self._segment, seg[m], m) for m in (local, ~local) if m.any()]
-            batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
-                                   timings=timings)
+            if rec is None:  # one gather over the node's segment, local and peers alike
+                parts = [(self._segment, seg, slice(None))]
+            else:  # traced: local and peer parts timed apart
+                parts = [(self._segment, seg[m], m) for m in (local, ~local) if m.any()]
         else:
             offset = self.layout.offset[ids]
-            parts = [(self._buf, offset[local], local)] if local.any() else []
-            if not local.all():
+            if nlocal == len(ids):
+                parts = [(self._buf, offset, slice(None))]
+            else:
+                parts = [(self._buf, offset[local], local)] if nlocal else []
+                # stage remote records contiguously, grouped by owner: one Get per owner
                 remote = ~local
-                rlen, rmember = sizes[remote], member[remote]
+                rlen, rmember = rows[remote, IndexLayout.REC_LEN], member[remote]
                 order = np.argsort(rmember, kind="stable")
                 stage_pos = np.empty(len(rlen), dtype=np.int64)
                 stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
@@ -492,19 +461,22 @@ class DistributedStore:
                 rma_get(self._win, stage, rmember[order],
                         offset[remote][order] + self._shift[rmember[order]], rlen[order],
                         stage_pos[order])
-                t1 = time.perf_counter()
-                t_stage = t1 - t0
-                rec.span("memstore", "get", t0, t1, count=int(remote.sum()), nbytes=len(stage),
-                         args={"owners": len(np.unique(rmember))})
+                if rec is not None:
+                    t1 = time.perf_counter()
+                    t_stage = t1 - t0
+                    rec.span("memstore", "get", t0, t1, count=len(rlen), nbytes=len(stage),
+                             args={"owners": len(np.unique(rmember))})
                 parts.append((stage, stage_pos, remote))
-            batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
-                                   timings=timings)
-        tagged = []
-        for (_, _, sel), (t0, t1) in zip(parts, timings):
-            remote_part = not local[sel].any()
-            tagged.append((sel, t0 - (t_stage if remote_part else 0.0), t1, src, "memory",
-                           owner))
-        _hooks.record_parts(rec, ids, sizes, tagged)
+        timings: Optional[list] = [] if rec is not None else None
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
+                               timings=timings)
+        if rec is not None:
+            # one data/item per sample; a peer part's time includes its MPI_Get
+            src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
+            owner = self.group_ranks[member]
+            tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, "memory",
+                       owner) for (_, _, sel), (t0, t1) in zip(parts, timings)]
+            _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
         return batch
 
     def stats(self) -> dict[str, Any]:
