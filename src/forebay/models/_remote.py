@@ -254,7 +254,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 raise CorruptModelError(f"tensor {t['hash'][:16]} arrived corrupt (its bytes "
                                         f"do not match its hash); nothing stored")
             blobs[t["hash"]] = data
-        token, written = self.server.repo._store_tensors(blobs)
+        token, written = self.server.repo._store_tensors("", blobs)
         _send(sock, OP["OK"], {"token": token, "written": written})
 
 
@@ -355,16 +355,10 @@ class RemoteRepository(Repository):
     the ID cache stay client-side; tensors the provider already holds are not sent."""
 
     def __init__(self, url: str, token: Optional[str] = None, timeout: float = 300.0) -> None:
+        super().__init__(None, url)
         self.addrs = parse_addresses(url)
-        self.url = url
         self.token = token or ""
         self.conns = [_Conn(a, self.token, timeout) for a in self.addrs]
-        from ._arch import IdCache
-
-        self.cache = IdCache()
-        self._io = {"bytes_read": 0, "bytes_written": 0, "tensors_read": 0,
-                    "tensors_written": 0, "tensors_deduplicated": 0}
-        self._name: Optional[str] = None  # the model a save or load is about
 
     def provider_for(self, name: str) -> int:
         """Index of the provider holding ``name`` (highest rendezvous score)."""
@@ -375,15 +369,11 @@ class RemoteRepository(Repository):
         return self.conns[self.provider_for(name)]
 
     # -- save ---------------------------------------------------------------------------
-    def save(self, name: str, model: Any, metadata: Optional[dict[str, Any]] = None,
-             *, parent: Optional[int] = None) -> int:
-        self._name = name
-        return super().save(name, model, metadata, parent=parent)
-
-    def _store_tensors(self, blobs: dict[str, Any], kinds: Optional[dict] = None
+    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None
                        ) -> tuple[bytes, int]:
-        """Ask which tensors the provider lacks, send only those (it re-hashes them)."""
-        c = self._conn(self._name or "")
+        """Ask ``name``'s provider which tensors it lacks, send only those (it re-hashes
+        them)."""
+        c = self._conn(name)
         missing = set(c.call("HAS", {"hashes": list(blobs)})["missing"])
         self._io["tensors_deduplicated"] += len(blobs) - len(missing)
         send = [(h, blobs[h]) for h in blobs if h in missing]
@@ -401,9 +391,7 @@ class RemoteRepository(Repository):
 
     # -- read side ----------------------------------------------------------------------
     def manifest(self, name: str, version: Optional[int] = None) -> dict[str, Any]:
-        m = self._conn(name).call("MANIFEST", {"name": name, "version": version})["manifest"]
-        self._name = name
-        return m
+        return self._conn(name).call("MANIFEST", {"name": name, "version": version})["manifest"]
 
     def versions(self, name: str) -> list[int]:
         return list(self._conn(name).call("VERSIONS", {"name": name})["versions"])

@@ -97,10 +97,10 @@ def open_repository(url: str, token: Optional[str] = None, *, create: bool = Tru
 class Repository:
     """Models and their versions in one store (see :func:`open_repository`)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Optional[Backend], url: Optional[str] = None) -> None:
         self.backend = backend
-        self.url = backend.url
-        self.cache = IdCache()
+        self.url = url if url is not None else backend.url
+        self.cache = IdCache()  # client side: config hashes of architectures seen
         self._io = {"bytes_read": 0, "bytes_written": 0, "tensors_read": 0,
                     "tensors_written": 0, "tensors_deduplicated": 0}
 
@@ -154,7 +154,7 @@ class Repository:
                             "leaf": leaf_of.get(key, (None,))[0]}
             blobs[h] = data
             kinds[h] = {"dtype": dt, "shape": shape}
-        token, written = self._store_tensors(blobs, kinds)
+        token, written = self._store_tensors(name, blobs, kinds)
         body = {"metadata": metadata or {},
                 "graph": arch.encode() if arch is not None else None,
                 "leaves": leaves, "tensors": entries,
@@ -165,11 +165,11 @@ class Repository:
         return version
 
     # -- the storage side of a save (a provider runs these for its clients) -------------
-    def _store_tensors(self, blobs: dict[str, Any], kinds: Optional[dict] = None
+    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None
                        ) -> tuple[bytes, int]:
-        """Write the tensors not stored yet, durably, under a pending record; returns
-        the record's token and the bytes written (``kinds``: hash -> dtype and shape,
-        for a store that re-verifies)."""
+        """Write the tensors of a save of ``name`` not stored yet, durably, under a
+        pending record; returns the record's token and the bytes written (``kinds``:
+        hash -> dtype and shape, for a store that re-verifies)."""
         token = uuid.uuid4().hex.encode()
         written = 0
         with self.backend.write() as txn:  # 1: the tensors, durable before any manifest
