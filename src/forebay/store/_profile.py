@@ -37,7 +37,7 @@ SCHEMA: dict[str, dict[str, str]] = {
 
 def _check_size(where: str, value: Any) -> int:
     if isinstance(value, str):
-        from ..cli import parse_size
+        from .._units import parse_size
 
         try:
             return parse_size(value) if value.strip() not in ("0", "0B") else 0
