@@ -17,7 +17,7 @@ import numpy as np
 
 from ._read import Events, read_traces
 
-__all__ = ["analyze", "union_length", "format_summary", "CLASSES"]
+__all__ = ["analyze", "classify", "union_length", "format_summary", "CLASSES"]
 
 #: what each time class is made of (categories, lower-case)
 CLASSES = {
@@ -33,6 +33,17 @@ CLASSES = {
 }
 STALL = ("dataloader", "fetch.iter")
 _Q = (0, 25, 50, 75, 100)
+
+
+def classify(ev: Events) -> dict[str, np.ndarray]:
+    """Masks of the time classes (:data:`CLASSES`) and of the stalls."""
+    cls = {c: np.isin(ev.cat, list(cats)) for c, cats in CLASSES.items()}
+    # DFTracer's iteration wrappers: "X.iter" is the wait for the next item (kept),
+    # "X.block" the loop body that follows (the user's work, not I/O)
+    body = np.array([n.endswith(".block") for n in ev.name.tolist()], dtype=bool)
+    cls["app_io"] &= ~body
+    cls["stall"] = (ev.cat == STALL[0]) & (ev.name == STALL[1])
+    return cls
 
 
 def union_length(start: np.ndarray, end: np.ndarray) -> float:
@@ -81,16 +92,11 @@ def _sizes(ev: Events) -> np.ndarray:
 def analyze(directory: "str | Path", events: Optional[Events] = None) -> dict[str, Any]:
     """Summary of every trace file under ``directory`` (see the module docstring)."""
     ev = read_traces(directory) if events is None else events
-    rank_of = np.array([q["rank"] for q in ev.procs], dtype=np.int64)
-    rank = rank_of[ev.proc] if len(ev) else np.zeros(0, dtype=np.int64)
+    rank = ev.rank
     ranks = sorted(set(rank.tolist()))
     end = ev.ts + ev.dur
-    cls = {c: np.isin(ev.cat, list(cats)) for c, cats in CLASSES.items()}
-    # DFTracer's iteration wrappers: "X.iter" is the wait for the next item (kept),
-    # "X.block" the loop body that follows (the user's work, not I/O)
-    body = np.array([n.endswith(".block") for n in ev.name.tolist()], dtype=bool)
-    cls["app_io"] &= ~body
-    stall = (ev.cat == STALL[0]) & (ev.name == STALL[1])
+    cls = classify(ev)
+    stall = cls.pop("stall")
     item = (ev.cat == "data") & (ev.name == "item")
     sizes = _sizes(ev)
     out: dict[str, Any] = {"files": len(ev.files), "ranks": len(ranks), "events": len(ev),

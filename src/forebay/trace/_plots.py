@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._analyze import CLASSES, STALL
+from ._analyze import classify
 from ._read import Events
 
 __all__ = ["plot_all", "write_html"]
@@ -37,8 +37,7 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     item = (ev.cat == "data") & (ev.name == "item")
-    rank_of = np.array([q["rank"] for q in ev.procs], dtype=np.int64)
-    rank = rank_of[ev.proc] if len(ev) else np.zeros(0, dtype=np.int64)
+    rank = ev.rank
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in a["fetch_sources"]:
@@ -73,12 +72,9 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
 
     nr = max(len(set(rank.tolist())), 1)
     fig, ax = plt.subplots(figsize=(9, 1.0 + 0.7 * nr))
-    stall = (ev.cat == STALL[0]) & (ev.name == STALL[1])
-    body = np.array([n.endswith(".block") for n in ev.name.tolist()], dtype=bool)
-    lanes = [("compute", np.isin(ev.cat, list(CLASSES["compute"]))),
-             ("app-level I/O", np.isin(ev.cat, list(CLASSES["app_io"])) & ~stall & ~body),
-             ("I/O", np.isin(ev.cat, list(CLASSES["io"]))),
-             ("stall", stall)]
+    cls = classify(ev)
+    lanes = [("compute", cls["compute"]), ("app-level I/O", cls["app_io"] & ~cls["stall"]),
+             ("I/O", cls["io"]), ("stall", cls["stall"])]
     colors = [_COLORS["compute"], _COLORS["app_io"], _COLORS["io"], _COLORS["stall"]]
     for i, r in enumerate(sorted(set(rank.tolist()))):
         m = rank == r

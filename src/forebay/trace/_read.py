@@ -49,6 +49,12 @@ class Events:
     def __len__(self) -> int:
         return len(self.ts)
 
+    @property
+    def rank(self) -> np.ndarray:
+        """Each event's rank (its process's)."""
+        rank_of = np.array([q["rank"] for q in self.procs], dtype=np.int64)
+        return rank_of[self.proc] if len(self) else np.zeros(0, dtype=np.int64)
+
 
 def trace_files(directory: "str | Path") -> list[Path]:
     """Trace files under ``directory`` (or the file itself)."""
