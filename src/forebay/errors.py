@@ -104,3 +104,13 @@ class CorruptModelError(ModelRepositoryError, ValueError):
 class ModelMismatchError(ModelRepositoryError, ValueError):
     """A module to load into has other tensor names, shapes or dtypes than the stored
     model (the message lists every mismatch)."""
+
+
+class ReduceError(ForebayError, RuntimeError):
+    """A gradient reduction could not complete (coordinator shut down, a peer rank died or
+    timed out, a collective failed); the message names the tensor and the cause."""
+
+
+class ReduceMismatchError(ReduceError, ValueError):
+    """Ranks submitted the same tensor name with different shapes, dtypes, ops or groups
+    (the message lists what each side sent)."""

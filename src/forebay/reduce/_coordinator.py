@@ -1,0 +1,597 @@
+"""The background coordinator: one thread per coordinator, one coordination cycle per tic.
+
+Collectives on a tensor must be issued in the same order on every rank, but ranks produce
+gradients in their own order and at their own time. Each cycle the coordinator agrees with
+the other ranks on which submitted tensors are ready *everywhere*, then every rank launches
+the same fused all-reduces in the same order on the data group.
+
+``coordination="bitvector"`` (Horovod's cached path, Kurth et al. 2019 §4.1): one int64
+BAND all-reduce on a dedicated gloo control group intersects the ranks' ready bits of
+cached tensors; tensors the cache does not know (first step, ad-hoc names, evicted or
+invalidated entries) fall back to the master-worker exchange for that cycle only.
+
+``coordination="master"``: the original scheme every cycle; rank 0 gathers every rank's
+new requests, counts them, and broadcasts the ordered list of tensors reported by all.
+
+Grouping (§4.2): a tensor of a group is launched only once every tensor of its group is
+ready on every rank; complete groups (and ungrouped tensors, greedily) are fused into flat
+buffers up to the fusion threshold.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import ReduceError, ReduceMismatchError
+from ._cache import (HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
+                     bits_of, invert_request_bits, new_vector, set_bits, status_of)
+
+log = logging.getLogger("forebay.reduce")
+
+OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+       "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+COORDINATIONS = ("bitvector", "master")
+_MAX_MESSAGE = 64 << 20          # a coordination message larger than this is malformed
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """C++ references to ``t``'s TensorImpl (0 where torch does not expose it)."""
+    f = getattr(t, "_use_count", None)
+    return f() if f is not None else 0
+
+
+def _owned_bytes(data: bytes) -> torch.Tensor:
+    """A uint8 tensor owning a copy of ``data`` (see ``Coordinator._band``)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+class Handle:
+    """Completion of one submitted reduction; ``wait()`` returns the reduced tensor."""
+
+    __slots__ = ("name", "_done", "_result", "_error")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._done = threading.Event()
+        self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if not self._done.wait(timeout):
+            raise ReduceError(f"all-reduce of {self.name!r} did not complete within {timeout} s "
+                              "(is every rank submitting it?)")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result=None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+@dataclass(eq=False)
+class _Request:
+    name: str
+    tensor: torch.Tensor
+    params: Params
+    handle: Handle
+    inplace: bool
+    event: object = None           # a CUDA event recorded when the tensor was produced
+    bit: int = -1                  # cache position while a cache hit
+    sent: bool = False             # reported to the master, waiting for the other ranks
+    pooled: bool = False           # ready on every rank, waiting for its group or launch
+    submitted: float = field(default_factory=time.monotonic)
+    warned: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class _MasterTable:
+    """Rank 0's message table: which ranks reported which tensor, with what parameters."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.table: dict[str, list] = {}     # name -> [params, ranks set, error or None]
+
+    def process(self, messages: list[dict]) -> dict:
+        ready, errors, shutdown = [], [], False
+        for rank, msg in enumerate(messages):
+            shutdown |= bool(msg.get("shutdown", False))
+            try:
+                items = [(str(i[0]), Params(tuple(int(d) for d in i[1]), str(i[2]), str(i[3]),
+                                            int(i[4]))) for i in msg["requests"]]
+            except (KeyError, TypeError, IndexError, ValueError) as exc:
+                raise ReduceError(f"malformed coordination message from rank {rank}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            for name, params in items:
+                entry = self.table.get(name)
+                if entry is None:
+                    entry = self.table[name] = [params, {}, None]
+                elif params != entry[0] and entry[2] is None:
+                    first = next(iter(entry[1]))
+                    entry[2] = (f"ranks disagree on tensor {name!r}: rank {first} sent "
+                                f"{entry[0].describe()}, rank {rank} sent {params.describe()}")
+                entry[1][rank] = True
+                if len(entry[1]) == self.world:
+                    del self.table[name]
+                    (ready if entry[2] is None else errors).append(
+                        name if entry[2] is None else [name, entry[2]])
+        return {"ready": ready, "errors": errors, "shutdown": shutdown}
+
+    def missing(self, name: str) -> list[int]:
+        entry = self.table.get(name)
+        return [] if entry is None else [r for r in range(self.world) if r not in entry[1]]
+
+
+class Coordinator:
+    """Agrees on ready tensors every cycle and runs their fused all-reduces.
+
+    Construction is collective: every rank of the default group must create its
+    coordinators in the same order (each makes a data group and a gloo control group).
+    """
+
+    def __init__(self, *, process_group=None, coordination: str = "bitvector",
+                 cycle_time_ms: float = 1.0, fusion_threshold_bytes: int = 64 << 20,
+                 cache_capacity: int = 1024, timeout_s: float = 300.0,
+                 stall_warning_s: float = 60.0, start: bool = True):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ReduceError("torch.distributed is not initialized: call "
+                              "forebay.reduce.init_process_group() (or "
+                              "torch.distributed.init_process_group) first")
+        if coordination not in COORDINATIONS:
+            raise ValueError(f"coordination must be one of {COORDINATIONS}, got {coordination!r}")
+        if cycle_time_ms < 0 or fusion_threshold_bytes < 0:
+            raise ValueError("cycle_time_ms and fusion_threshold_bytes must be >= 0")
+        self.coordination = coordination
+        self.cycle_s = cycle_time_ms / 1000.0
+        self.fusion_threshold = int(fusion_threshold_bytes)
+        self.timeout_s = float(timeout_s)
+        self.stall_warning_s = stall_warning_s
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        timeout = timedelta(seconds=timeout_s)
+        # Our own communicators: collectives the application issues from its thread on the
+        # default group can never interleave with the coordinator's.
+        self._own_data_group = process_group is None
+        self.data_group = process_group or dist.new_group(ranks, timeout=timeout)
+        self.ctrl_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        self.world = dist.get_world_size(self.data_group)
+        self.rank = dist.get_rank(self.data_group)
+        self._root = dist.get_global_rank(self.ctrl_group, 0) if ranks else 0
+        self._global = [dist.get_global_rank(self.ctrl_group, i) for i in range(self.world)] \
+            if ranks else list(range(self.world))
+        self.cache = ResponseCache(cache_capacity)
+        self._master = _MasterTable(self.world) if self.rank == 0 else None
+        self._groups: dict[int, list[str]] = {}
+        self._inbox: deque[_Request] = deque()
+        self._pending: dict[str, _Request] = {}
+        self._pool: list[_Request] = []          # ready on every rank, held for their group
+        self._closing = False
+        self._error: BaseException | None = None
+        self._dead = False
+        self.counters = dict(cycles=0, control_collectives=0, control_bytes_sent=0,
+                             control_bytes_received=0, control_messages=0, data_collectives=0,
+                             data_bytes=0, negotiated=0, cached=0, uncached_cycles=0,
+                             invalid_cycles=0)
+        self.fused_sizes: list[int] = []
+        # a cycle counts into these, committed whole at its end: snapshots never see half
+        self._cyc = dict.fromkeys(self.counters, 0)
+        self._cyc_sizes: list[int] = []
+        self._stats_lock = threading.Lock()
+        self._held_now: list[torch.Tensor] = []
+        self._held_before: list[torch.Tensor] = []
+        self._thread = threading.Thread(target=self._run, name="forebay-reduce", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the cycles (construct with ``start=False`` to run set-up collectives on the
+        control group first: nothing else may use it once the thread runs)."""
+        if not self._thread.is_alive() and not self._dead:
+            self._thread.start()
+
+    # ------------------------------------------------------------------ application side
+
+    def register_group(self, group_id: int, names: list[str]) -> None:
+        self._groups[group_id] = list(names)
+
+    def preload(self, entries) -> None:
+        """Give cache positions to known tensors in a canonical order (same on every rank)."""
+        if self.coordination == "bitvector":
+            for name, params in entries:
+                self.cache.put(name, params)
+
+    def submit(self, name: str, tensor: torch.Tensor, op: str = "average", *, group: int = -1,
+               inplace: bool = False) -> Handle:
+        if op not in OPS:
+            raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+        if op == "average" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"op 'average' needs a floating point tensor; {name!r} is "
+                            f"{tensor.dtype} (use op='sum')")
+        self._check_alive()
+        handle = Handle(name)
+        params = Params(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), op, group)
+        event = None
+        if tensor.is_cuda:                     # ready once the kernels producing it are done
+            event = torch.cuda.Event()
+            event.record()
+        self._inbox.append(_Request(name, tensor.detach(), params, handle, inplace, event))
+        return handle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the coordinator on every rank (the first rank to close stops them all)."""
+        self._closing = True
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(self.timeout_s + 5 if timeout is None else timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._dead
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise ReduceError(f"the reduction coordinator stopped: {self._error}") from self._error
+        if self._dead or self._closing:
+            raise ReduceError("the reduction coordinator has been shut down (on this rank or "
+                              "another one); no further all-reduces can run")
+
+    # ------------------------------------------------------------------ coordinator thread
+
+    def _run(self) -> None:
+        try:
+            while self._cycle():
+                time.sleep(max(0.0, self._cycle_start + self.cycle_s - time.monotonic()))
+            self._fail_all(ReduceError("the reduction coordinator was shut down"))
+        except BaseException as exc:                       # noqa: BLE001 - handed to waiters
+            self._error = exc
+            self._fail_all(ReduceError(f"the reduction coordinator failed on rank {self.rank}: "
+                                       f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._dead = True
+            self._drain_held()
+            self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Destroy our communicators now rather than in interpreter teardown (where gloo's
+        worker threads may be torn down mid-flight and abort the process)."""
+        for g in (self.ctrl_group, self.data_group if self._own_data_group else None):
+            if g is not None:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:                 # noqa: BLE001 - already gone with the world
+                    pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        while self._inbox:
+            self._inbox.popleft().handle._finish(error=error)
+        for r in list(self._pending.values()):
+            r.handle._finish(error=error)
+        self._pending.clear()
+        self._pool.clear()
+
+    def _cycle(self) -> bool:
+        self._cycle_start = time.monotonic()
+        self._held_before, self._held_now = self._held_now, []
+        self._cyc["cycles"] = 1
+        while self._inbox:
+            r = self._inbox.popleft()
+            if r.name in self._pending:
+                r.handle._finish(error=ReduceError(
+                    f"tensor {r.name!r} was submitted again before its previous all-reduce "
+                    "completed (names must be unique among in-flight reductions)"))
+            else:
+                self._pending[r.name] = r
+        candidates = [r for r in self._pending.values()
+                      if not r.pooled and not r.sent and (r.event is None or r.event.query())]
+        if self.coordination == "master":
+            ready, shutdown = self._exchange(candidates, shutdown=self._closing)
+        else:
+            ready, shutdown = self._bitvector_cycle(candidates)
+        if shutdown:
+            return False
+        self._warn_stalls()
+        self._execute(ready)
+        self._commit()
+        return True
+
+    # -- bitvector ---------------------------------------------------------------------
+
+    def _bitvector_cycle(self, candidates: list[_Request]):
+        cache = self.cache
+        hits, stale, misses = [], [], []
+        for r in candidates:              # looked up every cycle: entries may have been evicted
+            kind, r.bit = cache.lookup(r.name, r.params)
+            if kind == HIT:
+                hits.append(r.bit)
+            elif kind == STALE:
+                stale.append(r)
+            else:
+                misses.append(r)
+        status = (SHUTDOWN if self._closing else 0) | (UNCACHED if misses else 0) \
+            | (INVALID if stale else 0)
+        vec = new_vector(cache.words, status)
+        set_bits(vec, hits)
+        vec = self._band(vec)
+        status = status_of(vec)
+        if status & SHUTDOWN:
+            return [], True
+        common = bits_of(vec).tolist()
+        if status & INVALID:                # erase everywhere what any rank found stale
+            self._cyc["invalid_cycles"] += 1
+            inv = new_vector(cache.words)
+            set_bits(inv, [r.bit for r in stale])
+            gone = set(bits_of(invert_request_bits(self._band(invert_request_bits(inv)))).tolist())
+            cache.erase(gone)
+            common = [b for b in common if b not in gone]
+            misses += stale + [r for r in candidates if r.bit in gone and r not in stale]
+        ready = [self._pending[cache.entry(bit)[0]] for bit in common]
+        self._cyc["cached"] += len(ready)
+        if status & (UNCACHED | INVALID):
+            self._cyc["uncached_cycles"] += 1
+            negotiated, _ = self._exchange(misses)
+            ready.extend(negotiated)
+        return ready, False
+
+    def _band(self, vec: np.ndarray) -> np.ndarray:
+        t = self._hold(torch.tensor(vec))
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self.ctrl_group,
+                                   async_op=True), "the bitvector all-reduce")
+        self._count_ctrl(vec.nbytes, vec.nbytes)
+        return t.numpy()
+
+    def _wait(self, work, what: str) -> None:
+        """Wait for a collective, at most ``timeout_s``: a dead or stuck peer becomes an error."""
+        try:
+            ok = work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise ReduceError(f"{what} failed or timed out after {self.timeout_s:g} s (a peer "
+                              f"rank died or stopped coordinating): {exc}") from exc
+        if ok is False:
+            raise ReduceError(f"{what} timed out after {self.timeout_s:g} s (a peer rank "
+                              "stopped coordinating)")
+
+    def _hold(self, *tensors):
+        """Note the tensors of this cycle's gloo operations with their reference counts."""
+        self._held_now.extend((t, _use_count(t)) for t in tensors)
+        return tensors[0] if len(tensors) == 1 else list(tensors)
+
+    def _drain_held(self, timeout: float = 2.0) -> None:
+        """Wait until gloo's worker threads have dropped their references to the last cycle's
+        tensors. A worker drops them only after the waiter woke up, and dropping one takes the
+        GIL (torch keeps the Python object alive while C++ holds references); if that happens
+        while the interpreter shuts down, the worker thread is killed and the process aborts."""
+        deadline = time.monotonic() + timeout
+        for t, base in self._held_before + self._held_now:
+            while _use_count(t) > base and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        self._held_before, self._held_now = [], []
+
+    def _count_ctrl(self, sent: int, received: int, messages: int = 0,
+                    collectives: int = 1) -> None:
+        """Payload bytes this rank hands to / gets from control operations (whatever the
+        collective's algorithm moves underneath), point-to-point messages, collectives."""
+        c = self._cyc
+        c["control_collectives"] += collectives
+        c["control_bytes_sent"] += sent
+        c["control_bytes_received"] += received
+        c["control_messages"] += messages
+
+    # -- master-worker -------------------------------------------------------------------
+
+    def _exchange(self, requests: list[_Request], shutdown: bool = False):
+        """One master-worker round: gather new requests at rank 0, broadcast what is ready."""
+        msg = {"requests": [[r.name, list(r.params.shape), r.params.dtype, r.params.op,
+                             r.params.group] for r in requests]}
+        if shutdown:
+            msg["shutdown"] = True
+        payload = json.dumps(msg, separators=(",", ":")).encode()
+        for r in requests:
+            r.sent = True
+        self._cyc["negotiated"] += len(requests)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        if self.rank == 0:
+            sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world)]
+            self._wait(dist.gather(self._hold(size), self._hold(*sizes), dst=self._root,
+                                   group=self.ctrl_group, async_op=True), "the request gather")
+            self._count_ctrl(8, 8 * self.world)
+            messages = [msg]
+            received = 0
+            for i in range(1, self.world):
+                n = int(sizes[i].item())
+                if not 0 < n <= _MAX_MESSAGE:
+                    raise ReduceError(f"malformed coordination message from rank {i}: {n} bytes")
+                buf = torch.empty(n, dtype=torch.uint8)
+                self._wait(dist.irecv(self._hold(buf), src=self._global[i],
+                                      group=self.ctrl_group), f"the requests of rank {i}")
+                received += n
+                messages.append(self._decode(buf, i))
+            self._count_ctrl(0, received, self.world - 1, collectives=0)
+            response = json.dumps(self._master.process(messages), separators=(",", ":")).encode()
+            rsize = torch.tensor([len(response)], dtype=torch.int64)
+            self._wait(dist.broadcast(self._hold(rsize), src=self._root, group=self.ctrl_group,
+                                      async_op=True), "the response broadcast")
+            rbuf = _owned_bytes(response)
+            self._wait(dist.broadcast(self._hold(rbuf), src=self._root, group=self.ctrl_group,
+                                      async_op=True), "the response broadcast")
+            self._count_ctrl(8 + len(response), 0, collectives=2)
+            resp = json.loads(response)
+        else:
+            self._wait(dist.gather(self._hold(size), None, dst=self._root, group=self.ctrl_group,
+                                   async_op=True), "the request gather")
+            self._wait(dist.isend(self._hold(_owned_bytes(payload)), dst=self._root,
+                                  group=self.ctrl_group), "sending requests to rank 0")
+            self._count_ctrl(8 + len(payload), 0, 1)     # the gather and the send
+            rsize = torch.empty(1, dtype=torch.int64)
+            self._wait(dist.broadcast(self._hold(rsize), src=self._root, group=self.ctrl_group,
+                                      async_op=True), "the response broadcast")
+            n = int(rsize.item())
+            if not 0 < n <= _MAX_MESSAGE:
+                raise ReduceError(f"malformed coordination response from rank 0: {n} bytes")
+            rbuf = torch.empty(n, dtype=torch.uint8)
+            self._wait(dist.broadcast(self._hold(rbuf), src=self._root, group=self.ctrl_group,
+                                      async_op=True), "the response broadcast")
+            self._count_ctrl(0, 8 + n, collectives=2)
+            resp = self._decode(rbuf, 0)
+        ready = []
+        for name in resp["ready"]:
+            r = self._pending.get(name)
+            if r is None:
+                raise ReduceError(f"rank 0 declared {name!r} ready but this rank never "
+                                  "submitted it (coordination state diverged)")
+            ready.append(r)
+        for name, message in resp["errors"]:
+            r = self._pending.pop(name, None)
+            if r is not None:
+                r.handle._finish(error=ReduceMismatchError(message))
+        return ready, bool(resp.get("shutdown", False))
+
+    @staticmethod
+    def _decode(buf: torch.Tensor, rank: int) -> dict:
+        try:
+            msg = json.loads(buf.numpy().tobytes())
+            if not isinstance(msg, dict):
+                raise ValueError("not an object")
+            return msg
+        except ValueError as exc:
+            raise ReduceError(f"malformed coordination message from rank {rank}: {exc}") from None
+
+    # -- execution -----------------------------------------------------------------------
+
+    def _execute(self, ready: list[_Request]) -> None:
+        for r in ready:
+            r.pooled = True
+        self._pool.extend(ready)
+        if not self._pool:
+            return
+        units = self._select()
+        if not units:
+            return
+        buffers = self._fuse(units)
+        if self.coordination == "bitvector":   # same order on every rank: caches stay equal
+            for reqs in buffers:
+                for r in reqs:
+                    self.cache.put(r.name, r.params)
+        works = [self._launch(reqs) for reqs in buffers]
+        for _, work in works:
+            self._wait(work, "a gradient all-reduce")
+        self._commit()              # before any waiter wakes up and takes a snapshot
+        for reqs, (buf, _) in zip(buffers, works):
+            self._finish(reqs, buf)
+
+    def _select(self) -> list[list[_Request]]:
+        """Units in pool order: single ungrouped tensors, and complete groups (group order)."""
+        pooled = {r.name: r for r in self._pool}
+        units, taken = [], set()
+        for r in self._pool:
+            if r.name in taken:
+                continue
+            g = r.params.group
+            if g < 0:
+                units.append([r])
+                taken.add(r.name)
+                continue
+            members = self._groups.get(g, [r.name])
+            if all(m in pooled for m in members):
+                units.append([pooled[m] for m in members])
+                taken.update(members)
+        if taken:
+            self._pool = [r for r in self._pool if r.name not in taken]
+        return units
+
+    def _fuse(self, units: list[list[_Request]]) -> list[list[_Request]]:
+        """Greedy fusion of consecutive units of one dtype, device and op up to the threshold;
+        a group is never split (unless its tensors differ in dtype or device)."""
+        pieces = []
+        for unit in units:
+            by_key: dict[tuple, list[_Request]] = {}
+            for r in unit:
+                by_key.setdefault((r.tensor.dtype, r.tensor.device, r.params.op), []).append(r)
+            pieces.extend(by_key.items())
+        buffers, cur, cur_key, cur_bytes = [], [], None, 0
+        for key, reqs in pieces:
+            nbytes = sum(r.nbytes for r in reqs)
+            if cur and (key != cur_key or cur_bytes + nbytes > self.fusion_threshold):
+                buffers.append(cur)
+                cur, cur_bytes = [], 0
+            cur = cur + reqs
+            cur_key = key
+            cur_bytes += nbytes
+        if cur:
+            buffers.append(cur)
+        return buffers
+
+    def _launch(self, reqs: list[_Request]):
+        if len(reqs) == 1:
+            t = reqs[0].tensor
+            buf = t if reqs[0].inplace and t.is_contiguous() else t.clone(
+                memory_format=torch.contiguous_format)
+        else:
+            buf = torch.cat([r.tensor.reshape(-1) for r in reqs])
+        nbytes = buf.numel() * buf.element_size()
+        self._cyc["data_collectives"] += 1
+        self._cyc["data_bytes"] += nbytes
+        self._cyc_sizes.append(nbytes)
+        return buf, dist.all_reduce(self._hold(buf), op=OPS[reqs[0].params.op],
+                                    group=self.data_group, async_op=True)
+
+    def _finish(self, reqs: list[_Request], buf: torch.Tensor) -> None:
+        if reqs[0].params.op == "average":
+            buf.div_(self.world)
+        offset = 0
+        for r in reqs:
+            n = r.tensor.numel()
+            if len(reqs) == 1:
+                view = buf.view(r.tensor.shape)
+            else:
+                view = buf[offset:offset + n].view(r.tensor.shape)
+            offset += n
+            if r.inplace:
+                if view.data_ptr() != r.tensor.data_ptr():
+                    r.tensor.copy_(view)
+                result = r.tensor
+            else:
+                result = view
+            del self._pending[r.name]
+            r.handle._finish(result)
+
+    def _commit(self) -> None:
+        with self._stats_lock:
+            for k, v in self._cyc.items():
+                self.counters[k] += v
+                self._cyc[k] = 0
+            self.fused_sizes.extend(self._cyc_sizes)
+            self._cyc_sizes.clear()
+
+    def snapshot(self, clear_sizes: bool = False) -> tuple[dict, list[int]]:
+        """Consistent copies of the counters (whole cycles only) and the fused sizes."""
+        with self._stats_lock:
+            sizes = list(self.fused_sizes)
+            if clear_sizes:
+                self.fused_sizes.clear()
+            return dict(self.counters), sizes
+
+    def _warn_stalls(self) -> None:
+        if self.stall_warning_s is None or not self._pending:
+            return
+        now = time.monotonic()
+        for r in self._pending.values():
+            if not r.warned and now - r.submitted > self.stall_warning_s:
+                r.warned = True
+                who = ""
+                if self._master is not None and self._master.missing(r.name):
+                    who = f"; ranks that have not submitted it: {self._master.missing(r.name)}"
+                log.warning("rank %d: all-reduce of %r has waited %.0f s for the other ranks%s",
+                            self.rank, r.name, now - r.submitted, who)
