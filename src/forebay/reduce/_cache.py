@@ -132,7 +132,8 @@ def status_of(vec: np.ndarray) -> int:
 
 def bits_of(vec: np.ndarray) -> np.ndarray:
     """Ascending positions of the request bits set in ``vec``."""
-    body = vec[1:].astype("<i8", copy=False).view(np.uint8)   # little-endian words: bit k of word w is bit 64 w + k
+    # little-endian words: bit k of word w is request bit 64 w + k
+    body = vec[1:].astype("<i8", copy=False).view(np.uint8)
     return np.flatnonzero(np.unpackbits(body, bitorder="little"))
 
 
