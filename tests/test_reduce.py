@@ -71,7 +71,7 @@ def test_master_table_waits_for_every_rank_and_reports_mismatches():
     req = lambda name, shape: [name, shape, "float32", "average", -1]  # noqa: E731
     out = t.process([{"requests": [req("a", [2]), req("b", [2])]},
                      {"requests": [req("b", [2])]}, {"requests": [req("b", [2])]}])
-    assert out == {"ready": ["b"], "errors": [], "shutdown": False}
+    assert out == {"ready": ["b"], "errors": [], "shutdown": False, "busy": True}
     assert t.missing("a") == [1, 2]
     out = t.process([{"requests": []}, {"requests": [req("a", [3])]},
                      {"requests": [req("a", [2])], "shutdown": True}])

@@ -9,7 +9,8 @@ Bitvector layout, one ``int64`` word per 64 bits:
 * word 0 holds the status bits, stored *inverted* so that a bitwise AND over ranks
   yields "set on any rank" (NOT(AND(NOT x)) = OR(x)): ``SHUTDOWN``, ``UNCACHED``
   (a rank has a request the cache does not know), ``INVALID`` (a rank saw a cached
-  name with other parameters);
+  name with other parameters), ``BUSY`` (a rank has requests in flight: while no rank
+  is busy, every rank lengthens its sleep between cycles the same way);
 * words 1.. hold one bit per cache position: set when this rank has the request ready.
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-SHUTDOWN, UNCACHED, INVALID = 1, 2, 4        # masks of the status word
-STATUS_BITS = 3
+SHUTDOWN, UNCACHED, INVALID, BUSY = 1, 2, 4, 8        # masks of the status word
+STATUS_BITS = 4
 _STATUS_MASK = (1 << STATUS_BITS) - 1
 
 HIT, MISS, STALE = "hit", "miss", "stale"

@@ -19,12 +19,13 @@ buffers up to the fusion threshold.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
 import time
+import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ReduceError, ReduceMismatchError
-from ._cache import (HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
+from ._cache import (BUSY, HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
                      bits_of, invert_request_bits, new_vector, set_bits, status_of)
 
 log = logging.getLogger("forebay.reduce")
@@ -57,43 +58,49 @@ def _owned_bytes(data: bytes) -> torch.Tensor:
 class Handle:
     """Completion of one submitted reduction; ``wait()`` returns the reduced tensor."""
 
-    __slots__ = ("name", "_done", "_result", "_error")
+    __slots__ = ("name", "_cond", "_done", "_result", "_error")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, cond: threading.Condition):
         self.name = name
-        self._done = threading.Event()
+        self._cond = cond              # shared by a coordinator's handles: no Event per tensor
+        self._done = False
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        if not self._done.wait(timeout):
-            raise ReduceError(f"all-reduce of {self.name!r} did not complete within {timeout} s "
-                              "(is every rank submitting it?)")
+        if not self._done:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._done, timeout):
+                    raise ReduceError(f"all-reduce of {self.name!r} did not complete within "
+                                      f"{timeout} s (is every rank submitting it?)")
         if self._error is not None:
             raise self._error
         return self._result
 
     def _finish(self, result=None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
 
 
-@dataclass(eq=False)
 class _Request:
-    name: str
-    tensor: torch.Tensor
-    params: Params
-    handle: Handle
-    inplace: bool
-    event: object = None           # a CUDA event recorded when the tensor was produced
-    bit: int = -1                  # cache position while a cache hit
-    sent: bool = False             # reported to the master, waiting for the other ranks
-    pooled: bool = False           # ready on every rank, waiting for its group or launch
-    submitted: float = field(default_factory=time.monotonic)
-    warned: bool = False
+    __slots__ = ("name", "tensor", "params", "handle", "inplace", "event", "bit", "sent",
+                 "pooled", "submitted", "warned")
+
+    def __init__(self, name: str, tensor: torch.Tensor, params: Params, handle: Handle,
+                 inplace: bool, event=None):
+        self.name, self.tensor, self.params, self.handle = name, tensor, params, handle
+        self.inplace = inplace
+        self.event = event            # a CUDA event recorded when the tensor was produced
+        self.bit = -1                 # cache position while a cache hit
+        self.sent = False             # reported to the master, waiting for the other ranks
+        self.pooled = False           # ready on every rank, waiting for its group or launch
+        self.submitted = time.monotonic()
+        self.warned = False
 
     @property
     def nbytes(self) -> int:
@@ -108,9 +115,10 @@ class _MasterTable:
         self.table: dict[str, list] = {}     # name -> [params, ranks set, error or None]
 
     def process(self, messages: list[dict]) -> dict:
-        ready, errors, shutdown = [], [], False
+        ready, errors, shutdown, busy = [], [], False, False
         for rank, msg in enumerate(messages):
             shutdown |= bool(msg.get("shutdown", False))
+            busy |= bool(msg.get("busy", False))
             try:
                 items = [(str(i[0]), Params(tuple(int(d) for d in i[1]), str(i[2]), str(i[3]),
                                             int(i[4]))) for i in msg["requests"]]
@@ -130,11 +138,23 @@ class _MasterTable:
                     del self.table[name]
                     (ready if entry[2] is None else errors).append(
                         name if entry[2] is None else [name, entry[2]])
-        return {"ready": ready, "errors": errors, "shutdown": shutdown}
+        busy = busy or bool(self.table) or bool(ready)
+        return {"ready": ready, "errors": errors, "shutdown": shutdown, "busy": busy}
 
     def missing(self, name: str) -> list[int]:
         entry = self.table.get(name)
         return [] if entry is None else [r for r in range(self.world) if r not in entry[1]]
+
+
+_LIVE: "weakref.WeakSet[Coordinator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every coordinator before interpreter teardown: a coordinator thread still running
+    Python code then would be killed while inside torch and abort the process."""
+    for c in list(_LIVE):
+        c.close()
 
 
 class Coordinator:
@@ -192,8 +212,15 @@ class Coordinator:
         self._cyc_sizes: list[int] = []
         self._stats_lock = threading.Lock()
         self._held_now: list[torch.Tensor] = []
+        self._cond = threading.Condition()
+        self._idle_vec = new_vector(self.cache.words)
+        self._idle_streak = 0
+        self._vec_t = torch.zeros(self.cache.words, dtype=torch.int64)   # reused every cycle
+        self._band_opts = dist.AllreduceOptions()
+        self._band_opts.reduceOp = dist.ReduceOp.BAND
         self._held_before: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name="forebay-reduce", daemon=True)
+        _LIVE.add(self)
         if start:
             self._thread.start()
 
@@ -215,20 +242,29 @@ class Coordinator:
                 self.cache.put(name, params)
 
     def submit(self, name: str, tensor: torch.Tensor, op: str = "average", *, group: int = -1,
-               inplace: bool = False) -> Handle:
-        if op not in OPS:
-            raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
-        if op == "average" and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(f"op 'average' needs a floating point tensor; {name!r} is "
-                            f"{tensor.dtype} (use op='sum')")
-        self._check_alive()
-        handle = Handle(name)
-        params = Params(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), op, group)
+               inplace: bool = False, params: Params | None = None) -> Handle:
+        """Queue ``tensor`` for reduction; ``params`` (precomputed by callers that submit the
+        same tensor every step) skips validating op and dtype again."""
+        if params is None:
+            if op not in OPS:
+                raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+            if op == "average" and not (tensor.is_floating_point() or tensor.is_complex()):
+                raise TypeError(f"op 'average' needs a floating point tensor; {name!r} is "
+                                f"{tensor.dtype} (use op='sum')")
+            params = Params(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), op,
+                            group)
+        if self._closing or self._dead:
+            self._check_alive()
+        handle = Handle(name, self._cond)
         event = None
         if tensor.is_cuda:                     # ready once the kernels producing it are done
             event = torch.cuda.Event()
             event.record()
-        self._inbox.append(_Request(name, tensor.detach(), params, handle, inplace, event))
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        self._inbox.append(_Request(name, tensor, params, handle, inplace, event))
+        if self._dead:                 # stopped between the check and the append
+            self._check_alive_or_fail()
         return handle
 
     def close(self, timeout: float | None = None) -> None:
@@ -240,6 +276,12 @@ class Coordinator:
     @property
     def closed(self) -> bool:
         return self._dead
+
+    def _check_alive_or_fail(self) -> None:
+        while self._inbox:
+            self._inbox.popleft().handle._finish(error=ReduceError(
+                "the reduction coordinator has been shut down"))
+        self._check_alive()
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -253,10 +295,12 @@ class Coordinator:
     def _run(self) -> None:
         try:
             while self._cycle():
-                time.sleep(max(0.0, self._cycle_start + self.cycle_s - time.monotonic()))
+                time.sleep(max(0.0, self._cycle_start + self._sleep_s() - time.monotonic()))
+            self._dead = True
             self._fail_all(ReduceError("the reduction coordinator was shut down"))
         except BaseException as exc:                       # noqa: BLE001 - handed to waiters
             self._error = exc
+            self._dead = True
             self._fail_all(ReduceError(f"the reduction coordinator failed on rank {self.rank}: "
                                        f"{type(exc).__name__}: {exc}"))
         finally:
@@ -273,6 +317,14 @@ class Coordinator:
                     dist.destroy_process_group(g)
                 except Exception:                 # noqa: BLE001 - already gone with the world
                     pass
+
+    def _sleep_s(self) -> float:
+        """The cycle time; after 3 cycles in which no rank had anything in flight (the same
+        cycles on every rank), up to 4x longer, so idle phases (forward pass, data loading)
+        cost fewer control collectives. The first request after an idle phase waits at most
+        one long cycle."""
+        k = self._idle_streak
+        return self.cycle_s if k < 3 else self.cycle_s * min(2 ** (k - 2), 4)
 
     def _fail_all(self, error: BaseException) -> None:
         while self._inbox:
@@ -297,7 +349,8 @@ class Coordinator:
         candidates = [r for r in self._pending.values()
                       if not r.pooled and not r.sent and (r.event is None or r.event.query())]
         if self.coordination == "master":
-            ready, shutdown = self._exchange(candidates, shutdown=self._closing)
+            ready, shutdown = self._exchange(candidates, shutdown=self._closing,
+                                             busy=bool(self._pending))
         else:
             ready, shutdown = self._bitvector_cycle(candidates)
         if shutdown:
@@ -311,6 +364,12 @@ class Coordinator:
 
     def _bitvector_cycle(self, candidates: list[_Request]):
         cache = self.cache
+        if not self._pending and not self._closing:     # idle here: only listen to the others
+            vec = self._band(self._idle_vec)
+            if status_of(vec) == 0:
+                self._idle_streak += 1
+                return [], False
+            return self._bitvector_result(vec, [], [], [], candidates)
         hits, stale, misses = [], [], []
         for r in candidates:              # looked up every cycle: entries may have been evicted
             kind, r.bit = cache.lookup(r.name, r.params)
@@ -321,13 +380,17 @@ class Coordinator:
             else:
                 misses.append(r)
         status = (SHUTDOWN if self._closing else 0) | (UNCACHED if misses else 0) \
-            | (INVALID if stale else 0)
+            | (INVALID if stale else 0) | (BUSY if self._pending else 0)
         vec = new_vector(cache.words, status)
         set_bits(vec, hits)
-        vec = self._band(vec)
+        return self._bitvector_result(self._band(vec), hits, stale, misses, candidates)
+
+    def _bitvector_result(self, vec, hits, stale, misses, candidates):
+        cache = self.cache
         status = status_of(vec)
         if status & SHUTDOWN:
             return [], True
+        self._idle_streak = 0 if status & BUSY else self._idle_streak + 1
         common = bits_of(vec).tolist()
         if status & INVALID:                # erase everywhere what any rank found stale
             self._cyc["invalid_cycles"] += 1
@@ -346,11 +409,16 @@ class Coordinator:
         return ready, False
 
     def _band(self, vec: np.ndarray) -> np.ndarray:
-        t = self._hold(torch.tensor(vec))
-        self._wait(dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self.ctrl_group,
-                                   async_op=True), "the bitvector all-reduce")
+        t = self._vec_t
+        if len(vec) != len(t):
+            t = torch.zeros(len(vec), dtype=torch.int64)
+        t.numpy()[:] = vec
+        # the process group's own call: dist.all_reduce's logging wrapper costs more than the
+        # 136-byte collective itself on an idle cycle
+        self._wait(self.ctrl_group.allreduce([self._hold(t)], self._band_opts),
+                   "the bitvector all-reduce")
         self._count_ctrl(vec.nbytes, vec.nbytes)
-        return t.numpy()
+        return t.numpy().copy()
 
     def _wait(self, work, what: str) -> None:
         """Wait for a collective, at most ``timeout_s``: a dead or stuck peer becomes an error."""
@@ -391,12 +459,14 @@ class Coordinator:
 
     # -- master-worker -------------------------------------------------------------------
 
-    def _exchange(self, requests: list[_Request], shutdown: bool = False):
+    def _exchange(self, requests: list[_Request], shutdown: bool = False, busy: bool = True):
         """One master-worker round: gather new requests at rank 0, broadcast what is ready."""
         msg = {"requests": [[r.name, list(r.params.shape), r.params.dtype, r.params.op,
                              r.params.group] for r in requests]}
         if shutdown:
             msg["shutdown"] = True
+        if busy:
+            msg["busy"] = True
         payload = json.dumps(msg, separators=(",", ":")).encode()
         for r in requests:
             r.sent = True
@@ -456,6 +526,7 @@ class Coordinator:
             r = self._pending.pop(name, None)
             if r is not None:
                 r.handle._finish(error=ReduceMismatchError(message))
+        self._idle_streak = 0 if resp.get("busy", True) else self._idle_streak + 1
         return ready, bool(resp.get("shutdown", False))
 
     @staticmethod
@@ -550,22 +621,18 @@ class Coordinator:
     def _finish(self, reqs: list[_Request], buf: torch.Tensor) -> None:
         if reqs[0].params.op == "average":
             buf.div_(self.world)
-        offset = 0
-        for r in reqs:
-            n = r.tensor.numel()
-            if len(reqs) == 1:
-                view = buf.view(r.tensor.shape)
-            else:
-                view = buf[offset:offset + n].view(r.tensor.shape)
-            offset += n
-            if r.inplace:
-                if view.data_ptr() != r.tensor.data_ptr():
-                    r.tensor.copy_(view)
-                result = r.tensor
-            else:
-                result = view
+        if len(reqs) == 1:
+            views = [buf.view(reqs[0].tensor.shape)]
+        else:
+            views = [v.view(r.tensor.shape) for v, r in
+                     zip(buf.split([r.tensor.numel() for r in reqs]), reqs)]
+        dst = [(r.tensor, v) for r, v in zip(reqs, views)
+               if r.inplace and v.data_ptr() != r.tensor.data_ptr()]
+        if dst:
+            torch._foreach_copy_([d for d, _ in dst], [v for _, v in dst])
+        for r, v in zip(reqs, views):
             del self._pending[r.name]
-            r.handle._finish(result)
+            r.handle._finish(r.tensor if r.inplace else v)
 
     def _commit(self) -> None:
         with self._stats_lock:

@@ -2,7 +2,6 @@
 broadcast_parameters, allreduce_async."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 import weakref
@@ -44,10 +43,12 @@ class _DistributedOptimizer:
         for g, names in members.items():
             self._fb_coord.register_group(g, names)
         self._fb_group = {p: group_of.get(p, -1) for p in self._fb_params}
+        if op == "average" and any(not p.is_floating_point() for p in self._fb_params):
+            raise TypeError("op 'average' needs floating point parameters")
+        self._fb_req = {p: Params(tuple(p.shape), str(p.dtype).replace("torch.", ""), op,
+                                  self._fb_group[p]) for p in self._fb_params}
         # canonical named_parameters order gives the cache positions on every rank
-        self._fb_coord.preload(
-            (self._fb_names[p], Params(tuple(p.shape), str(p.dtype).replace("torch.", ""), op,
-                                       self._fb_group[p])) for p in self._fb_params)
+        self._fb_coord.preload((self._fb_names[p], self._fb_req[p]) for p in self._fb_params)
         self._fb_handles: dict[torch.Tensor, Handle] = {}
         self._fb_counts = {p: 0 for p in self._fb_params}
         self._fb_skip = False
@@ -75,7 +76,7 @@ class _DistributedOptimizer:
         if p.grad is None:            # no gradient on this rank this step: it contributes zeros
             p.grad = torch.zeros_like(p)
         self._fb_handles[p] = self._fb_coord.submit(self._fb_names[p], p.grad, self._fb_op,
-                                                    group=self._fb_group[p], inplace=True)
+                                                    inplace=True, params=self._fb_req[p])
 
     # -- public ---------------------------------------------------------------------------
 
@@ -240,7 +241,6 @@ def _coordinator() -> Coordinator:
     with _default_lock:
         if _default is None or _default.closed:
             _default = Coordinator()
-            atexit.register(_default.close)
         return _default
 
 
