@@ -102,6 +102,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", type=Path, help="trace the forebay run into this directory "
                    "(then: forebay analyze DIR)")
+    p.add_argument("--reduce", choices=["ddp", "bitvector", "master"], default="ddp",
+                   help="gradient averaging of the forebay run: torch DDP, or "
+                   "forebay.reduce.DistributedOptimizer with that coordination")
     p.add_argument("--repo", help="save the forebay-trained model into this model repository "
                    "(e.g. file:///tmp/models) and reload its head alone")
     a = p.parse_args()
@@ -122,10 +125,16 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
 
-    def fresh_model():
+    def fresh_model(reduce="ddp"):
         torch.manual_seed(0)
-        m = nn.parallel.DistributedDataParallel(GraphNet(in_dim=1))
-        return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+        if reduce == "ddp":
+            m = nn.parallel.DistributedDataParallel(GraphNet(in_dim=1))
+            return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+        import forebay.reduce as fr
+        m = GraphNet(in_dim=1)
+        fr.broadcast_parameters(m.state_dict(), root_rank=0)
+        return m, fr.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3),
+                                          m.named_parameters(), coordination=reduce)
 
     results = {}
     if a.trace:
@@ -133,7 +142,7 @@ def main() -> None:
     loader = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
                         progress=False)
     y_scale = 100.0
-    model, opt = fresh_model()
+    model, opt = fresh_model(a.reduce)
     per_epoch = []
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)
@@ -141,8 +150,17 @@ def main() -> None:
         per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
                           comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
     loader.close()
+    if a.reduce != "ddp":
+        st = opt.stats()
+        opt.close()
+        if rank == 0:
+            ps = st["per_step"]
+            print(f"gradients averaged by forebay.reduce ({a.reduce}): {st['steps']} steps, "
+                  f"per step {ps['cycles']:.1f} cycles, {ps['control_bytes_sent']:.0f} B of "
+                  f"control traffic sent by rank 0, {ps['data_collectives']:.1f} fused "
+                  f"all-reduces of {ps['data_bytes'] / max(ps['data_collectives'], 1):,.0f} B")
     if a.repo and rank == 0:
-        save_and_reload(a.repo, model.module, per_epoch)
+        save_and_reload(a.repo, getattr(model, "module", model), per_epoch)
     if a.trace:
         trace.disable()
     results["forebay DataLoader (preload)"] = per_epoch

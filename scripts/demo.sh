@@ -24,10 +24,10 @@ python benchmarks/format_bench.py --out "$OUT/bench" --samples 5000 --reads 1000
 step "6. the access-frequency analysis NoPFS builds on (ImageNet-1k, 16 workers, 90 epochs)"
 forebay plan --samples 1281167 --world 16 --epochs 90 --delta 0.8
 
-step "7. train a small graph network for 2 epochs on 2 MPI ranks: forebay loader vs torch DataLoader over PFF"
+step "7. train a small graph network for 2 epochs on 2 MPI ranks: forebay loader and gradient coordination vs torch DataLoader over PFF"
 rm -rf "$OUT/trace"
 mpiexec -n 2 python benchmarks/train_gnn.py --packed "$OUT/ising.fb" --pff "$OUT/ising-pff" --epochs 2 \
-    --trace "$OUT/trace" --repo "file://$(cd "$OUT" && pwd)/models"
+    --reduce bitvector --trace "$OUT/trace" --repo "file://$(cd "$OUT" && pwd)/models"
 
 step "8. what the trace of that forebay run says (DFTracer-format files, one per rank)"
 forebay analyze "$OUT/trace" --json "$OUT/trace-analysis.json" --plots "$OUT/trace-plots"

@@ -409,7 +409,9 @@ def test_zero_grad_or_a_second_backward_before_step_are_refused():
 
 
 STATS = COMMON + r"""
+import forebay.trace
 n, mode = int(sys.argv[1]), sys.argv[2]
+forebay.trace.enable(sys.argv[3])
 model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n // 2)])
 opt = fr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                               model.named_parameters(), coordination=mode, cycle_time_ms=2)
@@ -419,19 +421,24 @@ for step in range(4):
     opt.step()
 s = opt.stats()
 opt.close()
+forebay.trace.disable()
 out(last=s["last_step"], words=opt._fb_coord.cache.words)
 """
 
 
 @pytest.mark.mpi
-def test_stats_bitvector_control_bytes_are_one_vector_per_cycle():
-    for r in results(run_mpi(3, STATS, 40, "bitvector", timeout=120)):
+def test_stats_bitvector_control_bytes_are_one_vector_per_cycle(tmp_path):
+    from forebay.trace._read import read_traces
+    for r in results(run_mpi(3, STATS, 40, "bitvector", tmp_path / "t", timeout=120)):
         last = r["last"]
         assert last["control_bytes_sent"] == 8 * r["words"] * last["cycles"]
         assert last["control_collectives"] == last["cycles"] and last["control_messages"] == 0
         assert last["data_collectives"] == len(last["fused_sizes"]) >= 1
         assert sum(last["fused_sizes"]) == 20 * (16 + 4) * 4
-    res = results(run_mpi(3, STATS, 40, "master", timeout=120))
+    ev = read_traces(tmp_path / "t")             # reductions show up in the trace
+    names = set(zip(ev.cat.tolist(), ev.name.tolist()))
+    assert ("comm", "allreduce") in names and ("comm", "synchronize") in names
+    res = results(run_mpi(3, STATS, 40, "master", tmp_path / "m", timeout=120))
     root = next(r for r in res if r["rank"] == 0)["last"]
     assert root["control_messages"] == 2 * root["cycles"]          # one from each worker
     assert root["control_bytes_received"] > 40 * 2 * 10            # every request, by name

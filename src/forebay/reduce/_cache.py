@@ -52,6 +52,7 @@ class ResponseCache:
         self._names: list[str | None] = [None] * self.capacity
         self._free = list(range(self.capacity))            # a heap: lowest free bit first
         self.evictions = self.invalidations = 0
+        self.evicted: list[tuple[str, int]] = []   # (name, bit) evicted by put, for the caller
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -85,6 +86,7 @@ class ResponseCache:
             return bit
         if not self._free:
             old, freed = self._lru.popitem(last=False)
+            self.evicted.append((old, freed))
             self._names[freed] = self._params[freed] = None
             heapq.heappush(self._free, freed)
             self.evictions += 1
@@ -124,6 +126,12 @@ def set_bits(vec: np.ndarray, bits) -> None:
     b = np.asarray(bits, dtype=np.int64)
     if b.size:
         np.bitwise_or.at(vec, 1 + b // 64, np.left_shift(np.int64(1), b % 64))
+
+
+def clear_bits(vec: np.ndarray, bits) -> None:
+    b = np.asarray(bits, dtype=np.int64)
+    if b.size:
+        np.bitwise_and.at(vec, 1 + b // 64, ~np.left_shift(np.int64(1), b % 64))
 
 
 def status_of(vec: np.ndarray) -> int:

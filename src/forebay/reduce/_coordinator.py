@@ -32,8 +32,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import trace
 from ..errors import ReduceError, ReduceMismatchError
 from ._cache import (BUSY, HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
+                     clear_bits,
                      bits_of, invert_request_bits, new_vector, set_bits, status_of)
 
 log = logging.getLogger("forebay.reduce")
@@ -214,6 +216,11 @@ class Coordinator:
         self._held_now: list[torch.Tensor] = []
         self._cond = threading.Condition()
         self._idle_vec = new_vector(self.cache.words)
+        self._mine = new_vector(self.cache.words)      # bits of this rank's pending hits
+        self._hits: dict[int, _Request] = {}
+        self._unsent: list[_Request] = []              # to negotiate at the next exchange
+        self._stale: list[_Request] = []
+        self._not_ready: list[_Request] = []           # GPU tensors whose kernels still run
         self._idle_streak = 0
         self._vec_t = torch.zeros(self.cache.words, dtype=torch.int64)   # reused every cycle
         self._band_opts = dist.AllreduceOptions()
@@ -333,6 +340,9 @@ class Coordinator:
             r.handle._finish(error=error)
         self._pending.clear()
         self._pool.clear()
+        self._hits.clear()
+        self._mine[1:] = 0
+        self._unsent, self._stale, self._not_ready = [], [], []
 
     def _cycle(self) -> bool:
         self._cycle_start = time.monotonic()
@@ -344,15 +354,23 @@ class Coordinator:
                 r.handle._finish(error=ReduceError(
                     f"tensor {r.name!r} was submitted again before its previous all-reduce "
                     "completed (names must be unique among in-flight reductions)"))
+                continue
+            self._pending[r.name] = r
+            if r.event is None or r.event.query():
+                self._classify(r)
             else:
-                self._pending[r.name] = r
-        candidates = [r for r in self._pending.values()
-                      if not r.pooled and not r.sent and (r.event is None or r.event.query())]
+                self._not_ready.append(r)
+        if self._not_ready:
+            later = []
+            for r in self._not_ready:
+                (self._classify if r.event.query() else later.append)(r)
+            self._not_ready = later
         if self.coordination == "master":
-            ready, shutdown = self._exchange(candidates, shutdown=self._closing,
+            unsent, self._unsent = self._unsent, []
+            ready, shutdown = self._exchange(unsent, shutdown=self._closing,
                                              busy=bool(self._pending))
         else:
-            ready, shutdown = self._bitvector_cycle(candidates)
+            ready, shutdown = self._bitvector_cycle()
         if shutdown:
             return False
         self._warn_stalls()
@@ -360,32 +378,47 @@ class Coordinator:
         self._commit()
         return True
 
+    def _classify(self, r: _Request) -> None:
+        """Once per request (and again if its cache entry goes): a hit keeps its bit set in
+        this rank's vector until it runs, so a cycle costs O(vector), not O(pending)."""
+        if self.coordination == "master":
+            self._unsent.append(r)
+            return
+        kind, r.bit = self.cache.lookup(r.name, r.params)
+        if kind == HIT:
+            self._hits[r.bit] = r
+            set_bits(self._mine, [r.bit])
+        elif kind == STALE:
+            self._stale.append(r)
+        else:
+            self._unsent.append(r)
+
+    def _uncache(self, bits) -> None:
+        """Entries at ``bits`` are gone (erased or evicted): their pending hits must be
+        negotiated again."""
+        for b in bits:
+            r = self._hits.pop(b, None)
+            if r is not None:
+                clear_bits(self._mine, [b])
+                r.bit = -1
+                self._unsent.append(r)
+
     # -- bitvector ---------------------------------------------------------------------
 
-    def _bitvector_cycle(self, candidates: list[_Request]):
-        cache = self.cache
+    def _bitvector_cycle(self):
         if not self._pending and not self._closing:     # idle here: only listen to the others
             vec = self._band(self._idle_vec)
             if status_of(vec) == 0:
                 self._idle_streak += 1
                 return [], False
-            return self._bitvector_result(vec, [], [], [], candidates)
-        hits, stale, misses = [], [], []
-        for r in candidates:              # looked up every cycle: entries may have been evicted
-            kind, r.bit = cache.lookup(r.name, r.params)
-            if kind == HIT:
-                hits.append(r.bit)
-            elif kind == STALE:
-                stale.append(r)
-            else:
-                misses.append(r)
-        status = (SHUTDOWN if self._closing else 0) | (UNCACHED if misses else 0) \
-            | (INVALID if stale else 0) | (BUSY if self._pending else 0)
-        vec = new_vector(cache.words, status)
-        set_bits(vec, hits)
-        return self._bitvector_result(self._band(vec), hits, stale, misses, candidates)
+            return self._bitvector_result(vec)
+        status = (SHUTDOWN if self._closing else 0) | (UNCACHED if self._unsent else 0) \
+            | (INVALID if self._stale else 0) | (BUSY if self._pending else 0)
+        vec = self._mine.copy()
+        vec[0] = new_vector(1, status)[0]
+        return self._bitvector_result(self._band(vec))
 
-    def _bitvector_result(self, vec, hits, stale, misses, candidates):
+    def _bitvector_result(self, vec):
         cache = self.cache
         status = status_of(vec)
         if status & SHUTDOWN:
@@ -395,16 +428,23 @@ class Coordinator:
         if status & INVALID:                # erase everywhere what any rank found stale
             self._cyc["invalid_cycles"] += 1
             inv = new_vector(cache.words)
-            set_bits(inv, [r.bit for r in stale])
-            gone = set(bits_of(invert_request_bits(self._band(invert_request_bits(inv)))).tolist())
+            set_bits(inv, [r.bit for r in self._stale])
+            gone = bits_of(invert_request_bits(self._band(invert_request_bits(inv)))).tolist()
             cache.erase(gone)
+            self._uncache(gone)
+            for r in self._stale:
+                r.bit = -1
+            self._unsent += self._stale
+            self._stale = []
+            gone = set(gone)
             common = [b for b in common if b not in gone]
-            misses += stale + [r for r in candidates if r.bit in gone and r not in stale]
-        ready = [self._pending[cache.entry(bit)[0]] for bit in common]
+        ready = [self._hits.pop(b) for b in common]
+        clear_bits(self._mine, common)
         self._cyc["cached"] += len(ready)
         if status & (UNCACHED | INVALID):
             self._cyc["uncached_cycles"] += 1
-            negotiated, _ = self._exchange(misses)
+            unsent, self._unsent = self._unsent, []
+            negotiated, _ = self._exchange(unsent)
             ready.extend(negotiated)
         return ready, False
 
@@ -555,9 +595,20 @@ class Coordinator:
             for reqs in buffers:
                 for r in reqs:
                     self.cache.put(r.name, r.params)
+            if self.cache.evicted:
+                evicted, self.cache.evicted = self.cache.evicted, []
+                self._uncache(b for name, b in evicted
+                              if b in self._hits and self._hits[b].name == name)
+        t0 = time.perf_counter()
         works = [self._launch(reqs) for reqs in buffers]
         for _, work in works:
             self._wait(work, "a gradient all-reduce")
+        rec = trace.active()
+        if rec is not None:
+            rec.span("comm", "allreduce", t0, time.perf_counter(),
+                     count=sum(len(r) for r in buffers),
+                     nbytes=sum(b.numel() * b.element_size() for b, _ in works),
+                     args={"collectives": len(buffers), "coordination": self.coordination})
         self._commit()              # before any waiter wakes up and takes a snapshot
         for reqs, (buf, _) in zip(buffers, works):
             self._finish(reqs, buf)

@@ -9,6 +9,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import trace
 from ..errors import ReduceError
 from ._cache import Params
 from ._coordinator import Coordinator, Handle
@@ -88,8 +89,9 @@ class _DistributedOptimizer:
             if p not in self._fb_handles:
                 self._fb_submit(p)
         try:
-            for h in self._fb_handles.values():
-                h.wait(self._fb_timeout)
+            with trace.region("comm/synchronize"):   # the communication left exposed
+                for h in self._fb_handles.values():
+                    h.wait(self._fb_timeout)
         finally:
             self._fb_handles.clear()
             for p in self._fb_counts:
