@@ -128,12 +128,6 @@ def set_bits(vec: np.ndarray, bits) -> None:
         np.bitwise_or.at(vec, 1 + b // 64, np.left_shift(np.int64(1), b % 64))
 
 
-def clear_bits(vec: np.ndarray, bits) -> None:
-    b = np.asarray(bits, dtype=np.int64)
-    if b.size:
-        np.bitwise_and.at(vec, 1 + b // 64, ~np.left_shift(np.int64(1), b % 64))
-
-
 def status_of(vec: np.ndarray) -> int:
     """Status bits set on any rank, from an AND-reduced vector."""
     return int(~vec[0]) & _STATUS_MASK

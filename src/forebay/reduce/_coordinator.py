@@ -35,7 +35,6 @@ import torch.distributed as dist
 from .. import trace
 from ..errors import ReduceError, ReduceMismatchError
 from ._cache import (BUSY, HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
-                     clear_bits,
                      bits_of, invert_request_bits, new_vector, set_bits, status_of)
 
 log = logging.getLogger("forebay.reduce")
@@ -44,6 +43,15 @@ OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
        "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 COORDINATIONS = ("bitvector", "master")
 _MAX_MESSAGE = 64 << 20          # a coordination message larger than this is malformed
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat copy of ``tensors`` (torch's C++ helper: no Python call per tensor)."""
+    return torch._C._nn.flatten_dense_tensors(tensors)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return torch._C._nn.unflatten_dense_tensors(flat, like)
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -216,7 +224,7 @@ class Coordinator:
         self._held_now: list[torch.Tensor] = []
         self._cond = threading.Condition()
         self._idle_vec = new_vector(self.cache.words)
-        self._mine = new_vector(self.cache.words)      # bits of this rank's pending hits
+        self._mine = 0                 # bits of this rank's pending hits (a Python int bitset)
         self._hits: dict[int, _Request] = {}
         self._unsent: list[_Request] = []              # to negotiate at the next exchange
         self._stale: list[_Request] = []
@@ -341,7 +349,7 @@ class Coordinator:
         self._pending.clear()
         self._pool.clear()
         self._hits.clear()
-        self._mine[1:] = 0
+        self._mine = 0
         self._unsent, self._stale, self._not_ready = [], [], []
 
     def _cycle(self) -> bool:
@@ -387,7 +395,7 @@ class Coordinator:
         kind, r.bit = self.cache.lookup(r.name, r.params)
         if kind == HIT:
             self._hits[r.bit] = r
-            set_bits(self._mine, [r.bit])
+            self._mine |= 1 << r.bit
         elif kind == STALE:
             self._stale.append(r)
         else:
@@ -399,7 +407,7 @@ class Coordinator:
         for b in bits:
             r = self._hits.pop(b, None)
             if r is not None:
-                clear_bits(self._mine, [b])
+                self._mine &= ~(1 << b)
                 r.bit = -1
                 self._unsent.append(r)
 
@@ -414,8 +422,8 @@ class Coordinator:
             return self._bitvector_result(vec)
         status = (SHUTDOWN if self._closing else 0) | (UNCACHED if self._unsent else 0) \
             | (INVALID if self._stale else 0) | (BUSY if self._pending else 0)
-        vec = self._mine.copy()
-        vec[0] = new_vector(1, status)[0]
+        vec = new_vector(self.cache.words, status)
+        vec[1:] = np.frombuffer(self._mine.to_bytes(8 * (len(vec) - 1), "little"), dtype="<i8")
         return self._bitvector_result(self._band(vec))
 
     def _bitvector_result(self, vec):
@@ -439,7 +447,8 @@ class Coordinator:
             gone = set(gone)
             common = [b for b in common if b not in gone]
         ready = [self._hits.pop(b) for b in common]
-        clear_bits(self._mine, common)
+        for b in common:
+            self._mine &= ~(1 << b)
         self._cyc["cached"] += len(ready)
         if status & (UNCACHED | INVALID):
             self._cyc["uncached_cycles"] += 1
@@ -661,7 +670,7 @@ class Coordinator:
             buf = t if reqs[0].inplace and t.is_contiguous() else t.clone(
                 memory_format=torch.contiguous_format)
         else:
-            buf = torch.cat([r.tensor.reshape(-1) for r in reqs])
+            buf = _flatten([r.tensor for r in reqs])
         nbytes = buf.numel() * buf.element_size()
         self._cyc["data_collectives"] += 1
         self._cyc["data_bytes"] += nbytes
@@ -675,8 +684,7 @@ class Coordinator:
         if len(reqs) == 1:
             views = [buf.view(reqs[0].tensor.shape)]
         else:
-            views = [v.view(r.tensor.shape) for v, r in
-                     zip(buf.split([r.tensor.numel() for r in reqs]), reqs)]
+            views = _unflatten(buf, [r.tensor for r in reqs])
         dst = [(r.tensor, v) for r, v in zip(reqs, views)
                if r.inplace and v.data_ptr() != r.tensor.data_ptr()]
         if dst:
