@@ -170,7 +170,7 @@ def main() -> None:
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
         tl = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, sampler=sampler,
                                          collate_fn=list_collate)
-        model, opt = fresh_model()
+        model, opt = fresh_model(a.reduce)   # the same gradient averaging for both loaders
         per_epoch = []
         for epoch in range(a.epochs):
             sampler.set_epoch(epoch)
@@ -182,6 +182,8 @@ def main() -> None:
             n, dt, stall, loss = train(model, opt, batches(), y_scale)
             per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
                               comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
+        if a.reduce != "ddp":
+            opt.close()
         results["torch DataLoader (PFF pickles)"] = per_epoch
 
     if rank == 0:

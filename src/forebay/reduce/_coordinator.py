@@ -230,6 +230,7 @@ class Coordinator:
         self._stale: list[_Request] = []
         self._not_ready: list[_Request] = []           # GPU tensors whose kernels still run
         self._idle_streak = 0
+        self._wake = threading.Event()
         self._vec_t = torch.zeros(self.cache.words, dtype=torch.int64)   # reused every cycle
         self._band_opts = dist.AllreduceOptions()
         self._band_opts.reduceOp = dist.ReduceOp.BAND
@@ -278,6 +279,8 @@ class Coordinator:
         if tensor.requires_grad:
             tensor = tensor.detach()
         self._inbox.append(_Request(name, tensor, params, handle, inplace, event))
+        if self._idle_streak >= 3:
+            self._wake.set()
         if self._dead:                 # stopped between the check and the append
             self._check_alive_or_fail()
         return handle
@@ -285,6 +288,7 @@ class Coordinator:
     def close(self, timeout: float | None = None) -> None:
         """Stop the coordinator on every rank (the first rank to close stops them all)."""
         self._closing = True
+        self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(self.timeout_s + 5 if timeout is None else timeout)
 
@@ -310,7 +314,10 @@ class Coordinator:
     def _run(self) -> None:
         try:
             while self._cycle():
-                time.sleep(max(0.0, self._cycle_start + self._sleep_s() - time.monotonic()))
+                pause = self._cycle_start + self._sleep_s() - time.monotonic()
+                if pause > 0:
+                    self._wake.wait(pause)     # a submission ends an idle pause early
+                    self._wake.clear()
             self._dead = True
             self._fail_all(ReduceError("the reduction coordinator was shut down"))
         except BaseException as exc:                       # noqa: BLE001 - handed to waiters
@@ -335,11 +342,12 @@ class Coordinator:
 
     def _sleep_s(self) -> float:
         """The cycle time; after 3 cycles in which no rank had anything in flight (the same
-        cycles on every rank), up to 4x longer, so idle phases (forward pass, data loading)
-        cost fewer control collectives. The first request after an idle phase waits at most
-        one long cycle."""
+        cycles on every rank), doubling up to 32x, so idle phases (forward pass, data
+        loading) cost few control collectives. A submission on this rank ends the pause at
+        once (the other ranks get theirs at about the same time in data-parallel training);
+        a rank with nothing to submit is back within one long pause."""
         k = self._idle_streak
-        return self.cycle_s if k < 3 else self.cycle_s * min(2 ** (k - 2), 4)
+        return self.cycle_s if k < 3 else self.cycle_s * min(2 ** (k - 2), 32)
 
     def _fail_all(self, error: BaseException) -> None:
         while self._inbox:
