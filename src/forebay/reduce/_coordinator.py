@@ -342,12 +342,12 @@ class Coordinator:
 
     def _sleep_s(self) -> float:
         """The cycle time; after 3 cycles in which no rank had anything in flight (the same
-        cycles on every rank), doubling up to 32x, so idle phases (forward pass, data
-        loading) cost few control collectives. A submission on this rank ends the pause at
-        once (the other ranks get theirs at about the same time in data-parallel training);
-        a rank with nothing to submit is back within one long pause."""
+        cycles on every rank), doubling up to 4x, so idle phases (forward pass, data
+        loading) cost fewer control collectives. A submission on this rank ends the pause
+        at once. (Up to 32x was tried: slower, since a rank whose backward starts a little
+        later keeps the others waiting in the all-reduce for its long pause.)"""
         k = self._idle_streak
-        return self.cycle_s if k < 3 else self.cycle_s * min(2 ** (k - 2), 32)
+        return self.cycle_s if k < 3 else self.cycle_s * min(2 ** (k - 2), 4)
 
     def _fail_all(self, error: BaseException) -> None:
         while self._inbox:
