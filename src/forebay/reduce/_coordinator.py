@@ -99,7 +99,7 @@ class Handle:
 
 class _Request:
     __slots__ = ("name", "tensor", "params", "handle", "inplace", "event", "bit", "sent",
-                 "pooled", "submitted", "warned")
+                 "submitted", "warned")
 
     def __init__(self, name: str, tensor: torch.Tensor, params: Params, handle: Handle,
                  inplace: bool, event=None):
@@ -108,7 +108,6 @@ class _Request:
         self.event = event            # a CUDA event recorded when the tensor was produced
         self.bit = -1                 # cache position while a cache hit
         self.sent = False             # reported to the master, waiting for the other ranks
-        self.pooled = False           # ready on every rank, waiting for its group or launch
         self.submitted = time.monotonic()
         self.warned = False
 
@@ -196,7 +195,8 @@ class Coordinator:
         # Our own communicators: collectives the application issues from its thread on the
         # default group can never interleave with the coordinator's.
         self._own_data_group = process_group is None
-        self.data_group = process_group or dist.new_group(ranks, timeout=timeout)
+        self.data_group = (dist.new_group(ranks, timeout=timeout) if process_group is None
+                           else process_group)
         self.ctrl_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
         self.world = dist.get_world_size(self.data_group)
         self.rank = dist.get_rank(self.data_group)
@@ -221,7 +221,9 @@ class Coordinator:
         self._cyc = dict.fromkeys(self.counters, 0)
         self._cyc_sizes: list[int] = []
         self._stats_lock = threading.Lock()
-        self._held_now: list[torch.Tensor] = []
+        # (tensor, its reference count before gloo had it) for this and the last cycle
+        self._held_now: list[tuple[torch.Tensor, int]] = []
+        self._held_before: list[tuple[torch.Tensor, int]] = []
         self._cond = threading.Condition()
         self._idle_vec = new_vector(self.cache.words)
         self._mine = 0                 # bits of this rank's pending hits (a Python int bitset)
@@ -234,7 +236,6 @@ class Coordinator:
         self._vec_t = torch.zeros(self.cache.words, dtype=torch.int64)   # reused every cycle
         self._band_opts = dist.AllreduceOptions()
         self._band_opts.reduceOp = dist.ReduceOp.BAND
-        self._held_before: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name="forebay-reduce", daemon=True)
         _LIVE.add(self)
         if start:
@@ -599,9 +600,7 @@ class Coordinator:
     # -- execution -----------------------------------------------------------------------
 
     def _execute(self, ready: list[_Request]) -> None:
-        for r in ready:
-            r.pooled = True
-        self._pool.extend(ready)
+        self._pool.extend(ready)     # ready on every rank; grouped ones wait for their group
         if not self._pool:
             return
         units = self._select()
