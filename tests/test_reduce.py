@@ -303,6 +303,19 @@ elif case == "params":
         out(err=None)
     except Exception as e:
         out(err=type(e).__name__, msg=str(e))
+elif case == "subgroups":
+    # two independent data-parallel groups of 2 ranks each (e.g. two ensemble members)
+    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = fr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                  model.named_parameters(),
+                                  process_group=g01 if rank < 2 else g23)
+    opt.zero_grad()
+    model(torch.full((1, 4), float(rank))).sum().backward()
+    opt.step()
+    out(w=model.weight.grad[0].tolist(), b=model.bias.grad.tolist())
+    opt.close()
 elif case == "misuse":
     model = nn.Linear(4, 2)
     opt = fr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
@@ -398,6 +411,14 @@ def test_a_dead_or_stuck_rank_fails_the_survivors_instead_of_hanging(case):
 def test_different_parameter_lists_are_refused_at_construction():
     for r in results(run_mpi(2, EDGES, "params", timeout=120)):
         assert r["err"] == "ReduceError" and "different parameter lists" in r["msg"]
+
+
+@pytest.mark.mpi
+def test_process_group_limits_the_average_to_its_ranks():
+    res = {r["rank"]: r for r in results(run_mpi(4, EDGES, "subgroups", timeout=120))}
+    assert res[0]["w"] == res[1]["w"] == [0.5] * 4          # mean of ranks 0 and 1
+    assert res[2]["w"] == res[3]["w"] == [2.5] * 4          # mean of ranks 2 and 3
+    assert all(r["b"] == [1.0, 1.0] for r in res.values())
 
 
 @pytest.mark.mpi

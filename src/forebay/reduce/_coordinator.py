@@ -197,7 +197,10 @@ class Coordinator:
         self._own_data_group = process_group is None
         self.data_group = (dist.new_group(ranks, timeout=timeout) if process_group is None
                            else process_group)
-        self.ctrl_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        # for a subgroup only its members make the control group (others may be making
+        # their own subgroup's at the same moment)
+        self.ctrl_group = dist.new_group(ranks, timeout=timeout, backend="gloo",
+                                         use_local_synchronization=ranks is not None)
         self.world = dist.get_world_size(self.data_group)
         self.rank = dist.get_rank(self.data_group)
         self._root = dist.get_global_rank(self.ctrl_group, 0) if ranks else 0
