@@ -10,7 +10,6 @@ on the gloo backend for gradients, MPI (mpi4py) for the data plane.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -116,14 +115,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
     torch.set_num_threads(a.threads)
-    port = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    from forebay.reduce import init_process_group
+    init_process_group("gloo")          # rank 0 picks a port, mpi4py tells the others
 
     def fresh_model(reduce="ddp"):
         torch.manual_seed(0)
