@@ -77,3 +77,42 @@ prefetch = 2
                     ram_bytes=8 << 10, staging_bytes=4096, progress=False) as dl:
         assert dl.prefetch == 0 and dl.staging_bytes == 4096
         assert dl.store.stats()["tier_bytes"] <= 8 << 10
+
+
+def test_fetch_model_interpolates_clamps_and_compares():
+    from forebay.store._model import FetchModel, interpolate
+    from forebay.store._profile import ProfileError
+
+    t = {1: 330.0, 2: 730.0, 4: 1540.0, 8: 2870.0}       # NoPFS §6.1, Lassen's PFS
+    assert interpolate(t, 2) == 730.0
+    assert interpolate(t, 3) == pytest.approx(1135.0)     # halfway between 2 and 4
+    assert interpolate(t, 64) == 2870.0 and interpolate(t, 0.5) == 330.0   # clamped
+    with pytest.raises(ProfileError):
+        interpolate({}, 3)
+    m = FetchModel(pfs_MBps=t, rma_MBps={2: 10_000.0}, ram_MBps={1: 8000.0})
+    # 8 readers share 2,870 MB/s: 1 MB takes 8 / 2870 s
+    assert m.pfs_s(1e6, readers=8) == pytest.approx(8 / 2870)
+    assert m.peer_s(1e6) == pytest.approx(1 / 10_000)
+    assert m.local_s(8e6, "ram") == pytest.approx(1 / 1000)
+    assert not m.prefer_pfs(1e6, readers=8, ranks=2)
+    assert FetchModel(pfs_MBps={1: 1e6}, rma_MBps={2: 1.0}).prefer_pfs(1e6, 1, 2)
+    assert FetchModel(pfs_MBps={1: 1e6}).peer_s(1e6) == 0.0  # unmeasured: peers first
+    assert FetchModel.from_profile({"ram": {"copy_MBps": {1: 1.0}}}) is None
+
+
+@pytest.mark.mpi
+def test_calibrate_under_mpiexec_measures_gets_from_a_peer(tmp_path):
+    pytest.importorskip("mpi4py")
+    from conftest import run_mpi
+    from forebay.store._profile import load_profile
+
+    out = tmp_path / "p.toml"
+    p = run_mpi(2, """
+        import sys
+        from forebay.cli import main
+        sys.exit(main(["calibrate", "--out", sys.argv[1]]))
+    """, out, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    prof = load_profile(out)
+    assert prof["rma"]["ranks"] == 2 and prof["rma"]["get_MBps"][2] > 0
+    assert p.stdout.count("[rma]") == 1          # only rank 0 prints and writes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -123,7 +124,14 @@ def cmd_verify(a: argparse.Namespace) -> int:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from .store._profile import calibrate, dump_profile, load_profile
 
-    prof = calibrate(ssd_dir=a.ssd_dir, dataset=a.dataset)
+    comm = None
+    if any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+        from mpi4py import MPI   # under mpiexec: also measure gets from a peer's memory
+
+        comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() >= 2 else None
+    prof = calibrate(ssd_dir=a.ssd_dir, dataset=a.dataset, comm=comm)
+    if comm is not None and comm.Get_rank() != 0:
+        return 0                 # rank 0 writes and prints the profile
     text = dump_profile(prof)
     if a.out:
         from pathlib import Path
@@ -323,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seed", type=int, default=0)
     pl.set_defaults(func=cmd_plan)
 
-    c = sub.add_parser("calibrate", help="measure tier and file-system bandwidths, write a "
-                       "TOML profile")
+    c = sub.add_parser("calibrate", help="measure tier and file-system bandwidths (and, under "
+                       "mpiexec -n 2, one-sided gets from a peer), write a TOML profile")
     c.add_argument("--out", help="profile file to write (TOML)")
     c.add_argument("--ssd-dir", help="node-local directory to measure as the SSD tier")
     c.add_argument("--dataset", help="packed dataset on the parallel file system to measure")

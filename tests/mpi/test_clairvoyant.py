@@ -233,3 +233,53 @@ def test_unusable_ssd_dir_warns_and_falls_back(packed, tmp_path):
             ds.get_many(plan.batches(0, 0).reshape(-1)))
         assert st.stats()["pfs_reads"] == len(ds)
     assert list(tmp_path.glob("*.tier")) == []
+
+
+MODEL = """
+    import sys
+    from mpi4py import MPI
+    import forebay
+    from forebay.store import tier_nbytes
+    from forebay.torch import DataLoader
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(sys.argv[1])
+    need = int(tier_nbytes(ds).sum())
+    dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=2, mode="clairvoyant",
+                    ram_bytes=int(need * 1.2 / comm.size), system=sys.argv[2],
+                    collate_fn=lambda b: b)
+    assert dl.store.wait_filled(timeout=60)
+    comm.Barrier()
+    for e in range(2):
+        dl.set_epoch(e)
+        for step, batch in enumerate(dl):
+            assert batch.equals(ds.get_many(dl.plan.batches(comm.rank, e)[step]))
+    s = dl.stats()
+    say(f"rank {comm.rank} peer {s['fetches_by_source']['peer']} "
+        f"by_model {s['pfs_by_model']}")
+    dl.close()
+"""
+
+
+@pytest.mark.parametrize("pfs_MBps,rma_MBps,expect_peer", [(1e6, 1.0, False),
+                                                           (10.0, 1e5, True)])
+def test_performance_model_picks_the_file_system_when_it_is_faster(packed, tmp_path,
+                                                                   pfs_MBps, rma_MBps,
+                                                                   expect_peer):
+    """NoPFS §4: with a system file saying the file system outruns peers' memory, samples
+    a peer holds are read from the dataset instead (still bit-exact); otherwise from the
+    peer."""
+    path, _ = packed
+    system = tmp_path / "system.toml"
+    system.write_text(f'[pfs]\nread_MBps = {{ "1" = {pfs_MBps}, "2" = {pfs_MBps} }}\n'
+                      f'[rma]\nget_MBps = {{ "2" = {rma_MBps} }}\n')
+    p = run_mpi(2, MODEL, path, system, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("rank")]
+    assert len(lines) == 2
+    for ln in lines:
+        peer, by_model = int(ln[3]), int(ln[5])
+        if expect_peer:
+            assert peer > 0 and by_model == 0
+        else:
+            assert peer == 0 and by_model > 0

@@ -83,7 +83,8 @@ class ClairvoyantStore:
                  comm: Any = None, *, ram_bytes: int, transport: str = "auto",
                  ssd_dir: "str | os.PathLike[str] | None" = None, ssd_bytes: int = 0,
                  fill: bool = True, peer_wait: float = 1.0,
-                 on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
+                 on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
+                 model: Any = None) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
@@ -101,6 +102,10 @@ class ClairvoyantStore:
         self._fill_from_peers = 0
         self.peer_wait = peer_wait
         self.on_pfs_read = on_pfs_read
+        # NoPFS's performance model (a FetchModel): when it predicts the file system is
+        # faster than a peer's memory, present peer samples are read from the dataset
+        self.model = model
+        self._model_pfs = 0
         problems = []
         if plan.world_size != self.world:
             problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
@@ -519,6 +524,11 @@ class ClairvoyantStore:
                 time.sleep(0.0002)
             local = mine & ((lpos < self._filled) | self._done_at(lpos))
         peer = ~local & self._present(ids)
+        if self.model is not None and peer.any() and self.model.prefer_pfs(
+                float(rows[peer, IndexLayout.REC_LEN].sum()), self.world, self.world):
+            with self._lock:
+                self._model_pfs += int(peer.sum())
+            peer[:] = False
         pfs = ~local & ~peer
         parts = []
         tags = []  # (source, tier) of each part, for tracing
@@ -592,13 +602,15 @@ class ClairvoyantStore:
 
     def stats(self) -> dict[str, Any]:
         """Reads by source since setup: ``fetches_by_source`` (local tier, peer tier,
-        PFS), ``pfs_reads``/``pfs_bytes`` (fills included), fill progress."""
+        PFS), ``pfs_reads``/``pfs_bytes`` (fills included), fill progress,
+        ``pfs_by_model`` (peer-held samples read from the PFS because the performance
+        model predicted it faster)."""
         with self._lock:
             return {"fetches_by_source": dict(self._stats), "pfs_reads": self.pfs_reads,
                     "pfs_bytes": self.pfs_bytes, "filled": self._filled,
                     "filled_from_peers": self._fill_from_peers,
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
-                    "ssd_bytes": self.ssd_nbytes}
+                    "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs}
 
     def __len__(self) -> int:
         return len(self.ds)

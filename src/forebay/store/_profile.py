@@ -206,12 +206,41 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
     return out, float(ds.sample_nbytes.mean())
 
 
+def _rma(comm: Any, nbytes: int, chunk: int = 1 << 20) -> float:
+    """MB/s of rank 0's one-sided gets from rank 1's window (``chunk``-sized gets under a
+    shared lock, as the stores read peers). Collective over ``comm``."""
+    from mpi4py import MPI
+
+    win = MPI.Win.Allocate(nbytes if comm.Get_rank() == 1 else 0, comm=comm)
+    try:
+        comm.Barrier()
+        mbps = 0.0
+        if comm.Get_rank() == 0:
+            dst = np.empty(nbytes, dtype=np.uint8)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                win.Lock(1, MPI.LOCK_SHARED)
+                for off in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - off)
+                    win.Get([dst[off:off + n], MPI.BYTE], 1, [off, n, MPI.BYTE])
+                win.Unlock(1)
+                best = min(best, time.perf_counter() - t0)
+            mbps = nbytes / best / 1e6
+        comm.Barrier()
+        return comm.bcast(mbps, root=0)
+    finally:
+        win.Free()
+
+
 def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
               threads: Optional[list[int]] = None, ram_bytes: int = 256 << 20,
-              ssd_bytes: int = 256 << 20, samples: int = 500) -> dict[str, Any]:
+              ssd_bytes: int = 256 << 20, samples: int = 500, comm: Any = None,
+              rma_bytes: int = 64 << 20) -> dict[str, Any]:
     """Measure this machine: RAM copy bandwidth per thread count, the SSD directory's
-    write and cold read bandwidth, and cold random reads of a packed dataset (the PFS)
-    per reader count.  Returns a profile (see :func:`dump_profile`)."""
+    write and cold read bandwidth, cold random reads of a packed dataset (the PFS) per
+    reader count, and, with an MPI communicator of 2 or more ranks, one-sided get
+    bandwidth from a peer's memory.  Returns a profile (see :func:`dump_profile`)."""
     import platform
 
     threads = threads or sorted({1, 2, min(4, os.cpu_count() or 1)})
@@ -225,4 +254,7 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
     if dataset is not None:
         bw, rec = _pfs(Path(dataset), threads, samples)
         prof["pfs"] = {"path": str(dataset), "read_MBps": bw, "record_bytes": round(rec)}
+    if comm is not None and comm.Get_size() >= 2:
+        prof["rma"] = {"get_MBps": {comm.Get_size(): _rma(comm, rma_bytes)},
+                       "ranks": comm.Get_size()}
     return prof

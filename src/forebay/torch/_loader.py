@@ -95,7 +95,10 @@ class DataLoader:
         system: a TOML system file (the ``forebay calibrate`` profile format) whose
             ``[tiers]`` table gives ``ram_bytes``, ``ssd_dir``, ``ssd_bytes``,
             ``staging_bytes`` and ``prefetch`` (sizes as bytes or "8GiB"); arguments
-            passed explicitly win over it.
+            passed explicitly win over it. Its ``[pfs] read_MBps`` and ``[rma]
+            get_MBps`` feed NoPFS's performance model: in clairvoyant mode a sample a
+            peer holds is read from the file system instead when that is predicted
+            faster (``stats()["pfs_by_model"]``).
 
     Resume: :meth:`state_dict` / :meth:`load_state_dict` record (epoch, step); a loader
     at another world size with the same global batch resumes the same global batches.
@@ -114,10 +117,15 @@ class DataLoader:
                  system: "Optional[str | os.PathLike[str]]" = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        fetch_model = None
         if system is not None:  # a system file's [tiers]; explicit arguments win
+            from ..store._model import FetchModel
             from ..store._profile import load_profile
 
-            tiers = load_profile(system).get("tiers", {})
+            profile = load_profile(system)
+            tiers = profile.get("tiers", {})
+            # its [pfs] and [rma] bandwidths choose between a peer and the file system
+            fetch_model = FetchModel.from_profile(profile)
             ram_bytes = tiers.get("ram_bytes") if ram_bytes is None else ram_bytes
             ssd_dir = tiers.get("ssd_dir") if ssd_dir is None else ssd_dir
             ssd_bytes = tiers.get("ssd_bytes", 0) if not ssd_bytes else ssd_bytes
@@ -144,7 +152,8 @@ class DataLoader:
                 ram_bytes = _default_ram_bytes(self.comm)
             self.store = ClairvoyantStore(self.ds, self.plan, self.comm, ram_bytes=ram_bytes,
                                           ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
-                                          transport=transport, on_pfs_read=on_pfs_read)
+                                          transport=transport, on_pfs_read=on_pfs_read,
+                                          model=fetch_model)
         self.collate_fn = collate_fn
         self.transform = transform
         self.prefetch = max(0, int(prefetch))
