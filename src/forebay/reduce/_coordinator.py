@@ -726,8 +726,7 @@ class Coordinator:
         for r in self._pending.values():
             if not r.warned and now - r.submitted > self.stall_warning_s:
                 r.warned = True
-                who = ""
-                if self._master is not None and self._master.missing(r.name):
-                    who = f"; ranks that have not submitted it: {self._master.missing(r.name)}"
+                missing = self._master.missing(r.name) if self._master is not None else []
+                who = f"; ranks that have not submitted it: {missing}" if missing else ""
                 log.warning("rank %d: all-reduce of %r has waited %.0f s for the other ranks%s",
                             self.rank, r.name, now - r.submitted, who)

@@ -3,6 +3,7 @@ broadcast_parameters, allreduce_async."""
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import threading
 import weakref
 
@@ -30,6 +31,8 @@ class _DistributedOptimizer:
             raise ValueError("backward_passes_per_step must be at least 1")
         self._fb_op = op
         self._fb_timeout = float(timeout_s)
+        if op == "average" and any(not p.is_floating_point() for p in self._fb_params):
+            raise TypeError("op 'average' needs floating point parameters")
         group_of = _group_ids(groups, named)
         self._fb_coord = Coordinator(process_group=process_group, coordination=coordination,
                                      cycle_time_ms=cycle_time_ms,
@@ -43,11 +46,8 @@ class _DistributedOptimizer:
                 members.setdefault(group_of[p], []).append(n)
         for g, names in members.items():
             self._fb_coord.register_group(g, names)
-        self._fb_group = {p: group_of.get(p, -1) for p in self._fb_params}
-        if op == "average" and any(not p.is_floating_point() for p in self._fb_params):
-            raise TypeError("op 'average' needs floating point parameters")
         self._fb_req = {p: Params(tuple(p.shape), str(p.dtype).replace("torch.", ""), op,
-                                  self._fb_group[p]) for p in self._fb_params}
+                                  group_of.get(p, -1)) for p in self._fb_params}
         # canonical named_parameters order gives the cache positions on every rank
         self._fb_coord.preload((self._fb_names[p], self._fb_req[p]) for p in self._fb_params)
         self._fb_handles: dict[torch.Tensor, Handle] = {}
@@ -180,7 +180,7 @@ def _named_parameters(opt, named_parameters) -> list[tuple[str, torch.Tensor]]:
         return [(f"param.{i}", p) for i, p in enumerate(params)]
     named = list(named_parameters)
     names = [n for n, _ in named]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, k in Counter(names).items() if k > 1)
     if dup:
         raise ValueError(f"named_parameters has duplicate names: {dup[:5]}")
     known = {id(p) for _, p in named}

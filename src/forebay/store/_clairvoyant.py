@@ -106,6 +106,10 @@ class ClairvoyantStore:
         # faster than a peer's memory, present peer samples are read from the dataset
         self.model = model
         self._model_pfs = 0
+        # both predictions scale with the bytes, so for a given world size the model's
+        # choice is one decision, taken here rather than per batch
+        self._peer_via_pfs = model is not None and model.prefer_pfs(1.0, self.world,
+                                                                    self.world)
         problems = []
         if plan.world_size != self.world:
             problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
@@ -524,8 +528,7 @@ class ClairvoyantStore:
                 time.sleep(0.0002)
             local = mine & ((lpos < self._filled) | self._done_at(lpos))
         peer = ~local & self._present(ids)
-        if self.model is not None and peer.any() and self.model.prefer_pfs(
-                float(rows[peer, IndexLayout.REC_LEN].sum()), self.world, self.world):
+        if self._peer_via_pfs and peer.any():
             with self._lock:
                 self._model_pfs += int(peer.sum())
             peer[:] = False

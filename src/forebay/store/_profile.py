@@ -206,10 +206,13 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
     return out, float(ds.sample_nbytes.mean())
 
 
-def _rma(comm: Any, nbytes: int, chunk: int = 1 << 20) -> float:
-    """MB/s of rank 0's one-sided gets from rank 1's window (``chunk``-sized gets under a
-    shared lock, as the stores read peers). Collective over ``comm``."""
+def _rma(comm: Any, nbytes: int, chunk: int = 64 << 10) -> float:
+    """MB/s of rank 0 reading rank 1's window the way the stores read peers
+    (:func:`~forebay.store._distributed.rma_get`: ``chunk``-sized ranges, one MPI_Get of
+    an hindexed type and one flush). Collective over ``comm``."""
     from mpi4py import MPI
+
+    from ._distributed import rma_get
 
     win = MPI.Win.Allocate(nbytes if comm.Get_rank() == 1 else 0, comm=comm)
     try:
@@ -217,15 +220,16 @@ def _rma(comm: Any, nbytes: int, chunk: int = 1 << 20) -> float:
         mbps = 0.0
         if comm.Get_rank() == 0:
             dst = np.empty(nbytes, dtype=np.uint8)
+            pos = np.arange(0, nbytes, chunk, dtype=np.int64)
+            length = np.minimum(chunk, nbytes - pos)
+            target = np.ones(len(pos), dtype=np.int64)
             best = float("inf")
+            win.Lock_all()
             for _ in range(3):
                 t0 = time.perf_counter()
-                win.Lock(1, MPI.LOCK_SHARED)
-                for off in range(0, nbytes, chunk):
-                    n = min(chunk, nbytes - off)
-                    win.Get([dst[off:off + n], MPI.BYTE], 1, [off, n, MPI.BYTE])
-                win.Unlock(1)
+                rma_get(win, dst, target, pos, length, pos)
                 best = min(best, time.perf_counter() - t0)
+            win.Unlock_all()
             mbps = nbytes / best / 1e6
         comm.Barrier()
         return comm.bcast(mbps, root=0)
