@@ -160,6 +160,47 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes_list(text: str) -> list[int]:
+    out = []
+    for t in text.split(","):
+        t = t.strip()
+        out.append(0 if t in ("0", "0B") else parse_size(t))
+    return out
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .sim import POLICIES, load_system, simulate, sweep
+    from .sim._report import format_sweep, format_table, plot_policies, plot_sweep
+
+    sysm = load_system(a.system, compute_MBps=a.compute_MBps,
+                       preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps)
+    kw = dict(workers=a.workers, epochs=a.epochs, batch=a.batch, scale=a.scale, seed=a.seed)
+    if a.mode == "sweep":
+        if not a.ram or not a.ssd:
+            raise ValueError("simulate sweep needs --ram and --ssd lists, e.g. "
+                             "--ram 0,60GB,120GB --ssd 0,450GB,900GB")
+        policy = (a.policies or "forebay-clairvoyant").split(",")[0]
+        res = sweep(sysm, a.dataset, ram_bytes=_sizes_list(a.ram), ssd_bytes=_sizes_list(a.ssd),
+                    policy=policy, **kw)
+        print(format_sweep(res))
+        if a.plot:
+            plot_sweep(res, a.plot)
+            print(f"wrote {a.plot}")
+    else:
+        names = a.policies.split(",") if a.policies else list(POLICIES)
+        res = simulate(sysm, a.dataset, policies=names, progress=_progress(), **kw)
+        print(format_table(res))
+        if a.plot:
+            plot_policies(res, a.plot)
+            print(f"wrote {a.plot}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
 def cmd_analyze(a: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -387,6 +428,34 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-frame", type=parse_size, default="16GiB",
                     help="largest request accepted (default 16GiB)")
     sv.set_defaults(func=cmd_models_serve)
+
+    sm = sub.add_parser("simulate", help="simulate I/O policies for a workload (NoPFS's model)",
+                        description="Simulate training I/O policies with NoPFS's performance "
+                        "model, using forebay's own placement code. 'simulate sweep' varies "
+                        "RAM and SSD capacity (NoPFS Fig. 9).")
+    sm.add_argument("mode", nargs="?", choices=["run", "sweep"], default="run")
+    sm.add_argument("--system", default="lassen",
+                    help="preset (lassen) or a TOML profile from forebay calibrate")
+    sm.add_argument("--dataset", required=True,
+                    help="scenario (mnist, imagenet-1k, openimages, imagenet-22k, cosmoflow, "
+                         "cosmoflow-512) or a packed dataset directory")
+    sm.add_argument("--workers", type=int, required=True)
+    sm.add_argument("--epochs", type=int, required=True)
+    sm.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the "
+                    "scenario's, or 32)")
+    sm.add_argument("--policies", default=None, help="comma-separated (default: all)")
+    sm.add_argument("--scale", type=float, default=1.0, help="simulate this fraction of the "
+                    "samples, RAM and SSD scaled alike (default 1)")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--compute-MBps", dest="compute_MBps", type=float, default=None,
+                    help="training throughput c per worker (overrides the system)")
+    sm.add_argument("--preprocess-MBps", dest="preprocess_MBps", type=float, default=None)
+    sm.add_argument("--network-MBps", dest="network_MBps", type=float, default=None)
+    sm.add_argument("--ram", help="sweep: RAM capacities per worker, e.g. 0,60GB,120GB")
+    sm.add_argument("--ssd", help="sweep: SSD capacities per worker, e.g. 0,450GB,900GB")
+    sm.add_argument("--json", help="write the results as JSON")
+    sm.add_argument("--plot", help="write a PNG (stacked bars; heat map for sweep)")
+    sm.set_defaults(func=cmd_simulate)
 
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")

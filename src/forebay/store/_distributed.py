@@ -55,6 +55,20 @@ def _align(n: np.ndarray | int) -> Any:
     return n + (-n) % ALIGNMENT
 
 
+def chunk_members(span: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Contiguous chunks of samples balanced by bytes: member p of a replica group holds
+    samples ``[bounds[p], bounds[p+1])``.  Returns ``(bounds, member of each sample)``.
+    Shared by the store and the simulator (forebay-preload)."""
+    n = len(span)
+    cum = np.concatenate([[0], np.cumsum(span)])
+    targets = cum[-1] * np.arange(width + 1) / width
+    bounds = np.searchsorted(cum, targets, side="left").astype(np.int64)
+    bounds[0], bounds[-1] = 0, n
+    bounds = np.maximum.accumulate(bounds)
+    member = (np.searchsorted(bounds, np.arange(n), side="right") - 1).astype(np.int64)
+    return bounds, member
+
+
 class StoreLayout:
     """Where every record lives: chunk (group member) and byte offset in its buffer.
 
@@ -70,14 +84,8 @@ class StoreLayout:
         rec_len = idx[:, IndexLayout.REC_LEN]
         shard = ds._shard_of.astype(np.int64)
         span = _align(rec_len)
-        cum = np.concatenate([[0], np.cumsum(span)])
-        # chunk boundaries balanced by bytes: member p holds samples [bounds[p], bounds[p+1])
-        targets = cum[-1] * np.arange(width + 1) / width
-        bounds = np.searchsorted(cum, targets, side="left").astype(np.int64)
-        bounds[0], bounds[-1] = 0, n
         self.width = width
-        self.bounds = np.maximum.accumulate(bounds)
-        self.member = (np.searchsorted(self.bounds, np.arange(n), side="right") - 1).astype(np.int64)
+        self.bounds, self.member = chunk_members(span, width)
         # runs: consecutive samples with the same (member, shard)
         change = np.ones(n, dtype=bool)
         if n > 1:

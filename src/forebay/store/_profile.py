@@ -31,7 +31,13 @@ SCHEMA: dict[str, dict[str, str]] = {
     # tier settings for the clairvoyant loader (DataLoader(system=...)); sizes in bytes
     # or as "8GiB"; 0 disables a tier
     "tiers": {"ram_bytes": "size", "ssd_dir": "str", "ssd_bytes": "size",
-              "staging_bytes": "size", "prefetch": "count"},
+              "staging_bytes": "size", "prefetch": "count",
+              # prefetch threads per tier, used by the simulator (NoPFS's p_0, p_1, p_2)
+              "staging_threads": "count", "ram_threads": "count", "ssd_threads": "count"},
+    # the simulator's workload and network figures (forebay simulate; NoPFS Sec. 4):
+    # training throughput c and preprocessing rate beta in MB/s per worker, network b_c
+    "compute": {"MBps": "num", "preprocess_MBps": "num"},
+    "network": {"MBps": "num"},
 }
 
 

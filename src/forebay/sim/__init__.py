@@ -1,0 +1,94 @@
+"""forebay.sim: NoPFS's performance model (§4) and an I/O policy simulator (§6) that
+shares its placement and fetch-path code with the runtime.
+
+    from forebay.sim import simulate
+    report = simulate("lassen", "imagenet-1k", workers=4, epochs=3, batch=32, scale=0.01)
+    report["policies"]["forebay-clairvoyant"]["total_s"]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Optional
+
+from ..plan import AccessPlan
+from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
+from ._engine import SOURCES, timeline
+from ._policies import POLICIES, Workload, simulate_policy
+from ._system import System, lassen, load_system, system_from_profile
+
+__all__ = ["simulate", "sweep", "System", "lassen", "load_system", "system_from_profile",
+           "POLICIES", "SCENARIOS", "SOURCES", "DatasetSpec", "Workload", "dataset_sizes",
+           "simulate_policy", "timeline"]
+
+
+def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,
+             workers: int, epochs: int, batch: Optional[int] = None,
+             policies: Optional[Iterable[str]] = None, scale: float = 1.0, seed: int = 0,
+             progress: Any = None) -> dict[str, Any]:
+    """Simulate ``policies`` (default: all) for one workload.
+
+    Args:
+        system: a :class:`System`, a preset name (``"lassen"``) or a TOML profile.
+        dataset: a scenario name (:data:`SCENARIOS`) or a packed dataset directory.
+        workers: data-parallel workers N (one per node, as in NoPFS §4).
+        batch: per-worker batch size; default the scenario's (32 when a directory).
+        scale: simulate this fraction of the samples with every tier capacity scaled
+            by the same factor (the same scenario case, fewer samples).
+
+    Returns ``{"workload": {...}, "system": {...}, "policies": {name: {total_s, stall_s,
+    setup_s, compute_s, by_source, fetches, pfs_reads, epoch_s, failed, ...}}}``.
+    """
+    from ..progress import as_progress
+
+    sysm = system if isinstance(system, System) else load_system(system)
+    sizes, spec = dataset_sizes(dataset, scale=scale, seed=seed)
+    if scale < 1:
+        sysm = sysm.scaled(scale)
+    batch = batch or (spec.batch if spec else 32)
+    batch = min(batch, len(sizes))
+    plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
+                      epochs=epochs, seed=seed)
+    w = Workload(sizes, plan, sysm)
+    names = list(policies) if policies else list(POLICIES)
+    for name in names:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    out: dict[str, Any] = {}
+    prog = as_progress(progress)
+    prog.start(len(names), desc="simulate", unit="policy")
+    for name in names:
+        t0 = time.perf_counter()
+        res = simulate_policy(name, w)
+        res["sim_seconds"] = round(time.perf_counter() - t0, 3)
+        out[name] = res
+        prog.update(1)
+    prog.close()
+    return {"workload": {"dataset": str(dataset), "samples": len(sizes),
+                         "bytes": int(sizes.sum()), "workers": workers, "epochs": epochs,
+                         "batch": batch, "scale": scale, "seed": seed,
+                         "scenario": spec.note if spec else None},
+            "system": sysm.describe(), "policies": out}
+
+
+def sweep(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,
+          ram_bytes: Iterable[int], ssd_bytes: Iterable[int], policy: str = "forebay-clairvoyant",
+          **kw: Any) -> dict[str, Any]:
+    """Total time of ``policy`` over a grid of RAM and SSD capacities per worker (NoPFS
+    Fig. 9).  Capacities are given at full scale (``scale`` shrinks them with the
+    dataset).  Returns ``{"ram_bytes": [...], "ssd_bytes": [...], "total_s": [[...]]}``
+    with one row per RAM capacity."""
+    from dataclasses import replace
+
+    sysm = system if isinstance(system, System) else load_system(system)
+    rams, ssds = list(ram_bytes), list(ssd_bytes)
+    grid = []
+    for r in rams:
+        row = []
+        for s in ssds:
+            rep = simulate(replace(sysm, ram_bytes=int(r), ssd_bytes=int(s)), dataset,
+                           policies=[policy], **kw)
+            row.append(rep["policies"][policy]["total_s"])
+        grid.append(row)
+    return {"policy": policy, "ram_bytes": rams, "ssd_bytes": ssds, "total_s": grid}

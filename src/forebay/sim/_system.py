@@ -1,0 +1,175 @@
+"""System descriptions for the simulator: NoPFS's performance-model parameters (§4)
+read from the same TOML profile format ``forebay calibrate`` writes, plus a ``lassen``
+preset with the figures of NoPFS §6.1.
+
+Parameters per worker: compute throughput c and preprocessing rate beta (MB/s),
+network bandwidth b_c (MB/s), the PFS's aggregate random-read throughput t(gamma) for
+gamma concurrent readers, and three storage classes: the staging buffer (class 0),
+RAM (class 1) and local SSD (class 2), each with a capacity, a number of prefetch
+threads and read/write throughput tables by thread count.  Staging buffer and RAM are
+both memory, so both read the ``[ram] copy_MBps`` table (lassen: r_0(8) = 111 GB/s,
+r_1(4) = 85 GB/s are two points of one table).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional
+
+from ..store._model import interpolate
+from ..store._profile import ProfileError, load_profile
+
+__all__ = ["System", "lassen", "load_system"]
+
+
+@dataclass(frozen=True)
+class System:
+    """One worker's machine and the shared file system, in NoPFS's terms."""
+
+    compute_MBps: float                       # c
+    preprocess_MBps: float                    # beta, per prefetch thread
+    network_MBps: float                       # b_c
+    pfs_MBps: Mapping[int, float]             # t(gamma): readers -> aggregate MB/s
+    mem_MBps: Mapping[int, float]             # r_0, r_1 (and w_0, w_1): threads -> MB/s
+    ssd_read_MBps: Mapping[int, float] = field(default_factory=dict)   # r_2
+    ssd_write_MBps: Mapping[int, float] = field(default_factory=dict)  # w_2
+    staging_bytes: int = 5 * 10**9            # d_0
+    ram_bytes: int = 0                        # d_1
+    ssd_bytes: int = 0                        # d_2
+    staging_threads: int = 8                  # p_0
+    ram_threads: int = 4                      # p_1
+    ssd_threads: int = 2                      # p_2
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for key in ("compute_MBps", "preprocess_MBps", "network_MBps"):
+            v = getattr(self, key)
+            if not v > 0:
+                raise ProfileError(f"system {self.name}: {key} must be positive, got {v!r}")
+        if not self.pfs_MBps or not self.mem_MBps:
+            raise ProfileError(f"system {self.name}: needs the PFS read table ([pfs] "
+                               f"read_MBps) and the memory table ([ram] copy_MBps)")
+        if self.ssd_bytes and not self.ssd_read_MBps:
+            raise ProfileError(f"system {self.name}: an SSD tier of {self.ssd_bytes} bytes "
+                               f"needs [ssd] read_MBps")
+        for key in ("staging_bytes", "ram_bytes", "ssd_bytes"):
+            if getattr(self, key) < 0:
+                raise ProfileError(f"system {self.name}: {key} must be >= 0")
+        for key in ("staging_threads", "ram_threads", "ssd_threads"):
+            if getattr(self, key) < 1:
+                raise ProfileError(f"system {self.name}: {key} must be >= 1")
+
+    # -- per-MB times of one thread (NoPFS §4) ---------------------------------------
+    def pfs_s_per_MB(self, readers: int) -> float:
+        """fetch_{i,0,0}: 1 / (t(gamma) / gamma) with gamma concurrent readers."""
+        readers = max(int(readers), 1)
+        return readers / interpolate(self.pfs_MBps, readers)
+
+    def local_s_per_MB(self, tier: str) -> float:
+        """fetch_{i,2,j}: 1 / (r_j(p_j) / p_j), tier 'ram' or 'ssd'."""
+        p = self.ram_threads if tier == "ram" else self.ssd_threads
+        table = self.mem_MBps if tier == "ram" else self.ssd_read_MBps
+        return p / interpolate(table, p)
+
+    def peer_s_per_MB(self, tier: str) -> float:
+        """fetch_{i,1,j}: 1 / min(b_c, r_j(p_j) / p_j)."""
+        return max(1.0 / self.network_MBps, self.local_s_per_MB(tier))
+
+    def write_s_per_MB(self, threads: Optional[int] = None) -> float:
+        """write_i: max(1/beta, 1/(w_0(p_0)/p_0)) (preprocessing and the staging write
+        pipelined)."""
+        p = self.staging_threads if threads is None else threads
+        return max(1.0 / self.preprocess_MBps, p / interpolate(self.mem_MBps, p))
+
+    def tier_write_s_per_MB(self, tier: str) -> float:
+        p = self.ram_threads if tier == "ram" else self.ssd_threads
+        table = self.mem_MBps if tier == "ram" else (self.ssd_write_MBps or self.ssd_read_MBps)
+        return p / interpolate(table, p)
+
+    def compute_s_per_MB(self) -> float:
+        return 1.0 / self.compute_MBps
+
+    def scaled(self, factor: float) -> "System":
+        """The same machine with its RAM and SSD capacities multiplied by ``factor``
+        (used with a dataset scaled by the same factor: the same case, fewer samples).
+        The staging buffer is sized in batches, not in dataset fractions: it stays."""
+        return replace(self, ram_bytes=int(self.ram_bytes * factor),
+                       ssd_bytes=int(self.ssd_bytes * factor))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "compute_MBps": self.compute_MBps,
+                "preprocess_MBps": self.preprocess_MBps, "network_MBps": self.network_MBps,
+                "pfs_MBps": dict(self.pfs_MBps), "mem_MBps": dict(self.mem_MBps),
+                "ssd_read_MBps": dict(self.ssd_read_MBps),
+                "staging_bytes": self.staging_bytes, "ram_bytes": self.ram_bytes,
+                "ssd_bytes": self.ssd_bytes, "threads": [self.staging_threads,
+                                                         self.ram_threads, self.ssd_threads]}
+
+
+def lassen() -> System:
+    """NoPFS §6.1's small Lassen-like cluster node: c = 64 MB/s, beta = 200 MB/s,
+    b_c = 24,000 MB/s, 5 GB staging buffer, 120 GB RAM, 900 GB SSD, 8/4/2 prefetch
+    threads, r_0(8) = 111 GB/s, r_1(4) = 85 GB/s, r_2(2) = 4 GB/s, PFS t(1) = 330,
+    t(2) = 730, t(4) = 1,540, t(8) = 2,870 MB/s."""
+    return System(compute_MBps=64.0, preprocess_MBps=200.0, network_MBps=24_000.0,
+                  pfs_MBps={1: 330.0, 2: 730.0, 4: 1540.0, 8: 2870.0},
+                  mem_MBps={4: 85_000.0, 8: 111_000.0},
+                  ssd_read_MBps={2: 4_000.0}, ssd_write_MBps={2: 4_000.0},
+                  staging_bytes=5 * 10**9, ram_bytes=120 * 10**9, ssd_bytes=900 * 10**9,
+                  staging_threads=8, ram_threads=4, ssd_threads=2, name="lassen")
+
+
+PRESETS = {"lassen": lassen}
+
+
+def load_system(spec: "str | os.PathLike[str]", *, compute_MBps: Optional[float] = None,
+                preprocess_MBps: Optional[float] = None,
+                network_MBps: Optional[float] = None) -> System:
+    """A preset name (``lassen``) or a TOML profile.  A profile from ``forebay calibrate``
+    lacks the workload figures: give them in ``[compute]``/``[network]`` or as
+    arguments (arguments win)."""
+    if str(spec) in PRESETS:
+        sysm = PRESETS[str(spec)]()
+        over = {k: v for k, v in (("compute_MBps", compute_MBps),
+                                  ("preprocess_MBps", preprocess_MBps),
+                                  ("network_MBps", network_MBps)) if v is not None}
+        return replace(sysm, **over) if over else sysm
+    prof = load_profile(spec)
+    return system_from_profile(prof, name=os.path.basename(str(spec)),
+                               compute_MBps=compute_MBps, preprocess_MBps=preprocess_MBps,
+                               network_MBps=network_MBps)
+
+
+def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
+                        compute_MBps: Optional[float] = None,
+                        preprocess_MBps: Optional[float] = None,
+                        network_MBps: Optional[float] = None) -> System:
+    comp = prof.get("compute", {})
+    c = compute_MBps or comp.get("MBps")
+    beta = preprocess_MBps or comp.get("preprocess_MBps")
+    if c is None:
+        raise ProfileError(f"{name}: no compute throughput: add [compute] MBps = ... (the "
+                           f"training step's MB/s per worker) or pass --compute-MBps")
+    pfs = prof.get("pfs", {}).get("read_MBps")
+    mem = prof.get("ram", {}).get("copy_MBps")
+    if not pfs or not mem:
+        raise ProfileError(f"{name}: the simulator needs [pfs] read_MBps and [ram] "
+                           f"copy_MBps (run forebay calibrate --dataset ...)")
+    rma = prof.get("rma", {}).get("get_MBps")
+    # no network figure: the measured RMA get bandwidth, else "as fast as memory"
+    bc = network_MBps or prof.get("network", {}).get("MBps") \
+        or (max(rma.values()) if rma else max(mem.values()))
+    ssd = prof.get("ssd", {})
+    tiers = prof.get("tiers", {})
+    return System(compute_MBps=float(c), preprocess_MBps=float(beta or 1e7),
+                  network_MBps=float(bc), pfs_MBps=pfs, mem_MBps=mem,
+                  ssd_read_MBps=ssd.get("read_MBps", {}),
+                  ssd_write_MBps=ssd.get("write_MBps", {}),
+                  staging_bytes=tiers.get("staging_bytes", 256 << 20),
+                  ram_bytes=tiers.get("ram_bytes", 0),
+                  ssd_bytes=tiers.get("ssd_bytes", 0) if ssd.get("read_MBps") else 0,
+                  staging_threads=max(1, tiers.get("staging_threads", 1)),
+                  ram_threads=max(1, tiers.get("ram_threads", 1)),
+                  ssd_threads=max(1, tiers.get("ssd_threads", 1)), name=name)
+

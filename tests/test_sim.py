@@ -1,0 +1,238 @@
+"""forebay.sim: NoPFS's performance model and the I/O policy simulator."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from forebay.plan import AccessPlan
+from forebay.sim import POLICIES, System, Workload, lassen, simulate, simulate_policy, timeline
+from forebay.sim._engine import _release_steps
+from forebay.store import ProfileError
+
+CONTRACT = ["perfect", "naive", "staging", "deepio", "parallel-staging", "lbann",
+            "locality-aware", "nopfs", "forebay-preload", "forebay-clairvoyant"]
+
+
+def toy(**kw) -> System:
+    """1 MB/s compute, PFS 1 MB/s for one reader (2 for two), preprocessing 2 MB/s,
+    memory too fast to matter: every time below is a sum of whole seconds."""
+    base = dict(compute_MBps=1.0, preprocess_MBps=2.0, network_MBps=1e6,
+                pfs_MBps={1: 1.0, 2: 2.0}, mem_MBps={1: 1e7}, staging_bytes=10**9,
+                ram_bytes=0, ssd_bytes=0, staging_threads=1, ram_threads=1, ssd_threads=1)
+    base.update(kw)
+    return System(**base)
+
+
+def one_worker(system: System, samples: int = 8, batch: int = 2) -> Workload:
+    plan = AccessPlan(num_samples=samples, world_size=1, batch_size=batch, epochs=1)
+    return Workload(np.full(samples, 10**6), plan, system)
+
+
+def test_contract_policy_names():
+    assert list(POLICIES) == CONTRACT
+
+
+def test_hand_computed_one_worker_one_tier():
+    # 4 batches of 2 x 1 MB.  A sample: fetch 1 s + write 0.5 s; a batch: 3 s to
+    # deliver, 2 s to compute.
+    w = one_worker(toy())
+    assert simulate_policy("perfect", w)["total_s"] == pytest.approx(8.0)
+    naive = simulate_policy("naive", w)          # no overlap: 4 x (3 + 2)
+    assert naive["total_s"] == pytest.approx(20.0)
+    assert naive["stall_s"] == pytest.approx(12.0)
+    assert naive["by_source"]["pfs"] == pytest.approx(8.0)
+    staging = simulate_policy("staging", w)      # delivery-bound: 4 x 3 + the last 2
+    assert staging["total_s"] == pytest.approx(14.0)
+    assert staging["stall_s"] == pytest.approx(6.0)
+    # two threads: two readers get t(2) = 2 MB/s between them, 1 MB/s each; a batch
+    # takes 3 / 2 = 1.5 s, so compute-bound after the first batch: 1.5 + 4 x 2
+    two = simulate_policy("staging", one_worker(toy(staging_threads=2)))
+    assert two["total_s"] == pytest.approx(9.5)
+    # a staging buffer that holds one batch cannot prefetch: the naive timeline again
+    tight = simulate_policy("staging", one_worker(toy(staging_bytes=2 * 10**6)))
+    assert tight["total_s"] == pytest.approx(20.0)
+    # ... and one that holds two batches overlaps the next fetch with compute
+    two_b = simulate_policy("staging", one_worker(toy(staging_bytes=4 * 10**6)))
+    assert two_b["total_s"] == pytest.approx(14.0)
+
+
+def test_cached_policies_hand_computed():
+    # RAM holds everything; 2 epochs of 2 batches.  Epoch 0 from the PFS (3 s per
+    # batch), epoch 1 from RAM (write only: 1 s per batch); compute 2 s per batch.
+    sysm = toy(ram_bytes=10**9, staging_threads=1)
+    plan = AccessPlan(num_samples=4, world_size=1, batch_size=2, epochs=2)
+    w = Workload(np.full(4, 10**6), plan, sysm)
+    for name in ("nopfs", "forebay-clairvoyant", "lbann", "locality-aware", "deepio"):
+        r = simulate_policy(name, w)
+        # P = 3, 6, 7, 8; steps start 3, 6, 8, 10 -> end 12
+        assert r["total_s"] == pytest.approx(12.0), name
+        assert r["fetches"] == {"pfs": 4, "ram": 4, "ssd": 0, "peer_ram": 0, "peer_ssd": 0}
+    # preload: 4 MB from the PFS into RAM first (4 s; preprocessing comes at delivery),
+    # then 1 s per batch to deliver: the first batch after 5 s, then compute-bound
+    pre = simulate_policy("forebay-preload", w)
+    assert pre["setup_s"] == pytest.approx(4.0)
+    assert pre["total_s"] == pytest.approx(4.0 + 1 + 4 * 2)
+
+
+def _reference(read, comp, nbytes, cap, setup):
+    """Step by step, as the model is written (NoPFS §4 with a bounded buffer)."""
+    n, s = read.shape
+    g = _release_steps(nbytes, cap)
+    cmax = comp.max(axis=0)
+    end = np.zeros(s)
+    p = np.full(n, float(setup))
+    prev_end = float(setup)
+    for h in range(s):
+        rel = np.array([end[g[i, h]] if g[i, h] >= 0 else 0.0 for i in range(n)])
+        p = np.maximum(p, rel) + read[:, h]
+        start = max(p.max(), prev_end)
+        end[h] = start + cmax[h]
+        prev_end = end[h]
+    return end
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_timeline_scan_matches_step_by_step(seed):
+    rng = np.random.default_rng(seed)
+    n, s = int(rng.integers(1, 5)), int(rng.integers(1, 300))
+    read = rng.exponential(1.0, (n, s))
+    comp = rng.exponential(1.0, (n, s))
+    nbytes = rng.integers(1, 100, (n, s)).astype(float)
+    cap = int(rng.choice([0, 50, 200, 1000, 10**9]))
+    setup = float(rng.choice([0.0, 3.0]))
+    tl = timeline(read, comp, nbytes, cap, setup)
+    np.testing.assert_allclose(tl.end, _reference(read, comp, nbytes, cap, setup), rtol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_perfect_bounds_every_policy(seed):
+    rng = np.random.default_rng(100 + seed)
+    f = int(rng.integers(40, 400))
+    n = int(rng.choice([1, 2, 3, 4]))
+    b = int(rng.integers(1, max(2, f // (2 * n))))
+    sizes = rng.integers(10_000, 2_000_000, f)
+    total = int(sizes.sum())
+    sysm = replace(lassen(), compute_MBps=float(rng.choice([64, 1000, 5000])),
+                   staging_bytes=int(rng.choice([0, 4_000_000, 10**9])),
+                   ram_bytes=int(total * rng.uniform(0, 0.6)),
+                   ssd_bytes=int(total * rng.uniform(0, 0.6)))
+    w = Workload(sizes, AccessPlan(f, n, b, int(rng.integers(1, 4)), seed=seed), sysm)
+    lower = simulate_policy("perfect", w)["total_s"]
+    for name in CONTRACT:
+        r = simulate_policy(name, w)
+        if r["failed"]:
+            continue
+        assert r["total_s"] >= lower * (1 - 1e-12), name
+        assert r["stall_s"] >= 0
+
+
+def test_lbann_and_preload_fail_beyond_aggregate_ram():
+    sizes = np.full(100, 10**6)
+    plan = AccessPlan(100, 4, 5, 2)
+    small = Workload(sizes, plan, replace(lassen(), ram_bytes=20 * 10**6))  # 80 MB < 100 MB
+    for name in ("lbann", "forebay-preload"):
+        r = simulate_policy(name, small)
+        assert r["failed"] and "exceeds the workers' aggregate RAM" in r["failed"]
+        assert r["total_s"] is None
+    enough = Workload(sizes, plan, replace(lassen(), ram_bytes=30 * 10**6))
+    assert simulate_policy("lbann", enough)["failed"] is None
+    pre = simulate_policy("forebay-preload", enough)
+    assert pre["failed"] is None and pre["width"] == 4   # one replica striped over 4
+
+
+def test_clairvoyant_reads_each_sample_from_the_pfs_once():
+    # aggregate capacity covers the dataset, no single worker's does
+    sizes = np.random.default_rng(1).integers(50_000, 150_000, 2_000)
+    plan = AccessPlan(2_000, 4, 16, 4, seed=3)
+    sysm = replace(lassen(), ram_bytes=int(sizes.sum() * 0.2), ssd_bytes=int(sizes.sum() * 0.1))
+    w = Workload(sizes, plan, sysm)
+    fb = simulate_policy("forebay-clairvoyant", w)
+    assert fb["covered"] == 1.0
+    assert fb["pfs_reads"] == plan.num_samples          # each exactly once
+    nopfs = simulate_policy("nopfs", w)                  # frequency-only placement
+    assert nopfs["pfs_reads"] > fb["pfs_reads"]
+    assert simulate_policy("staging", w)["pfs_reads"] == plan.epochs * plan.steps_per_epoch \
+        * plan.global_batch
+
+
+def test_lassen_mnist_naive_is_slowest():
+    rep = simulate("lassen", "mnist", workers=4, epochs=3, scale=0.2)
+    pol = rep["policies"]
+    totals = {k: v["total_s"] for k, v in pol.items() if k != "perfect" and not v["failed"]}
+    assert max(totals, key=totals.get) == "naive"
+    best = min(totals.values())
+    # the model's closed form: naive pays 1/(t(4)/4) + 1/beta per MB on top of 1/c
+    sysm = lassen()
+    closed = 1 + sysm.compute_MBps * (4 / 1540 + 1 / sysm.preprocess_MBps)
+    assert totals["naive"] / pol["perfect"]["total_s"] == pytest.approx(closed, rel=0.01)
+    assert totals["naive"] / best > 1.4
+
+
+def test_lassen_imagenet_nopfs_and_forebay_near_the_bound():
+    rep = simulate("lassen", "imagenet-1k", workers=4, epochs=3, scale=0.005,
+                   policies=["perfect", "nopfs", "forebay-clairvoyant", "naive"])
+    pol = rep["policies"]
+    for name in ("nopfs", "forebay-clairvoyant"):
+        assert pol[name]["total_s"] <= 1.02 * pol["perfect"]["total_s"], name
+    assert pol["naive"]["total_s"] > 1.3 * pol["perfect"]["total_s"]
+
+
+def test_system_files(tmp_path):
+    prof = tmp_path / "sys.toml"
+    prof.write_text('[pfs]\nread_MBps = { "1" = 100.0, "4" = 300.0 }\n'
+                    '[ram]\ncopy_MBps = { "1" = 5000.0 }\n[rma]\nget_MBps = { "2" = 900.0 }\n'
+                    '[tiers]\nram_bytes = "1GiB"\nstaging_threads = 2\n')
+    with pytest.raises(ProfileError, match="no compute throughput"):
+        simulate(str(prof), "mnist", workers=2, epochs=1, scale=0.01)
+    from forebay.sim import load_system
+
+    s = load_system(prof, compute_MBps=500)
+    assert (s.compute_MBps, s.network_MBps, s.ram_bytes, s.staging_threads) == \
+        (500, 900.0, 1 << 30, 2)
+    prof.write_text(prof.read_text() + '[compute]\nMBps = 250.0\npreprocess_MBps = 800.0\n')
+    rep = simulate(str(prof), "mnist", workers=2, epochs=1, scale=0.01, policies=["staging"])
+    assert rep["system"]["compute_MBps"] == 250.0
+    prof.write_text("[compute]\nMBps = -3\n")
+    with pytest.raises(ProfileError, match="positive number"):
+        load_system(prof)
+
+
+def test_simulate_cli_json_and_errors(cli, tmp_path):
+    out = tmp_path / "r.json"
+    code, text, err = cli("simulate", "--dataset", "mnist", "--workers", "2", "--epochs", "2",
+                          "--scale", "0.05", "--json", out, "--plot", tmp_path / "r.png")
+    assert code == 0, err
+    assert "naive" in text and "forebay-clairvoyant" in text
+    res = json.loads(out.read_text())
+    assert list(res["policies"]) == CONTRACT
+    for v in res["policies"].values():
+        assert {"total_s", "stall_s", "by_source"} <= set(v)
+        if not v["failed"]:
+            assert v["total_s"] > 0 and set(v["by_source"]) >= {"pfs", "ram"}
+    assert (tmp_path / "r.png").stat().st_size > 0
+    code, _, err = cli("simulate", "--dataset", "mnist", "--workers", "2", "--epochs", "1",
+                       "--policies", "magic")
+    assert code == 2 and "unknown policy 'magic'" in err
+    code, _, err = cli("simulate", "--dataset", "nowhere", "--workers", "2", "--epochs", "1")
+    assert code == 2 and "neither a scenario" in err
+
+
+def test_simulate_real_dataset_and_sweep(cli, packed, tmp_path):
+    code, text, err = cli("simulate", "--dataset", packed[0], "--workers", "2", "--epochs", "2",
+                          "--batch", "4", "--policies", "staging,forebay-clairvoyant")
+    assert code == 0, err
+    assert f"{len(packed[1]):,} samples" in text
+    out = tmp_path / "s.json"
+    code, text, err = cli("simulate", "sweep", "--dataset", "imagenet-1k", "--workers", "2",
+                          "--epochs", "2", "--scale", "0.001", "--ram", "0,60GB",
+                          "--ssd", "0,450GB,900GB", "--compute-MBps", "2000", "--json", out)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    grid = np.array(res["total_s"])
+    assert grid.shape == (2, 3)
+    # caching helps: with no RAM and no SSD every epoch streams from the PFS
+    assert grid[0, 0] > grid[1, 2]
