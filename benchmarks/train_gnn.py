@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import forebay
 import forebay.trace as trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,6 +105,13 @@ def main() -> None:
     p.add_argument("--reduce", choices=["ddp", "bitvector", "master"], default="ddp",
                    help="gradient averaging of the forebay run: torch DDP, or "
                    "forebay.reduce.DistributedOptimizer with that coordination")
+    p.add_argument("--mode", choices=["preload", "clairvoyant"], default="preload",
+                   help="forebay loader mode (clairvoyant: a RAM tier of --ram-share of the "
+                   "dataset per rank, filled in the background)")
+    p.add_argument("--ram-share", type=float, default=0.6,
+                   help="clairvoyant: each rank's RAM tier as a share of the dataset")
+    p.add_argument("--json", type=Path, help="write the measured epochs (for the simulator "
+                   "comparison: benchmarks/sim_validate.py)")
     p.add_argument("--repo", help="save the forebay-trained model into this model repository "
                    "(e.g. file:///tmp/models) and reload its head alone")
     a = p.parse_args()
@@ -132,8 +140,13 @@ def main() -> None:
     results = {}
     if a.trace:
         trace.enable(a.trace)
+    ram = None
+    if a.mode == "clairvoyant":
+        from forebay.store import tier_nbytes
+
+        ram = int(tier_nbytes(forebay.open_dataset(a.packed)).sum() * a.ram_share)
     loader = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
-                        progress=False)
+                        progress=False, mode=a.mode, ram_bytes=ram)
     y_scale = 100.0
     model, opt = fresh_model(a.reduce)
     per_epoch = []
@@ -142,6 +155,7 @@ def main() -> None:
         n, dt, stall, loss = train(model, opt, loader, y_scale)
         per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
                           comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
+    fb_stats = loader.stats()
     loader.close()
     if a.reduce != "ddp":
         st = opt.stats()
@@ -156,7 +170,8 @@ def main() -> None:
         save_and_reload(a.repo, getattr(model, "module", model), per_epoch)
     if a.trace:
         trace.disable()
-    results["forebay DataLoader (preload)"] = per_epoch
+    forebay_name = f"forebay DataLoader ({a.mode})"
+    results[forebay_name] = per_epoch
 
     if a.pff is not None:
         ds, _ = pff_dataset(a.pff)
@@ -191,6 +206,16 @@ def main() -> None:
             print(f"  forebay / torch DataLoader: {f / b:.2f}x graphs/s over the run (the share "
                   f"of time stalled on data is what a loader can remove; the rest is the "
                   f"model's compute on this CPU)")
+    if rank == 0 and a.json:
+        import json
+
+        a.json.write_text(json.dumps({
+            "ranks": world, "batch_size": a.batch_size, "epochs": a.epochs, "mode": a.mode,
+            "ram_bytes": ram, "packed": str(a.packed), "pff": str(a.pff) if a.pff else None,
+            "pfs_reads": fb_stats.get("pfs_reads"),
+            "runs": {name: [{"graphs": n, "seconds": dt, "stall_s": st, "loss": lo}
+                            for n, dt, st, lo in rows] for name, rows in results.items()},
+            "forebay": forebay_name}, indent=1))
     dist.destroy_process_group()
 
 

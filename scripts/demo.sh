@@ -24,10 +24,11 @@ python benchmarks/format_bench.py --out "$OUT/bench" --samples 5000 --reads 1000
 step "6. the access-frequency analysis NoPFS builds on (ImageNet-1k, 16 workers, 90 epochs)"
 forebay plan --samples 1281167 --world 16 --epochs 90 --delta 0.8
 
-step "7. train a small graph network for 2 epochs on 2 MPI ranks: forebay loader and gradient coordination vs torch DataLoader over PFF"
+step "7. train a small graph network for 2 epochs on 2 MPI ranks: forebay's clairvoyant loader and gradient coordination vs torch DataLoader over PFF"
 rm -rf "$OUT/trace"
 mpiexec -n 2 python benchmarks/train_gnn.py --packed "$OUT/ising.fb" --pff "$OUT/ising-pff" --epochs 2 \
-    --reduce bitvector --trace "$OUT/trace" --repo "file://$(cd "$OUT" && pwd)/models"
+    --mode clairvoyant --ram-share 0.6 --reduce bitvector --trace "$OUT/trace" \
+    --repo "file://$(cd "$OUT" && pwd)/models" --json "$OUT/train.json"
 
 step "8. what the trace of that forebay run says (DFTracer-format files, one per rank)"
 forebay analyze "$OUT/trace" --json "$OUT/trace-analysis.json" --plots "$OUT/trace-plots"
@@ -35,3 +36,10 @@ forebay analyze "$OUT/trace" --json "$OUT/trace-analysis.json" --plots "$OUT/tra
 step "9. the trained model in the embedded model repository (a new version each demo run)"
 forebay models ls "$OUT/models"
 forebay models show "$OUT/models" graphnet
+
+step "10. the simulator for that run, next to what was measured (NoPFS's model, this machine)"
+python benchmarks/sim_validate.py --train-json "$OUT/train.json" --json "$OUT/sim-validate.json"
+
+step "11. the simulator on paper: ImageNet-1k on 4 Lassen-like nodes with a faster accelerator (c = 1 GB/s), 1% of the samples"
+forebay simulate --system lassen --dataset imagenet-1k --workers 4 --epochs 3 --scale 0.01 \
+    --compute-MBps 1000 --json "$OUT/simulate.json" --plot "$OUT/simulate.png"
