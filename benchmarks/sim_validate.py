@@ -17,6 +17,18 @@ prefetching: fetch, decode, compute in turn); forebay's loader is
 
     mpiexec -n 2 python benchmarks/train_gnn.py ... --mode clairvoyant --json run.json
     python benchmarks/sim_validate.py --train-json run.json
+
+Second mode, ``--loader-json``: the runs of ``benchmarks/loader_bench.py --pfs
+--clairvoyant --compute-ms MS --json J`` on the emulated parallel file system (NoPFS
+§6.1's t(gamma), one reader per rank, files evicted before every epoch): torch
+DataLoader over PFF pickles (naive), forebay preload (forebay-preload) and clairvoyant
+with RAM (and SSD) tiers (forebay-clairvoyant), with c from the emulated compute per
+step and the file system's rate per reader the slower of the emulation and this disk's
+cold reads (measured here, after eviction, for the packed shards and for the pickles).
+
+    python benchmarks/loader_bench.py --out .demo/loader --ranks 2 --pfs --clairvoyant \
+        --compute-ms 2 --open-latency-ms 0 --epochs 3 --json loader.json
+    python benchmarks/sim_validate.py --loader-json loader.json --data .demo/loader
 """
 
 from __future__ import annotations
@@ -31,8 +43,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _baselines import list_collate, pff_dataset  # noqa: E402
-from _common import machine  # noqa: E402
+from _baselines import LASSEN_MBPS, list_collate, pff_dataset  # noqa: E402
+from _common import evict, files_under, machine  # noqa: E402
 
 
 def _rate(fn, batches, nbytes) -> float:
@@ -46,12 +58,130 @@ def _rate(fn, batches, nbytes) -> float:
     return nbytes / best / 1e6
 
 
+def _cold_MBps(read, files, nbytes) -> float:
+    """MB/s of one reader doing ``read()`` right after the files left the page cache."""
+    evict(files)
+    t0 = time.perf_counter()
+    read()
+    return nbytes / (time.perf_counter() - t0) / 1e6
+
+
+def _print_rows(rows, note: str) -> list:
+    if note:
+        print(note)
+    print("| loader (measured) | simulated policy | measured s | predicted s | error | "
+          "measured stall s | predicted stall s |\n|---|---|---:|---:|---:|---:|---:|")
+    out = []
+    for name, pol, mt, ms, pt, ps in rows:
+        err = (pt - mt) / mt
+        out.append({"loader": name, "policy": pol, "measured_s": mt, "predicted_s": pt,
+                    "error": err, "measured_stall_s": ms, "predicted_stall_s": ps})
+        print(f"| {name} | {pol} | {mt:.2f} | {pt:.2f} | {100 * err:+.0f}% | "
+              + (f"{ms:.2f}" if ms is not None else "-") + f" | {ps:.2f} |")
+    return out
+
+
+def loader_mode(a) -> None:
+    """Predicted vs measured for loader_bench's emulated-PFS runs."""
+    import forebay
+    from forebay.plan import AccessPlan
+    from forebay.sim import System, Workload, simulate_policy
+    from forebay.store import calibrate, tier_nbytes
+    from forebay.torch import default_collate
+
+    doc = json.loads(a.loader_json.read_text())
+    kind = next(p.name[:-3] for p in a.data.glob("*.fb"))
+    packed, pffdir = a.data / f"{kind}.fb", a.data / f"{kind}-pff"
+    ds = forebay.open_dataset(packed)
+    sizes = np.asarray(ds.sample_nbytes, dtype=np.int64)
+    pds, files = pff_dataset(pffdir)
+    psizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
+    rng = np.random.default_rng(0)
+    bs = doc["results"][0]["batch_size"]
+    picks = [rng.choice(len(ds), bs, replace=False) for _ in range(a.batches)]
+    beta_fb = _rate(lambda b: default_collate(ds.get_many(b)), picks,
+                    sum(int(sizes[b].sum()) for b in picks))
+    beta_pff = _rate(lambda b: list_collate([pds[int(i)] for i in b]), picks,
+                     sum(int(psizes[b].sum()) for b in picks))
+    # this disk's cold reads, one reader: packed batches and pickles one by one
+    cold = rng.choice(len(ds), min(2000, len(ds)), replace=False)
+    shards = files_under(packed)
+    fresh = forebay.open_dataset(packed)
+    disk_fb = _cold_MBps(lambda: [fresh.get_many(cold[k:k + bs])
+                                  for k in range(0, len(cold), bs)], shards,
+                         int(sizes[cold].sum()))
+    disk_pff = _cold_MBps(lambda: [files[int(i)].read_bytes() for i in cold], files,
+                          int(psizes[cold].sum()))
+    mem = calibrate(threads=[1, 2], ram_bytes=64 << 20)["ram"]["copy_MBps"]
+    prof = calibrate(threads=[1], ssd_dir=a.data, ssd_bytes=128 << 20, ram_bytes=8 << 20)
+    ssd_r, ssd_w = prof["ssd"]["read_MBps"], prof["ssd"]["write_MBps"]
+    need = int(tier_nbytes(ds).sum())
+    rows = []
+    for r in doc["results"]:
+        if not r["pfs"] and r["contender"] != "no-io":
+            continue
+        n, epochs = r["ranks"], len(r["epoch_s"])
+        plan = AccessPlan(len(ds), n, bs, epochs, seed=0)
+
+        def system(disk, beta, sz, r=r, **kw) -> System:
+            # per reader: the emulation's t(n)/n, unless this disk is slower
+            pfs = {k: min(v, disk * k) for k, v in LASSEN_MBPS.items()}
+            c = bs * sz.mean() / 1e6 / (r["compute_ms"] / 1e3) if r["compute_ms"] else 1e9
+            return System(compute_MBps=c, preprocess_MBps=beta, network_MBps=max(mem.values()),
+                          pfs_MBps=pfs, mem_MBps=mem, ssd_read_MBps=ssd_r,
+                          ssd_write_MBps=ssd_w, staging_bytes=5 * bs * int(sz.mean()),
+                          staging_threads=1, ram_threads=1, ssd_threads=1, **kw)
+        measured = sum(r["epoch_s"]) + r.get("preload_s", 0.0)
+        name = r["contender"]
+        if name == "pff":
+            wl = Workload(psizes, AccessPlan(len(psizes), n, bs, epochs, seed=0),
+                          system(disk_pff, beta_pff, psizes))
+            res, pol = simulate_policy("naive", wl), "naive"
+        elif name == "no-io":
+            wl = Workload(sizes, plan, system(disk_fb, beta_fb, sizes))
+            res, pol = simulate_policy("perfect", wl), "perfect"
+        elif name == "forebay":
+            wl = Workload(sizes, plan, system(disk_fb, beta_fb, sizes, ram_bytes=need))
+            res = simulate_policy("forebay-preload", wl)
+            pol = f"forebay-preload (width {res.get('width')})"
+        elif name.startswith("forebay-cv"):
+            shares = [float(x) for x in name.split(":")[1:]]
+            ssd = int(need * shares[1] / n) if len(shares) > 1 else 0
+            wl = Workload(sizes, plan, system(disk_fb, beta_fb, sizes,
+                                              ram_bytes=int(need * shares[0] / n),
+                                              ssd_bytes=ssd))
+            res, pol = simulate_policy("forebay-clairvoyant", wl), "forebay-clairvoyant"
+        else:
+            continue
+        label = f"{name}, {n} ranks" + (", emulated PFS" if r["pfs"] else ", no I/O")
+        rows.append((label, pol, measured, r.get("stall_s"), res["total_s"], res["stall_s"]))
+    print(f"machine: {machine()}")
+    out = _print_rows(rows, f"loader_bench runs ({doc['machine']}); beta forebay {beta_fb:.0f} "
+                      f"MB/s, torch/PFF {beta_pff:.0f} MB/s; cold disk, one reader: packed "
+                      f"{disk_fb:.0f} MB/s, pickles {disk_pff:.0f} MB/s")
+    errs = [abs(o["error"]) for o in out]
+    print(f"mean |error| {100 * np.mean(errs):.0f}%, max {100 * max(errs):.0f}%")
+    if a.json:
+        a.json.write_text(json.dumps({"machine": machine(), "beta_forebay_MBps": beta_fb,
+                                      "beta_pff_MBps": beta_pff, "disk_packed_MBps": disk_fb,
+                                      "disk_pff_MBps": disk_pff, "rows": out}, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--train-json", type=Path, required=True)
+    p.add_argument("--train-json", type=Path)
+    p.add_argument("--loader-json", type=Path)
+    p.add_argument("--data", type=Path, help="loader_bench's --out directory")
     p.add_argument("--batches", type=int, default=20, help="batches timed per loader path")
     p.add_argument("--json", type=Path, help="write predictions and errors")
     a = p.parse_args()
+    if a.loader_json:
+        if not a.data:
+            raise SystemExit("--loader-json needs --data (loader_bench's --out directory)")
+        loader_mode(a)
+        return
+    if not a.train_json:
+        raise SystemExit("give --train-json or --loader-json")
 
     import forebay
     from forebay.plan import AccessPlan
@@ -105,15 +235,7 @@ def main() -> None:
           f"batch {bs}, {epochs} epochs; c = {c:.2f} MB/s per worker (from the forebay run), "
           f"beta forebay {beta_fb:.0f} MB/s"
           + (f", beta torch/PFF {beta_pff:.1f} MB/s" if beta_pff else ""))
-    print("| loader (measured) | simulated policy | measured s | predicted s | error | "
-          "measured stall s | predicted stall s |\n|---|---|---:|---:|---:|---:|---:|")
-    out = []
-    for name, pol, mt, ms, pt, ps in rows:
-        err = (pt - mt) / mt
-        out.append({"loader": name, "policy": pol, "measured_s": mt, "predicted_s": pt,
-                    "error": err, "measured_stall_s": ms, "predicted_stall_s": ps})
-        print(f"| {name} | {pol} | {mt:.2f} | {pt:.2f} | {100 * err:+.0f}% | {ms:.2f} | "
-              f"{ps:.2f} |")
+    out = _print_rows(rows, "")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine(), "compute_MBps": c,
                                       "beta_forebay_MBps": beta_fb, "beta_pff_MBps": beta_pff,

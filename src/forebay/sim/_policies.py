@@ -339,23 +339,31 @@ def nopfs(w: Workload) -> dict[str, Any]:
     from the own tiers, else the fastest of a peer holding the sample and the PFS."""
     run = _prefetching(w)
     f = w.plan.num_samples
-    held = np.empty((w.n, f), dtype=np.int8)
-    for i in range(w.n):
+
+    def held_by(i: int) -> np.ndarray:
         freq = w.plan.frequencies(i)
         first = w.plan.first_access(i)
         cand = np.flatnonzero(freq > 0)
         cand = cand[np.lexsort((cand, first[cand], -freq[cand]))]
-        held[i] = NONE
-        held[i, cand] = _fill_first(cand, w.sizes, [w.system.ram_bytes, w.system.ssd_bytes])
-    ram_cnt = (held == P_RAM).sum(axis=0)
-    ssd_cnt = (held == P_SSD).sum(axis=0)
-    for e in range(w.plan.epochs):
-        for i in range(w.n):
+        held = np.full(f, NONE, dtype=np.int8)
+        held[cand] = _fill_first(cand, w.sizes, [w.system.ram_bytes, w.system.ssd_bytes])
+        return held
+
+    # two passes (copies per sample, then each worker's reads): O(F) memory, not O(N F)
+    ram_cnt = np.zeros(f, dtype=np.int32)
+    ssd_cnt = np.zeros(f, dtype=np.int32)
+    for i in range(w.n):
+        held = held_by(i)
+        ram_cnt += held == P_RAM
+        ssd_cnt += held == P_SSD
+    for i in range(w.n):
+        held = held_by(i)
+        for e in range(w.plan.epochs):
             ids = w.batches(i, e)
             if e == 0:
                 run.add(i, e, ids, np.full(ids.shape, PFS))
                 continue
-            mine = held[i, ids]
+            mine = held[ids]
             peer_ram = ram_cnt[ids] - (mine == P_RAM) > 0
             peer_ssd = ssd_cnt[ids] - (mine == P_SSD) > 0
             remote = np.where(peer_ram, run.peer_or_pfs(np.full(ids.shape, PEER_RAM)),
