@@ -153,7 +153,7 @@ def worker(a) -> None:
                   for b in plan.batches(rank, e)}
 
         class InMemory(DataLoader):
-            def _fetch(self, ids):
+            def _fetch(self, ids, *_):
                 return default_collate(cached[ids.tobytes()])
 
         dl = InMemory(a.packed, bs, comm=comm, seed=0, epochs=epochs, mode="direct",

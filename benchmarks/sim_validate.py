@@ -58,12 +58,24 @@ def _rate(fn, batches, nbytes) -> float:
     return nbytes / best / 1e6
 
 
-def _cold_MBps(read, files, nbytes) -> float:
-    """MB/s of one reader doing ``read()`` right after the files left the page cache."""
-    evict(files)
-    t0 = time.perf_counter()
-    read()
-    return nbytes / (time.perf_counter() - t0) / 1e6
+def _cold_MBps(read, files, ids, nbytes, readers=(1, 2)) -> dict:
+    """Aggregate MB/s of k threads each doing ``read(their share of ids)`` right after
+    the files left the page cache, per reader count k (the "PFS" table t(k) of this
+    disk, as forebay calibrate measures it)."""
+    import threading
+
+    out = {}
+    for k in readers:
+        evict(files)
+        parts = np.array_split(ids, k)
+        ts = [threading.Thread(target=read, args=(part,)) for part in parts]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        out[k] = nbytes(ids) / (time.perf_counter() - t0) / 1e6
+    return out
 
 
 def _print_rows(rows, note: str) -> list:
@@ -79,6 +91,10 @@ def _print_rows(rows, note: str) -> list:
         print(f"| {name} | {pol} | {mt:.2f} | {pt:.2f} | {100 * err:+.0f}% | "
               + (f"{ms:.2f}" if ms is not None else "-") + f" | {ps:.2f} |")
     return out
+
+
+def _fmt(table: dict) -> str:
+    return ", ".join(f"{k}: {v:.0f}" for k, v in table.items())
 
 
 def loader_mode(a) -> None:
@@ -107,11 +123,11 @@ def loader_mode(a) -> None:
     cold = rng.choice(len(ds), min(2000, len(ds)), replace=False)
     shards = files_under(packed)
     fresh = forebay.open_dataset(packed)
-    disk_fb = _cold_MBps(lambda: [fresh.get_many(cold[k:k + bs])
-                                  for k in range(0, len(cold), bs)], shards,
-                         int(sizes[cold].sum()))
-    disk_pff = _cold_MBps(lambda: [files[int(i)].read_bytes() for i in cold], files,
-                          int(psizes[cold].sum()))
+    disk_fb = _cold_MBps(lambda ids: [fresh.get_many(ids[k:k + bs])
+                                      for k in range(0, len(ids), bs)], shards, cold,
+                         lambda ids: int(sizes[ids].sum()))
+    disk_pff = _cold_MBps(lambda ids: [files[int(i)].read_bytes() for i in ids], files, cold,
+                          lambda ids: int(psizes[ids].sum()))
     mem = calibrate(threads=[1, 2], ram_bytes=64 << 20)["ram"]["copy_MBps"]
     prof = calibrate(threads=[1], ssd_dir=a.data, ssd_bytes=128 << 20, ram_bytes=8 << 20)
     ssd_r, ssd_w = prof["ssd"]["read_MBps"], prof["ssd"]["write_MBps"]
@@ -124,8 +140,10 @@ def loader_mode(a) -> None:
         plan = AccessPlan(len(ds), n, bs, epochs, seed=0)
 
         def system(disk, beta, sz, r=r, **kw) -> System:
-            # per reader: the emulation's t(n)/n, unless this disk is slower
-            pfs = {k: min(v, disk * k) for k, v in LASSEN_MBPS.items()}
+            # the emulation's t(k), unless this disk is slower with k readers
+            from forebay.store._model import interpolate
+
+            pfs = {k: min(v, interpolate(disk, k)) for k, v in LASSEN_MBPS.items()}
             c = bs * sz.mean() / 1e6 / (r["compute_ms"] / 1e3) if r["compute_ms"] else 1e9
             return System(compute_MBps=c, preprocess_MBps=beta, network_MBps=max(mem.values()),
                           pfs_MBps=pfs, mem_MBps=mem, ssd_read_MBps=ssd_r,
@@ -157,8 +175,8 @@ def loader_mode(a) -> None:
         rows.append((label, pol, measured, r.get("stall_s"), res["total_s"], res["stall_s"]))
     print(f"machine: {machine()}")
     out = _print_rows(rows, f"loader_bench runs ({doc['machine']}); beta forebay {beta_fb:.0f} "
-                      f"MB/s, torch/PFF {beta_pff:.0f} MB/s; cold disk, one reader: packed "
-                      f"{disk_fb:.0f} MB/s, pickles {disk_pff:.0f} MB/s")
+                      f"MB/s, torch/PFF {beta_pff:.0f} MB/s; cold disk by readers: packed "
+                      f"{_fmt(disk_fb)}, pickles {_fmt(disk_pff)} MB/s")
     errs = [abs(o["error"]) for o in out]
     print(f"mean |error| {100 * np.mean(errs):.0f}%, max {100 * max(errs):.0f}%")
     if a.json:

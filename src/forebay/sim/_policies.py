@@ -413,17 +413,15 @@ def forebay_clairvoyant(w: Workload) -> dict[str, Any]:
 
 
 def forebay_preload(w: Workload) -> dict[str, Any]:
-    """forebay's preload mode (DDStore): before training the dataset is loaded into the
-    workers' RAM, striped in contiguous chunks over a replica group of ``width``
-    workers (the smallest width that fits, as ``mode="auto"`` picks); every read is
-    from the own memory or a group peer's over RMA.  Fails when even one replica over
-    all workers exceeds their RAM."""
+    """forebay's preload mode (DDStore) at the loader's default width: before training
+    the dataset is loaded into the workers' RAM as one replica striped in contiguous
+    chunks over all of them; every read is from the own memory or a peer's over RMA.
+    Fails when the dataset exceeds the workers' aggregate RAM."""
     from ..store._distributed import chunk_members
 
     sysm = w.system
-    width = next((k for k in range(1, w.n + 1)
-                  if w.n % k == 0 and w.total_bytes <= k * sysm.ram_bytes), None)
-    if width is None:
+    width = w.n
+    if w.total_bytes > width * sysm.ram_bytes:
         return _failed(f"the dataset ({w.total_bytes / 1e9:.1f} GB) exceeds the workers' "
                        f"aggregate RAM ({w.n * sysm.ram_bytes / 1e9:.1f} GB): "
                        f"use forebay-clairvoyant")
