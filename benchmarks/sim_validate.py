@@ -58,15 +58,18 @@ def _rate(fn, batches, nbytes) -> float:
     return nbytes / best / 1e6
 
 
-def _cold_MBps(read, files, ids, nbytes, readers=(1, 2)) -> dict:
+def _cold_MBps(make_read, files, ids, nbytes, readers=(1, 2)) -> dict:
     """Aggregate MB/s of k threads each doing ``read(their share of ids)`` right after
     the files left the page cache, per reader count k (the "PFS" table t(k) of this
-    disk, as forebay calibrate measures it)."""
+    disk, as forebay calibrate measures it).  ``make_read()`` is called after each
+    eviction: pages an open memory map still holds cannot be evicted."""
+    import gc
     import threading
 
     out = {}
     for k in readers:
         evict(files)
+        read = make_read()
         parts = np.array_split(ids, k)
         ts = [threading.Thread(target=read, args=(part,)) for part in parts]
         t0 = time.perf_counter()
@@ -75,6 +78,8 @@ def _cold_MBps(read, files, ids, nbytes, readers=(1, 2)) -> dict:
         for t in ts:
             t.join()
         out[k] = nbytes(ids) / (time.perf_counter() - t0) / 1e6
+        del read, ts                # unmap before the next eviction
+        gc.collect()
     return out
 
 
@@ -122,12 +127,13 @@ def loader_mode(a) -> None:
     # this disk's cold reads, one reader: packed batches and pickles one by one
     cold = rng.choice(len(ds), min(2000, len(ds)), replace=False)
     shards = files_under(packed)
-    fresh = forebay.open_dataset(packed)
-    disk_fb = _cold_MBps(lambda ids: [fresh.get_many(ids[k:k + bs])
-                                      for k in range(0, len(ids), bs)], shards, cold,
-                         lambda ids: int(sizes[ids].sum()))
-    disk_pff = _cold_MBps(lambda ids: [files[int(i)].read_bytes() for i in ids], files, cold,
-                          lambda ids: int(psizes[ids].sum()))
+
+    def packed_reader():
+        fresh = forebay.open_dataset(packed)
+        return lambda ids: [fresh.get_many(ids[k:k + bs]) for k in range(0, len(ids), bs)]
+    disk_fb = _cold_MBps(packed_reader, shards, cold, lambda ids: int(sizes[ids].sum()))
+    disk_pff = _cold_MBps(lambda: lambda ids: [files[int(i)].read_bytes() for i in ids], files,
+                          cold, lambda ids: int(psizes[ids].sum()))
     mem = calibrate(threads=[1, 2], ram_bytes=64 << 20)["ram"]["copy_MBps"]
     prof = calibrate(threads=[1], ssd_dir=a.data, ssd_bytes=128 << 20, ram_bytes=8 << 20)
     ssd_r, ssd_w = prof["ssd"]["read_MBps"], prof["ssd"]["write_MBps"]
