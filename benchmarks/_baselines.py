@@ -118,3 +118,63 @@ def hdf5_dataset(path: Path):
                 PFS.charge(nbytes, 0, time.perf_counter() - t0)
             return out
     return CFF(), [path]
+
+
+# -- ImageNet-like samples: an ImageFolder tree, one file per image ---------------------------
+def _image_items(root: Path) -> list:
+    """(path, label) in ImageFolderSource's order (classes sorted, files sorted), so
+    index i is the same sample in the folder, the HDF5 file and the packed dataset."""
+    from forebay.dataset.sources._imagefolder import IMAGE_EXTENSIONS
+
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    return [(p, label) for label, c in enumerate(classes)
+            for p in sorted((root / c).rglob("*"))
+            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+
+
+def image_folder_dataset(root: Path):
+    """torchvision ImageFolder without the decode (the synthetic blobs are not real
+    JPEGs; decoding would cost every loader the same): one file read per sample."""
+    import numpy as np
+    import torch
+
+    items = _image_items(root)
+
+    class Folder(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(items)
+
+        def __getitem__(self, i):
+            path, label = items[i]
+            return {"image": np.frombuffer(_read_file(path), dtype=np.uint8),
+                    "label": np.int64(label)}
+    return Folder(), [p for p, _ in items]
+
+
+def write_image_cff(root: Path, out: Path) -> Path:
+    """The images in one HDF5 file, DDStore-CFF style: all bytes in one uint8 dataset
+    with an ``image_offsets`` index, labels alongside (read by :func:`hdf5_dataset`)."""
+    import h5py
+    import numpy as np
+
+    items = _image_items(root)
+    sizes = np.array([p.stat().st_size for p, _ in items], dtype=np.int64)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(out, "w") as f:
+        img = f.create_dataset("image", (int(sizes.sum()),), dtype=np.uint8)
+        pos = 0
+        for (p, _), n in zip(items, sizes):
+            img[pos:pos + n] = np.frombuffer(p.read_bytes(), dtype=np.uint8)
+            pos += int(n)
+        f["image_offsets"] = np.concatenate([[0], np.cumsum(sizes)])
+        f["label"] = np.array([label for _, label in items], dtype=np.int64)
+    return out
+
+
+def image_collate(samples):
+    """What torchvision's DataLoader hands a decode-free pipeline: per-sample uint8
+    tensors and a label tensor."""
+    import torch
+
+    return {"image": [torch.from_numpy(s["image"]) for s in samples],
+            "label": torch.as_tensor([int(s["label"]) for s in samples])}

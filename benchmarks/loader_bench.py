@@ -25,7 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import evict, files_under, machine  # noqa: E402
 import _baselines  # noqa: E402
-from _baselines import EmulatedPFS, hdf5_dataset, list_collate, pff_dataset  # noqa: E402
+from _baselines import (EmulatedPFS, hdf5_dataset, image_collate,  # noqa: E402
+                        image_folder_dataset, list_collate, pff_dataset, write_image_cff)
 
 # -- one rank's work ---------------------------------------------------------------------------
 def worker(a) -> None:
@@ -60,7 +61,7 @@ def worker(a) -> None:
             t0 = time.perf_counter()
             k = 0
             for b in make_iter(e):
-                k += int(b["y"].shape[0])
+                k += int(b[label_key].shape[0])
                 if a.compute_ms:  # the accelerator's step: the host thread waits
                     time.sleep(a.compute_ms / 1e3)
             dt = time.perf_counter() - t0
@@ -68,13 +69,17 @@ def worker(a) -> None:
             count = comm.allreduce(k)
         return times, count
 
+    images = a.kind == "imagenet"
+    label_key = "label" if images else "y"
     if a.contender in ("pff", "hdf5"):
-        ds, files = (pff_dataset(Path(a.pff)) if a.contender == "pff" else
-                     hdf5_dataset(Path(a.hdf5)))
+        if a.contender == "pff":
+            ds, files = image_folder_dataset(Path(a.pff)) if images else pff_dataset(Path(a.pff))
+        else:
+            ds, files = hdf5_dataset(Path(a.hdf5))
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank,
                                                       shuffle=True, seed=0)
-        loader = torch.utils.data.DataLoader(ds, batch_size=bs, sampler=sampler,
-                                             num_workers=0, collate_fn=list_collate)
+        loader = torch.utils.data.DataLoader(ds, batch_size=bs, sampler=sampler, num_workers=0,
+                                             collate_fn=image_collate if images else list_collate)
 
         def it(e):
             sampler.set_epoch(e)
@@ -184,7 +189,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path(".demo/loader"))
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--samples", type=int, default=20000)
-    p.add_argument("--kind", default="ising", choices=["ising", "molecules"])
+    p.add_argument("--kind", default="ising", choices=["ising", "molecules", "imagenet"],
+                   help="imagenet: ~110 KB JPEG-sized blobs in an ImageFolder tree (PFF: one "
+                   "file per image), HDF5 with all bytes in one dataset, no decoding anywhere")
     p.add_argument("--batch-size", type=int, default=128, help="per-rank batch (DDStore: 128)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--latency-samples", type=int, default=300)
@@ -220,9 +227,14 @@ def main(argv=None) -> None:
     if not pff.exists():
         synthesize(a.kind, pff, a.samples, 0, progress=True)
     if not cff.exists():
-        synthesize(a.kind, cff, a.samples, 0, format="cff", progress=True)
+        if a.kind == "imagenet":
+            write_image_cff(pff, cff / f"{a.kind}.h5")
+        else:
+            synthesize(a.kind, cff, a.samples, 0, format="cff", progress=True)
     if not packed.exists():
-        ingest(get_source("pickle", pff, trust_pickle=True), packed, progress=True)
+        src = get_source("imagefolder", pff) if a.kind == "imagenet" else \
+            get_source("pickle", pff, trust_pickle=True)
+        ingest(src, packed, progress=True)
     mpiexec = Path(sys.executable).parent / "mpiexec"
     print(f"machine: {machine()}\n{a.kind}: {a.samples} samples, per-rank batch {a.batch_size}, "
           f"{a.epochs} epochs, page cache evicted before every epoch, emulated compute "
@@ -242,7 +254,7 @@ def main(argv=None) -> None:
                 if pfs and name == "no-io":
                     continue
                 cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker",
-                       "--contender", name, "--width", str(width), "--pff", str(pff),
+                       "--kind", a.kind, "--contender", name, "--width", str(width), "--pff", str(pff),
                        "--hdf5", str(cff / f"{a.kind}.h5"), "--packed", str(packed),
                        "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                        "--latency-samples", str(a.latency_samples),
@@ -270,7 +282,9 @@ def main(argv=None) -> None:
         base = {x["contender"]: x["samples_per_s"] for x in same}
         bound = next((x["samples_per_s"] for x in results if x["ranks"] == r["ranks"]
                       and x["contender"] == "no-io"), None)
-        name = {"pff": "torch DataLoader, PFF pickles", "hdf5": "torch DataLoader, HDF5",
+        name = {"pff": "torch DataLoader, " + ("ImageFolder files" if a.kind == "imagenet"
+                                               else "PFF pickles"),
+                "hdf5": "torch DataLoader, HDF5",
                 "no-io": "no-I/O bound (batches in memory)"}.get(
             r["contender"], f"forebay preload, width {r.get('width')}, {r.get('transport')}")
         if r["contender"].startswith("forebay-cv"):
