@@ -69,8 +69,11 @@ class ClairvoyantStore:
             Peers on the same node read it too (shared memory transport); across
             nodes, samples held only in a peer's SSD tier are read from the files.
         transport: ``"auto"``, ``"shm"`` or ``"rma"``, as for the DistributedStore.
-        fill: start the background fill thread (False: nothing is cached until
+        fill: start the background fill threads (False: nothing is cached until
             :meth:`fill_now`; for tests and benchmarks).
+        ram_threads, ssd_threads: fill threads per tier (NoPFS's p_1, p_2; default 1
+            each).  Threads take chunks of the tier's fill order in turn; the published
+            fill counter only ever covers a complete prefix of the order.
         peer_wait: seconds the fill may wait for an owner to publish a sample this rank
             also caches, before reading it from the PFS instead.
         on_pfs_read: called after every read from the dataset files with (bytes,
@@ -84,7 +87,7 @@ class ClairvoyantStore:
                  ssd_dir: "str | os.PathLike[str] | None" = None, ssd_bytes: int = 0,
                  fill: bool = True, peer_wait: float = 1.0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
-                 model: Any = None) -> None:
+                 model: Any = None, ram_threads: int = 1, ssd_threads: int = 1) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
@@ -94,8 +97,10 @@ class ClairvoyantStore:
         self._segment = None
         self._closed = False
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._cursor: dict[str, int] = {}
         self._stats = {"local": 0, "peer": 0, "pfs": 0}
         self.pfs_reads = 0
         self.pfs_bytes = 0
@@ -118,6 +123,9 @@ class ClairvoyantStore:
                             f"{len(self.ds)}")
         if ram_bytes < 0:
             problems.append(f"ram_bytes must be >= 0, got {ram_bytes}")
+        for name, v in (("ram_threads", ram_threads), ("ssd_threads", ssd_threads)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                problems.append(f"{name} must be a positive integer, got {v!r}")
         agree(self.comm, "; ".join(problems) or None)
         ssd_bytes = self._check_ssd(ssd_dir, int(ssd_bytes))
         self.ssd_dir = Path(ssd_dir) if ssd_bytes else None
@@ -138,10 +146,18 @@ class ClairvoyantStore:
         self._peer_dirs = [Path(d) for _, _, d in every]
         self._choose_transport(transport)
         self._allocate()
+        self.fill_threads = (int(ram_threads), int(ssd_threads))
         if fill:
-            self._thread = threading.Thread(target=self._fill_loop, name="forebay-fill",
-                                            daemon=True)
-            self._thread.start()
+            n = len(self.fill_order)
+            for tier, lo, hi, k in (("ram", 0, self._R, ram_threads),
+                                    ("ssd", self._R, n, ssd_threads)):
+                self._cursor[tier] = lo
+                for j in range(int(k) if hi > lo else 0):
+                    t = threading.Thread(target=self._fill_loop, args=(tier, hi),
+                                         name=f"forebay-fill-{tier}-{j}", daemon=True)
+                    self._threads.append(t)
+            for t in self._threads:
+                t.start()
 
     # -- setup ----------------------------------------------------------------------------
     def _check_ssd(self, ssd_dir: Any, ssd_bytes: int) -> int:
@@ -360,36 +376,70 @@ class ClairvoyantStore:
             self._state[pos] = _DONE
             self._fill_from_peers += int(from_peer.sum())
 
-    def fill_now(self, limit: Optional[int] = None) -> int:
-        """Fill (more of) this rank's tier in the calling thread; returns samples filled.
-
-        Positions a reader already cached (it needed them first) are skipped; positions
-        a reader is writing are waited for, so the published counter never covers a
-        sample that is not fully written."""
+    def _next_chunk(self, key: str, hi: int) -> Optional[tuple[int, int]]:
+        """The next chunk [a, b) of the fill order below ``hi`` for cursor ``key``: at
+        most _CHUNK_SAMPLES samples and _CHUNK_BYTES bytes, never mixing tiers or
+        coverage and extra copies."""
         order = self.fill_order
-        end = len(order) if limit is None else min(len(order), self._filled + limit)
-        start = self._filled
-        while self._filled < end and not self._stop.is_set():
-            a = self._filled
-            b = min(end, a + _CHUNK_SAMPLES)
+        with self._lock:
+            a = self._cursor[key]
+            if a >= hi:
+                return None
+            b = min(hi, a + _CHUNK_SAMPLES)
             cum = np.cumsum(self._sizes[order[a:b]])
             b = a + max(1, int(np.searchsorted(cum, _CHUNK_BYTES, side="right")))
-            # a chunk never mixes tiers, or coverage and extra copies
             b = min(b, int(self._bounds[np.searchsorted(self._bounds, a, side="right")]))
+            self._cursor[key] = b
+        return a, b
+
+    def _fill_chunks(self, key: str, hi: int) -> None:
+        """Fill chunks from cursor ``key`` until ``hi`` (one of possibly several
+        threads on the same cursor)."""
+        order = self.fill_order
+        while not self._stop.is_set():
+            chunk = self._next_chunk(key, hi)
+            if chunk is None:
+                return
+            a, b = chunk
             pos = np.arange(a, b)
             got = self._claim(pos)
             t0 = time.perf_counter()
             peers0 = self._fill_from_peers
             self._load(order[a:b][got], pos[got], wait=self.peer_wait)
             while (self._state[a:b] != _DONE).any():  # a reader is writing one of them
+                if self._stop.is_set():
+                    return
                 time.sleep(0.0005)
-            self._publish(b)
+            self._advance()
             rec = _trace.active()
             if rec is not None:
                 rec.span("cache", "fill", t0, time.perf_counter(), count=int(got.sum()),
                          nbytes=int(self._sizes[order[a:b][got]].sum()),
                          args={"tier": "ram" if a < self._R else "ssd",
                                "from_peers": self._fill_from_peers - peers0, "filled": b})
+
+    def _advance(self) -> None:
+        """Publish the longest complete prefix of the fill order (chunks finish out of
+        order when several threads fill)."""
+        with self._publish_lock:
+            a = self._filled
+            rest = self._state[a:] != _DONE
+            count = a + (int(np.argmax(rest)) if rest.any() else len(rest))
+            if count > a:
+                self._publish(count)
+
+    def fill_now(self, limit: Optional[int] = None) -> int:
+        """Fill (more of) this rank's tiers in the calling thread; returns samples filled.
+
+        Positions a reader already cached (it needed them first) are skipped; positions
+        a reader is writing are waited for, so the published counter never covers a
+        sample that is not fully written."""
+        start = self._filled
+        end = len(self.fill_order) if limit is None else min(len(self.fill_order),
+                                                               start + limit)
+        with self._lock:
+            self._cursor["now"] = start
+        self._fill_chunks("now", end)
         return self._filled - start
 
     def _sync(self) -> None:
@@ -409,9 +459,9 @@ class ClairvoyantStore:
             self._counter[0] = count
         self._filled = count
 
-    def _fill_loop(self) -> None:
+    def _fill_loop(self, tier: str, hi: int) -> None:
         try:
-            self.fill_now()
+            self._fill_chunks(tier, hi)
         except BaseException as e:  # surfaced by the next get_many
             self._fill_error = e
 
@@ -421,11 +471,13 @@ class ClairvoyantStore:
         return self._filled
 
     def wait_filled(self, timeout: Optional[float] = None) -> bool:
-        """Block until this rank's tier is full (True) or ``timeout`` passes."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return self._filled == len(self.fill_order)
+        """Block until this rank's tiers are full (True) or ``timeout`` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            return False
+        return self._filled == len(self.fill_order) or bool(self._threads)
 
     def _peer_parts(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
         """[(src, record starts, mask)]: where the selected samples' records are in
@@ -624,8 +676,8 @@ class ClairvoyantStore:
             return
         self._closed = True
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for t in self._threads:
+            t.join()
         if self.comm is not None:
             self.comm.Barrier()  # nobody reads our tiers any more
         self._ssd = np.zeros(0, dtype=np.uint8)

@@ -33,7 +33,8 @@ SCHEMA: dict[str, dict[str, str]] = {
     # or as "8GiB"; 0 disables a tier
     "tiers": {"ram_bytes": "size", "ssd_dir": "str", "ssd_bytes": "size",
               "staging_bytes": "size", "prefetch": "count",
-              # prefetch threads per tier, used by the simulator (NoPFS's p_0, p_1, p_2)
+              # threads per tier (NoPFS's p_0, p_1, p_2): ram_threads and ssd_threads
+              # fill the clairvoyant loader's tiers; staging_threads is the simulator's
               "staging_threads": "count", "ram_threads": "count", "ssd_threads": "count"},
     # the simulator's workload and network figures (forebay simulate; NoPFS Sec. 4):
     # training throughput c and preprocessing rate beta in MB/s per worker, network b_c

@@ -77,6 +77,8 @@ class DataLoader:
             available memory shared by its ranks).
         ssd_dir, ssd_bytes: clairvoyant mode: a node-local directory for this rank's SSD
             tier and its capacity (default 0: no SSD tier).
+        ram_threads, ssd_threads: clairvoyant mode: background fill threads per tier
+            (default 1 each).
         on_pfs_read: hook called with (bytes, samples, seconds) after each read of
             the dataset files by the store (tracing, emulating a slower file system).
         width, node_aware, transport: replica groups of the store and how peers' memory
@@ -94,7 +96,8 @@ class DataLoader:
         pin_memory: gather batches straight into pinned host memory (CUDA only).
         system: a TOML system file (the ``forebay calibrate`` profile format) whose
             ``[tiers]`` table gives ``ram_bytes``, ``ssd_dir``, ``ssd_bytes``,
-            ``staging_bytes`` and ``prefetch`` (sizes as bytes or "8GiB"); arguments
+            ``staging_bytes``, ``prefetch``, ``ram_threads`` and ``ssd_threads``
+            (sizes as bytes or "8GiB"); arguments
             passed explicitly win over it. Its ``[pfs] read_MBps`` and ``[rma]
             get_MBps`` feed NoPFS's performance model: in clairvoyant mode a sample a
             peer holds is read from the file system instead when that is predicted
@@ -110,6 +113,7 @@ class DataLoader:
                  node_aware: bool = False, transport: str = "auto",
                  ram_bytes: Optional[int] = None, ssd_dir: Optional[str] = None,
                  ssd_bytes: int = 0, staging_bytes: Optional[int] = None,
+                 ram_threads: Optional[int] = None, ssd_threads: Optional[int] = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: Optional[int] = None,
@@ -132,6 +136,8 @@ class DataLoader:
             staging_bytes = tiers.get("staging_bytes") if staging_bytes is None \
                 else staging_bytes
             prefetch = tiers.get("prefetch") if prefetch is None else prefetch
+            ram_threads = tiers.get("ram_threads") if ram_threads is None else ram_threads
+            ssd_threads = tiers.get("ssd_threads") if ssd_threads is None else ssd_threads
         prefetch = 4 if prefetch is None else prefetch
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = default_comm() if comm is None else comm
@@ -153,7 +159,8 @@ class DataLoader:
             self.store = ClairvoyantStore(self.ds, self.plan, self.comm, ram_bytes=ram_bytes,
                                           ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
                                           transport=transport, on_pfs_read=on_pfs_read,
-                                          model=fetch_model)
+                                          model=fetch_model, ram_threads=ram_threads or 1,
+                                          ssd_threads=ssd_threads or 1)
         self.collate_fn = collate_fn
         self.transform = transform
         self.prefetch = max(0, int(prefetch))
