@@ -402,9 +402,11 @@ class RemoteRepository(Repository):
             out.update(c.call("LIST", {})["models"])
         return out
 
-    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]]) -> None:
+    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]],
+               fresh: bool = False) -> None:
         """One GET for all the tensors; each received straight into its destination's
-        memory (CPU, contiguous) or a staging buffer, then verified."""
+        memory (CPU, contiguous) or a staging buffer, then verified (``fresh`` does not
+        change how)."""
         import torch
 
         entries = [m["tensors"][k] for k, _ in pairs]

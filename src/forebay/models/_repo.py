@@ -40,12 +40,37 @@ def _hasher() -> Any:
     return _pool
 
 
+def _hash_head(dtype: str, shape: Iterable[int]) -> bytes:
+    return f"{dtype}|{','.join(map(str, shape))}|".encode()
+
+
 def tensor_hash(dtype: str, shape: Iterable[int], data: Any) -> str:
     """Content hash of a tensor: xxh3-128 of its dtype, shape and bytes."""
     h = xxhash.xxh3_128()
-    h.update(f"{dtype}|{','.join(map(str, shape))}|".encode())
+    h.update(_hash_head(dtype, shape))
     h.update(data)
     return h.hexdigest()
+
+
+_COPY_CHUNK = 1 << 20  # copied, then hashed while still in the cache
+
+
+def _copy_and_hash(jobs: list[tuple[np.ndarray, Any, bytes]]) -> list[str]:
+    """Copy each ``(destination bytes, stored buffer, hash header)`` chunk by chunk and
+    hash every chunk right after copying it, from the destination while it is in the
+    cache: one pass over memory instead of a copy and a separate hashing pass, and the
+    hash covers the bytes the caller gets.  numpy's copy and xxhash release the GIL."""
+    out = []
+    for dst, buf, head in jobs:
+        src = np.frombuffer(buf, dtype=np.uint8)
+        h = xxhash.xxh3_128()
+        h.update(head)
+        for o in range(0, len(src), _COPY_CHUNK):
+            d = dst[o:o + _COPY_CHUNK]
+            np.copyto(d, src[o:o + _COPY_CHUNK])
+            h.update(d)
+        out.append(h.hexdigest())
+    return out
 
 
 def _dtype_name(t: Any) -> str:
@@ -209,37 +234,64 @@ class Repository:
             txn.delete("pending", token)
         return version
 
-    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]]) -> None:
+    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]],
+               fresh: bool = False) -> None:
         """Fill each ``(key, destination tensor)`` with ``key``'s verified bytes.
 
-        Tensors that can be copied straight into CPU memory are hashed by one helper
-        job over all of them while this thread copies them (xxhash and the copies
-        release the interpreter lock): one hand-off per load, not per tensor; the
-        others are verified, then copied, one by one."""
+        Tensors that can be copied straight into CPU memory go through one hand-off per
+        load, not per tensor (the copies and xxhash release the interpreter lock): into
+        existing tensors (a load in place) they are copied and hashed in one pass
+        (:func:`_copy_and_hash`), split by bytes between this thread and one helper;
+        into ``fresh`` tensors, whose first touch page-faults and would make two
+        writing threads contend, this thread copies while the helper hashes the stored
+        bytes.  Other tensors are verified, then copied, one by one."""
         with self.backend.read() as txn:
             fast, slow = [], []
             for k, dst in pairs:
                 e = m["tensors"][k]
                 ok = dst.device.type == "cpu" and dst.is_contiguous() and e["dtype"] != "bool"
                 (fast if ok and e["nbytes"] >= _PARALLEL_VERIFY else slow).append((k, dst))
+            bufs = [self._buffer(txn, m, k) for k, _ in fast]
+            self.backend.willneed([b for b, _ in bufs])  # cold: start reading them all
             for k, dst in slow:
                 self._read_into(txn, m, k, dst)
             if not fast:
                 return
-            bufs = [self._buffer(txn, m, k) for k, _ in fast]
             entries = [m["tensors"][k] for k, _ in fast]
-            fut = _hasher().submit(lambda: [tensor_hash(e["dtype"], e["shape"], b)
-                                            for e, (b, _) in zip(entries, bufs)])
+            if fresh:
+                fut = _hasher().submit(lambda: [tensor_hash(e["dtype"], e["shape"], b)
+                                                for e, (b, _) in zip(entries, bufs)])
+                try:
+                    for (_, dst), (buf, _), e in zip(fast, bufs, entries):
+                        _copy_into(dst, buf, e["dtype"])
+                finally:
+                    hashes = fut.result()
+                self._check_hashes(bufs, entries, dict(enumerate(hashes)))
+                return
+            jobs = [(_byte_view(dst), buf, _hash_head(e["dtype"], e["shape"]))
+                    for (_, dst), (buf, _), e in zip(fast, bufs, entries)]
+            # two halves by bytes, largest first (each to the lighter side)
+            sides: list[list[int]] = [[], []]
+            load = [0, 0]
+            for i in sorted(range(len(jobs)), key=lambda i: -entries[i]["nbytes"]):
+                j = 0 if load[0] <= load[1] else 1
+                sides[j].append(i)
+                load[j] += entries[i]["nbytes"]
+            got: dict[int, str] = {}
+            fut = _hasher().submit(_copy_and_hash, [jobs[i] for i in sides[1]])
             try:
-                for (_, dst), (buf, _), e in zip(fast, bufs, entries):
-                    _copy_into(dst, buf, e["dtype"])
+                got.update(zip(sides[0], _copy_and_hash([jobs[i] for i in sides[0]])))
             finally:
-                got = fut.result()
-            for (_, where), e, h in zip(bufs, entries, got):
-                if h != e["hash"]:
-                    raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do "
-                                            f"not match their hash (corrupt); the tensor "
-                                            f"loaded into holds them")
+                got.update(zip(sides[1], fut.result()))
+            self._check_hashes(bufs, entries, got)
+
+    @staticmethod
+    def _check_hashes(bufs: list, entries: list, got: dict[int, str]) -> None:
+        for i, ((_, where), e) in enumerate(zip(bufs, entries)):
+            if got[i] != e["hash"]:
+                raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do "
+                                        f"not match their hash (corrupt); the tensor "
+                                        f"loaded into holds them")
 
     # -- reading manifests --------------------------------------------------------------
     @staticmethod
@@ -367,7 +419,7 @@ class Repository:
         for k in keys:
             e = m["tensors"][k]
             out[k] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-        self._fetch(m, list(out.items()))
+        self._fetch(m, list(out.items()), fresh=True)
         if device is not None:
             out = {k: t.to(device) for k, t in out.items()}
         _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0, len(keys))
@@ -543,6 +595,13 @@ def _from_bytes(buf: Any, dtype: str, shape: list[int]) -> Any:
         return torch.empty(shape, dtype=getattr(torch, dtype))
     raw = torch.from_numpy(np.array(np.frombuffer(buf, dtype=np.uint8)))
     return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _byte_view(t: Any) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a writable uint8 array (no copy)."""
+    import torch
+
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _copy_into(dst: Any, buf: Any, dtype: str) -> None:
