@@ -19,31 +19,6 @@ __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
 TABLES = ("tensors", "versions", "pending")
 
-_MADV_WILLNEED = 3          # Linux, and most POSIX systems
-_WILLNEED_MIN = 64 << 10    # smaller values are a few pages: not worth a system call
-_PAGE = 4096
-_madvise_fn: Any = False
-
-
-def _madvise() -> Any:
-    """libc's madvise(addr, length, advice) through ctypes, or None where unavailable."""
-    global _madvise_fn, _PAGE
-    if _madvise_fn is False:
-        import ctypes
-        import ctypes.util
-        import os
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _PAGE = os.sysconf("SC_PAGE_SIZE")
-            _madvise_fn = fn
-        except (OSError, AttributeError, ValueError):
-            _madvise_fn = None
-    return _madvise_fn
-
 
 class Txn:
     """What a transaction offers: get (a buffer valid inside the transaction), put
@@ -73,10 +48,6 @@ class Backend:
 
     def close(self) -> None:
         pass
-
-    def willneed(self, bufs: list) -> None:
-        """Advice before reading the buffers ``get`` returned (a file-backed store
-        starts reading them all at once); none needed in memory."""
 
 
 class _LmdbTxn(Txn):
@@ -129,8 +100,10 @@ class LmdbBackend(Backend):
             entry = self._open.get(self.key)
             if entry is None:
                 try:
-                    # readahead on: values are whole tensors read front to back (off, a
-                    # cold 100 MB load ran at 35 MB/s here instead of 0.9 GB/s)
+                    # readahead on: values are whole tensors read front to back, and
+                    # py-lmdb touches every page of a value inside get() (its "preload",
+                    # with the GIL released), so advice after get() comes too late; off,
+                    # a cold 100 MB load ran at 35 MB/s here instead of 0.9 GB/s)
                     env = lmdb.open(self.key, map_size=map_size, max_dbs=len(TABLES),
                                     subdir=True, readahead=True, sync=True, metasync=True)
                 except lmdb.Error as e:
@@ -145,23 +118,6 @@ class LmdbBackend(Backend):
     def read(self):
         with self.env.begin(buffers=True) as txn:
             yield _LmdbTxn(txn, self.dbs)
-
-    def willneed(self, bufs: list) -> None:
-        """madvise(MADV_WILLNEED) the pages of values read without copying (views into
-        LMDB's map): the kernel reads every selected tensor with large requests, in
-        parallel, instead of one readahead window per page fault during the copy (a cold
-        4 MB partial load: see benchmarks/RESULTS.md)."""
-        madvise = _madvise()
-        if madvise is None:
-            return
-        import numpy as np
-
-        for b in bufs:
-            if len(b) < _WILLNEED_MIN:
-                continue
-            addr = np.frombuffer(b, dtype=np.uint8).ctypes.data
-            start = addr - addr % _PAGE
-            madvise(start, addr + len(b) - start, _MADV_WILLNEED)
 
     @contextmanager
     def write(self):

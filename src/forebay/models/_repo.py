@@ -251,12 +251,11 @@ class Repository:
                 e = m["tensors"][k]
                 ok = dst.device.type == "cpu" and dst.is_contiguous() and e["dtype"] != "bool"
                 (fast if ok and e["nbytes"] >= _PARALLEL_VERIFY else slow).append((k, dst))
-            bufs = [self._buffer(txn, m, k) for k, _ in fast]
-            self.backend.willneed([b for b, _ in bufs])  # cold: start reading them all
             for k, dst in slow:
                 self._read_into(txn, m, k, dst)
             if not fast:
                 return
+            bufs = [self._buffer(txn, m, k) for k, _ in fast]
             entries = [m["tensors"][k] for k, _ in fast]
             if fresh:
                 fut = _hasher().submit(lambda: [tensor_hash(e["dtype"], e["shape"], b)
