@@ -422,9 +422,14 @@ class ClairvoyantStore:
         """Publish the longest complete prefix of the fill order (chunks finish out of
         order when several threads fill)."""
         with self._publish_lock:
-            a = self._filled
-            rest = self._state[a:] != _DONE
-            count = a + (int(np.argmax(rest)) if rest.any() else len(rest))
+            a = count = self._filled
+            n = len(self._state)
+            while count < n:  # in windows: each call costs the new prefix plus 4 KiB
+                todo = self._state[count:count + 4096] != _DONE
+                if todo.any():
+                    count += int(np.argmax(todo))
+                    break
+                count += len(todo)
             if count > a:
                 self._publish(count)
 
