@@ -51,6 +51,13 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
                       epochs=epochs, seed=seed)
     w = Workload(sizes, plan, sysm)
+    if workers * len(sizes) > 2e9:
+        import warnings
+
+        warnings.warn(f"{workers} workers x {len(sizes):,} samples: the per-worker policies "
+                      f"cost O(workers x samples) here (forebay-clairvoyant computes the "
+                      f"placement of every worker); this may take long. --scale simulates "
+                      f"the same case with fewer samples", RuntimeWarning, stacklevel=2)
     names = list(policies) if policies else list(POLICIES)
     for name in names:
         if name not in POLICIES:
