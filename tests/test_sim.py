@@ -219,6 +219,11 @@ def test_simulate_cli_json_and_errors(cli, tmp_path):
     assert code == 2 and "unknown policy 'magic'" in err
     code, _, err = cli("simulate", "--dataset", "nowhere", "--workers", "2", "--epochs", "1")
     assert code == 2 and "neither a scenario" in err
+    code, _, err = cli("simulate", "--dataset", "mnist", "--workers", "2", "--epochs", "1",
+                       "--batch", "0")
+    assert code == 2 and "batch must be a positive integer" in err
+    code, _, err = cli("simulate", "--dataset", "mnist", "--workers", "0", "--epochs", "1")
+    assert code == 2 and "world_size must be a positive integer" in err
 
 
 def test_simulate_real_dataset_and_sweep(cli, packed, tmp_path):

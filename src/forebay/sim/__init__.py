@@ -46,8 +46,9 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     sizes, spec = dataset_sizes(dataset, scale=scale, seed=seed)
     if scale < 1:
         sysm = sysm.scaled(scale)
-    batch = batch or (spec.batch if spec else 32)
-    batch = min(batch, len(sizes))
+    if batch is not None and batch <= 0:
+        raise ValueError(f"batch must be a positive integer, got {batch}")
+    batch = min(batch or (spec.batch if spec else 32), len(sizes))
     plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
                       epochs=epochs, seed=seed)
     w = Workload(sizes, plan, sysm)
