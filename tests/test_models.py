@@ -207,6 +207,34 @@ def test_loading_into_other_shapes_lists_every_mismatch(repo):
     assert "blocks.3.norm.bias" in msg
 
 
+def test_store_without_a_sizes_table_is_indexed_on_open(tmp_path):
+    # stores written before the sizes table existed: it is built on first open, then
+    # saves, stats and gc use it
+    import lmdb
+
+    path = tmp_path / "old"
+    r = fm.open_repository(str(path))
+    sd = {"a": torch.randn(64, 64), "b": torch.randn(1000)}
+    r.save("m", sd)
+    stored = r.stats()["stored_bytes"]
+    r.close()
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"sizes", txn=txn), delete=True)
+    env.close()
+    r = fm.open_repository(str(path))
+    st = r.stats()
+    assert (st["tensors"], st["stored_bytes"]) == (2, stored)
+    sd["b"] = torch.randn(1000)                   # one changed tensor
+    r.save("m", sd)
+    assert r.stats()["tensors_written"] == 1 and r.stats()["tensors_deduplicated"] == 1
+    r.delete("m", 1)
+    gone = r.gc(grace_seconds=0)
+    assert gone["tensors_removed"] == 1 and r.stats()["tensors"] == 2
+    assert torch.equal(r.load("m")["b"], sd["b"]) and r.verify() == []
+    r.close()
+
+
 def test_corrupt_tensor_is_named(repo, tmp_path, cli):
     import lmdb
 

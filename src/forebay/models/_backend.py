@@ -1,9 +1,13 @@
 """Key-value backends of the model repository: LMDB in a directory, or process memory.
 
-Three tables: ``tensors`` (content hash -> raw bytes), ``versions`` (name and version ->
-manifest JSON) and ``pending`` (saves whose tensors are written but whose manifest is
-not yet: garbage collection spares them for a grace period).  Writes happen in
-transactions: all or nothing.
+Four tables: ``tensors`` (content hash -> raw bytes), ``sizes`` (content hash -> its
+byte count, 8 bytes little-endian: which tensors exist and how big they are, readable
+without touching the tensors), ``versions`` (name and version -> manifest JSON) and
+``pending`` (saves whose tensors are written but whose manifest is not yet: garbage
+collection spares them for a grace period).  Writes happen in transactions: all or
+nothing.  py-lmdb reads every page of a value whenever it positions on it (get, a
+cursor, an iteration), so existence checks, sizes, statistics and garbage collection go
+through ``sizes``; a store written before that table existed gets it on first open.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from ..errors import ModelRepositoryError
 
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
-TABLES = ("tensors", "versions", "pending")
+TABLES = ("tensors", "sizes", "versions", "pending")
 
 
 class Txn:
@@ -26,6 +30,10 @@ class Txn:
 
     def get(self, table: str, key: bytes) -> Optional[Any]:
         raise NotImplementedError
+
+    def has(self, table: str, key: bytes) -> bool:
+        """Whether ``key`` is stored (on LMDB this reads the value: ask small tables)."""
+        return self.get(table, key) is not None
 
     def put(self, table: str, key: bytes, value: Any, overwrite: bool = True) -> bool:
         raise NotImplementedError
@@ -111,8 +119,22 @@ class LmdbBackend(Backend):
                                                f"{e}") from e
                 entry = self._open[self.key] = [env, {t: env.open_db(t.encode())
                                                       for t in TABLES}, 0]
+                self.env, self.dbs = env, entry[1]
+                self._index_sizes()
             entry[2] += 1
         self.env, self.dbs = entry[0], entry[1]
+
+    def _index_sizes(self) -> None:
+        """Fill ``sizes`` for tensors stored before the table existed (one pass that
+        reads them all, once per store)."""
+        with self.env.begin(buffers=True) as txn:
+            have = txn.stat(self.dbs["sizes"])["entries"]
+            want = txn.stat(self.dbs["tensors"])["entries"]
+        if have >= want:
+            return
+        with self.env.begin(write=True, buffers=True) as txn:
+            for k, v in txn.cursor(db=self.dbs["tensors"]):
+                txn.put(bytes(k), len(v).to_bytes(8, "little"), db=self.dbs["sizes"])
 
     @contextmanager
     def read(self):

@@ -201,8 +201,13 @@ class Repository:
             txn.put("pending", token, json.dumps({"created": time.time(),
                                                   "hashes": sorted(blobs)}).encode())
             for h, data in blobs.items():
-                if txn.put("tensors", h.encode(), memoryview(data), overwrite=False):
-                    written += len(memoryview(data).cast("B"))
+                # the sizes table says what is stored (a put or lookup on the tensors
+                # table would read the whole stored tensor first)
+                if not txn.has("sizes", h.encode()):
+                    n = len(memoryview(data).cast("B"))
+                    txn.put("tensors", h.encode(), memoryview(data))
+                    txn.put("sizes", h.encode(), n.to_bytes(8, "little"))
+                    written += n
                     self._io["tensors_written"] += 1
                 else:
                     self._io["tensors_deduplicated"] += 1
@@ -212,7 +217,7 @@ class Repository:
     def _missing(self, hashes: list[str]) -> list[str]:
         """Which of these tensors the store does not hold."""
         with self.backend.read() as txn:
-            return [h for h in hashes if txn.get("tensors", h.encode()) is None]
+            return [h for h in hashes if not txn.has("sizes", h.encode())]
 
     def _publish(self, name: str, body: dict[str, Any], token: bytes,
                  parent: Optional[int]) -> int:
@@ -221,7 +226,7 @@ class Repository:
         _check_name(name)
         with self.backend.write() as txn:  # 2: the manifest, atomically, then un-pend
             for e in body["tensors"].values():
-                if txn.get("tensors", e["hash"].encode()) is None:
+                if not txn.has("sizes", e["hash"].encode()):
                     raise ModelRepositoryError(f"{name}: tensor {e['hash'][:16]} was never "
                                                f"stored; not publishing")
             last = self._last_version(txn, name)
@@ -492,9 +497,11 @@ class Repository:
         removed = freed = stale = 0
         with self.backend.write() as txn:
             refs = self._referenced(txn, grace_seconds)
-            dead = [(k, len(v)) for k, v in txn.items("tensors") if k not in refs]
+            dead = [(k, int.from_bytes(bytes(v), "little")) for k, v in txn.items("sizes")
+                    if k not in refs]
             for k, n in dead:
                 txn.delete("tensors", k)
+                txn.delete("sizes", k)
                 removed += 1
                 freed += n
             now = time.time()
@@ -544,8 +551,8 @@ class Repository:
                 versions += 1
                 names.add(k.split(b"\x00")[0])
             stored = tensors = 0
-            for _, v in txn.items("tensors"):
-                stored += len(v)
+            for _, v in txn.items("sizes"):
+                stored += int.from_bytes(bytes(v), "little")
                 tensors += 1
         return {"models": len(names), "versions": versions, "tensors": tensors,
                 "logical_bytes": logical, "stored_bytes": stored,
