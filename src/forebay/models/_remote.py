@@ -369,10 +369,10 @@ class RemoteRepository(Repository):
         return self.conns[self.provider_for(name)]
 
     # -- save ---------------------------------------------------------------------------
-    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None
-                       ) -> tuple[bytes, int]:
+    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None,
+                       new: Optional[set] = None) -> tuple[bytes, int]:
         """Ask ``name``'s provider which tensors it lacks, send only those (it re-hashes
-        them)."""
+        them; file locations are the provider's business: ``new`` stays empty)."""
         c = self._conn(name)
         missing = set(c.call("HAS", {"hashes": list(blobs)})["missing"])
         self._io["tensors_deduplicated"] += len(blobs) - len(missing)

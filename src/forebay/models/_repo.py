@@ -55,6 +55,35 @@ def tensor_hash(dtype: str, shape: Iterable[int], data: Any) -> str:
 _COPY_CHUNK = 1 << 20  # copied, then hashed while still in the cache
 
 
+def _halves(nbytes: list[int]) -> list[list[int]]:
+    """Indices split in two by bytes, largest first, each to the lighter side."""
+    sides: list[list[int]] = [[], []]
+    load = [0, 0]
+    for i in sorted(range(len(nbytes)), key=lambda i: -nbytes[i]):
+        j = 0 if load[0] <= load[1] else 1
+        sides[j].append(i)
+        load[j] += nbytes[i]
+    return sides
+
+
+def _pread_and_hash(fd: int, jobs: list[tuple[np.ndarray, int, bytes]]) -> list[Optional[str]]:
+    """Read each ``(destination bytes, file offset, hash header)`` with ``preadv`` in
+    chunks, hashing every chunk right after it arrives; None for a short read."""
+    out: list[Optional[str]] = []
+    for dst, off, head in jobs:
+        h = xxhash.xxh3_128()
+        h.update(head)
+        ok = True
+        for o in range(0, len(dst), _COPY_CHUNK):
+            d = dst[o:o + _COPY_CHUNK]
+            if os.preadv(fd, [d], off + o) != len(d):
+                ok = False
+                break
+            h.update(d)
+        out.append(h.hexdigest() if ok else None)
+    return out
+
+
 def _copy_and_hash(jobs: list[tuple[np.ndarray, Any, bytes]]) -> list[str]:
     """Copy each ``(destination bytes, stored buffer, hash header)`` chunk by chunk and
     hash every chunk right after copying it, from the destination while it is in the
@@ -179,7 +208,9 @@ class Repository:
                             "leaf": leaf_of.get(key, (None,))[0]}
             blobs[h] = data
             kinds[h] = {"dtype": dt, "shape": shape}
-        token, written = self._store_tensors(name, blobs, kinds)
+        new: set[str] = set()
+        token, written = self._store_tensors(name, blobs, kinds, new=new)
+        self._add_locations(name, entries, new)
         body = {"metadata": metadata or {},
                 "graph": arch.encode() if arch is not None else None,
                 "leaves": leaves, "tensors": entries,
@@ -190,8 +221,8 @@ class Repository:
         return version
 
     # -- the storage side of a save (a provider runs these for its clients) -------------
-    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None
-                       ) -> tuple[bytes, int]:
+    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None,
+                       new: Optional[set] = None) -> tuple[bytes, int]:
         """Write the tensors of a save of ``name`` not stored yet, durably, under a
         pending record; returns the record's token and the bytes written (``kinds``:
         hash -> dtype and shape, for a store that re-verifies)."""
@@ -209,10 +240,39 @@ class Repository:
                     txn.put("sizes", h.encode(), n.to_bytes(8, "little"))
                     written += n
                     self._io["tensors_written"] += 1
+                    if new is not None:
+                        new.add(h)
                 else:
                     self._io["tensors_deduplicated"] += 1
         self._io["bytes_written"] += written
         return token, written
+
+    def _add_locations(self, name: str, entries: dict[str, dict[str, Any]],
+                       new: set[str]) -> None:
+        """Record where large tensors' bytes sit in the store's file (``loc``), so loads
+        read them with ``preadv`` straight into the destination, exactly what they need,
+        instead of through the map (where py-lmdb first touches every page of a value and
+        a cold fault reads the device's whole read-ahead window).  Tensors written by
+        this save are located now, while cached; the others keep the location the
+        previous version recorded, or none (then they are read through the map)."""
+        locate = getattr(self.backend, "locate", None)
+        if locate is None:
+            return
+        big = {k: e for k, e in entries.items() if e["nbytes"] >= _PARALLEL_VERIFY}
+        if not big:
+            return
+        known: dict[str, int] = {}
+        try:
+            prev = self.manifest(name)
+            known = {e["hash"]: e["loc"] for e in prev["tensors"].values() if "loc" in e}
+        except ModelNotFoundError:
+            pass
+        todo = sorted({e["hash"] for e in big.values() if e["hash"] in new})
+        known.update((h, off) for h, off in zip(todo, locate([h.encode() for h in todo]))
+                     if off is not None)
+        for e in big.values():
+            if e["hash"] in known:
+                e["loc"] = known[e["hash"]]
 
     def _missing(self, hashes: list[str]) -> list[str]:
         """Which of these tensors the store does not hold."""
@@ -260,6 +320,10 @@ class Repository:
                 self._read_into(txn, m, k, dst)
             if not fast:
                 return
+            fd = self.backend.data_fd() if hasattr(self.backend, "data_fd") else None
+            if fd is not None and all("loc" in m["tensors"][k] for k, _ in fast):
+                self._fetch_pread(txn, m, fast, fd)
+                return
             bufs = [self._buffer(txn, m, k) for k, _ in fast]
             entries = [m["tensors"][k] for k, _ in fast]
             if fresh:
@@ -274,13 +338,7 @@ class Repository:
                 return
             jobs = [(_byte_view(dst), buf, _hash_head(e["dtype"], e["shape"]))
                     for (_, dst), (buf, _), e in zip(fast, bufs, entries)]
-            # two halves by bytes, largest first (each to the lighter side)
-            sides: list[list[int]] = [[], []]
-            load = [0, 0]
-            for i in sorted(range(len(jobs)), key=lambda i: -entries[i]["nbytes"]):
-                j = 0 if load[0] <= load[1] else 1
-                sides[j].append(i)
-                load[j] += entries[i]["nbytes"]
+            sides = _halves([e["nbytes"] for e in entries])
             got: dict[int, str] = {}
             fut = _hasher().submit(_copy_and_hash, [jobs[i] for i in sides[1]])
             try:
@@ -288,6 +346,30 @@ class Repository:
             finally:
                 got.update(zip(sides[1], fut.result()))
             self._check_hashes(bufs, entries, got)
+
+    def _fetch_pread(self, txn: Any, m: dict[str, Any], fast: list, fd: int) -> None:
+        """Read tensors whose file location is recorded with ``preadv`` straight into
+        their destinations, hashing each chunk right after it arrives, split by bytes
+        between this thread and one helper.  A tensor whose bytes do not match (a
+        location gone stale, e.g. after the store was compacted by a copy) is read again
+        through the map and verified there before anything is called corrupt."""
+        entries = [m["tensors"][k] for k, _ in fast]
+        jobs = [(_byte_view(dst), e["loc"], _hash_head(e["dtype"], e["shape"]))
+                for (_, dst), e in zip(fast, entries)]
+        sides = _halves([e["nbytes"] for e in entries])
+        got: dict[int, Optional[str]] = {}
+        fut = _hasher().submit(_pread_and_hash, fd, [jobs[i] for i in sides[1]])
+        try:
+            got.update(zip(sides[0], _pread_and_hash(fd, [jobs[i] for i in sides[0]])))
+        finally:
+            got.update(zip(sides[1], fut.result()))
+        for i, ((k, dst), e) in enumerate(zip(fast, entries)):
+            self._io["bytes_read"] += e["nbytes"]
+            self._io["tensors_read"] += 1
+            if got[i] != e["hash"]:
+                self._io["bytes_read"] -= e["nbytes"]
+                self._io["tensors_read"] -= 1
+                self._read_into(txn, m, k, dst)
 
     @staticmethod
     def _check_hashes(bufs: list, entries: list, got: dict[int, str]) -> None:
