@@ -23,6 +23,8 @@ from ..errors import ModelRepositoryError
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
 TABLES = ("tensors", "sizes", "versions", "pending")
+_ADVICE = {"normal": 0, "random": 1}   # MADV_NORMAL, MADV_RANDOM (Linux and BSDs)
+_MADVISE: Any = False
 
 
 class Txn:
@@ -178,6 +180,42 @@ class LmdbBackend(Backend):
                         off = None
                 out.append(off)
         return out
+
+    @contextmanager
+    def advise(self, pattern: str):
+        """madvise the whole map ``"random"`` (a cold fault reads its page, not the
+        device's read-ahead window around it: for B-tree pages, manifests and small
+        values) or ``"normal"`` for the block, restoring the previous advice after."""
+        base = self._map_base() if self._madvise() is not None else None
+        if base is None:
+            yield
+            return
+        prev = getattr(self, "_advice", "normal")
+        size = self.env.info()["map_size"]
+        self._madvise()(base, size, _ADVICE[pattern])
+        self._advice = pattern
+        try:
+            yield
+        finally:
+            self._madvise()(base, size, _ADVICE[prev])
+            self._advice = prev
+
+    @staticmethod
+    def _madvise() -> Any:
+        global _MADVISE
+        if _MADVISE is False:
+            import ctypes
+            import ctypes.util
+
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                fn = libc.madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _MADVISE = fn
+            except (OSError, AttributeError):
+                _MADVISE = None
+        return _MADVISE
 
     def data_fd(self) -> Optional[int]:
         """A read-only descriptor of data.mdb for :func:`os.preadv` (one per process)."""

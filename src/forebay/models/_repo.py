@@ -324,7 +324,8 @@ class Repository:
             if fd is not None and all("loc" in m["tensors"][k] for k, _ in fast):
                 self._fetch_pread(txn, m, fast, fd)
                 return
-            bufs = [self._buffer(txn, m, k) for k, _ in fast]
+            with self._advise("normal"):  # large values through the map: read-ahead on
+                bufs = [self._buffer(txn, m, k) for k, _ in fast]
             entries = [m["tensors"][k] for k, _ in fast]
             if fresh:
                 fut = _hasher().submit(lambda: [tensor_hash(e["dtype"], e["shape"], b)
@@ -488,10 +489,22 @@ class Repository:
         module or a state dict of tensors; returned).  ``include``: state-dict name
         patterns (``"blocks.3.*"``), module paths, or leaf IDs; only the selected
         tensors' bytes are read."""
-        import torch
 
         t_start = time.perf_counter()
         read0 = self._io["bytes_read"]
+        with self._advise("random"):  # manifests, B-tree pages, small tensors
+            return self._load(name, version, into, include, device, t_start, read0)
+
+    def _advise(self, pattern: str) -> Any:
+        import contextlib
+
+        advise = getattr(self.backend, "advise", None)
+        return advise(pattern) if advise is not None else contextlib.nullcontext()
+
+    def _load(self, name: str, version: Optional[int], into: Any, include: Any, device: Any,
+              t_start: float, read0: int) -> Any:
+        import torch
+
         m = self.manifest(name, version)
         keys = self._select(m, include)
         if into is not None:
