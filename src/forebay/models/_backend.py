@@ -217,16 +217,20 @@ class LmdbBackend(Backend):
                 _MADVISE = None
         return _MADVISE
 
-    def data_fd(self) -> Optional[int]:
-        """A read-only descriptor of data.mdb for :func:`os.preadv` (one per process)."""
+    def data_fd(self, reader: int = 0) -> Optional[int]:
+        """A read-only descriptor of data.mdb for :func:`os.preadv`, one per concurrent
+        ``reader`` (0 or 1) in this process: the kernel keeps read-ahead state per open
+        file, and two threads reading different tensors through one descriptor look
+        like random access to it, which switches read-ahead off."""
         entry = self._open.get(self.key)
         if entry is None:
             return None
         if len(entry) < 4:
             with self._open_lock:
                 if len(entry) < 4:
-                    entry.append(os.open(self.path / "data.mdb", os.O_RDONLY))
-        return entry[3]
+                    entry.append([os.open(self.path / "data.mdb", os.O_RDONLY)
+                                  for _ in range(2)])
+        return entry[3][reader]
 
     @contextmanager
     def write(self):
@@ -242,8 +246,8 @@ class LmdbBackend(Backend):
             entry[2] -= 1
             if entry[2] == 0:
                 del self._open[self.key]
-                if len(entry) > 3:
-                    os.close(entry[3])
+                for fd in (entry[3] if len(entry) > 3 else []):
+                    os.close(fd)
                 self.env.close()
 
 

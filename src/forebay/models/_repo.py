@@ -322,7 +322,7 @@ class Repository:
                 return
             fd = self.backend.data_fd() if hasattr(self.backend, "data_fd") else None
             if fd is not None and all("loc" in m["tensors"][k] for k, _ in fast):
-                self._fetch_pread(txn, m, fast, fd)
+                self._fetch_pread(txn, m, fast, fd, self.backend.data_fd(1))
                 return
             with self._advise("normal"):  # large values through the map: read-ahead on
                 bufs = [self._buffer(txn, m, k) for k, _ in fast]
@@ -348,7 +348,8 @@ class Repository:
                 got.update(zip(sides[1], fut.result()))
             self._check_hashes(bufs, entries, got)
 
-    def _fetch_pread(self, txn: Any, m: dict[str, Any], fast: list, fd: int) -> None:
+    def _fetch_pread(self, txn: Any, m: dict[str, Any], fast: list, fd: int,
+                     fd2: int) -> None:
         """Read tensors whose file location is recorded with ``preadv`` straight into
         their destinations, hashing each chunk right after it arrives, split by bytes
         between this thread and one helper.  A tensor whose bytes do not match (a
@@ -359,7 +360,7 @@ class Repository:
                 for (_, dst), e in zip(fast, entries)]
         sides = _halves([e["nbytes"] for e in entries])
         got: dict[int, Optional[str]] = {}
-        fut = _hasher().submit(_pread_and_hash, fd, [jobs[i] for i in sides[1]])
+        fut = _hasher().submit(_pread_and_hash, fd2, [jobs[i] for i in sides[1]])
         try:
             got.update(zip(sides[0], _pread_and_hash(fd, [jobs[i] for i in sides[0]])))
         finally:
