@@ -235,6 +235,57 @@ def test_store_without_a_sizes_table_is_indexed_on_open(tmp_path):
     r.close()
 
 
+def test_large_tensors_are_read_at_their_recorded_location(tmp_path):
+    import json as _json
+
+    import lmdb
+
+    path = tmp_path / "loc"
+    r = fm.open_repository(str(path))
+    sd = {"big": torch.randn(512, 512), "also": torch.randn(300, 300), "small": torch.randn(8)}
+    r.save("m", sd)
+    m = r.manifest("m")
+    assert "loc" in m["tensors"]["big"] and "loc" in m["tensors"]["also"]
+    assert "loc" not in m["tensors"]["small"]               # small ones go through LMDB
+    sd2 = dict(sd, also=torch.randn(300, 300))
+    r.save("m", sd2)                                       # unchanged tensor keeps its loc
+    assert r.manifest("m")["tensors"]["big"]["loc"] == m["tensors"]["big"]["loc"]
+    before = r.stats()["bytes_read"]
+    part = r.load("m", include="big")
+    assert torch.equal(part["big"], sd["big"])
+    assert r.stats()["bytes_read"] - before == sd["big"].numel() * 4
+    r.close()
+    # a stale location (say the store was compacted): read through the map instead
+    env = lmdb.open(str(path), max_dbs=4)
+    db = env.open_db(b"versions")
+    with env.begin(write=True) as txn:
+        for k, v in list(txn.cursor(db=db)):
+            man = _json.loads(bytes(v))
+            for e in man["tensors"].values():
+                if "loc" in e:
+                    e["loc"] += 4096
+            txn.put(bytes(k), _json.dumps(man).encode(), db=db)
+    env.close()
+    r = fm.open_repository(str(path))
+    back = r.load("m", version=2)
+    assert all(torch.equal(back[k], sd2[k]) for k in sd2)
+    into = {k: torch.zeros_like(v) for k, v in sd2.items()}
+    r.load("m", version=2, into=into)
+    assert all(torch.equal(into[k], sd2[k]) for k in sd2)
+    loc = r.manifest("m", 1)["tensors"]["big"]["loc"] - 4096
+    r.close()
+    # bytes corrupted on disk where they are: named, whichever way they are read
+    with open(path / "data.mdb", "r+b") as fh:
+        fh.seek(loc + 1000)
+        b = fh.read(1)
+        fh.seek(loc + 1000)
+        fh.write(bytes([b[0] ^ 0x10]))
+    r = fm.open_repository(str(path))
+    with pytest.raises(CorruptModelError, match=r"tensor 'big' .*corrupt"):
+        r.load("m", version=1)
+    r.close()
+
+
 def test_corrupt_tensor_is_named(repo, tmp_path, cli):
     import lmdb
 
