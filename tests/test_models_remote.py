@@ -259,3 +259,19 @@ def test_cli_against_a_provider(tmp_path, provider, cli):
     assert code == 0 and out.startswith("ok:")
     code, _, err = cli("models", "ls", provider)  # no token
     assert code == 2 and "wrong token" in err
+
+
+def test_provider_records_its_own_file_locations(tmp_path, provider):
+    # the provider locates what it stored; a location a client sends is never kept
+    c = fm.open_repository(provider, token=TOKEN)
+    sd = {"w": torch.randn(512, 512), "b": torch.randn(10)}
+    c.save("m", sd)
+    real = c.manifest("m")["tensors"]["w"]
+    assert "loc" in real and "loc" not in c.manifest("m")["tensors"]["b"]
+    token, _ = c._store_tensors("m", {})
+    body = {"metadata": {}, "graph": None, "leaves": {}, "logical_bytes": 0, "new_bytes": 0,
+            "tensors": {"w": dict(real, loc=12345)}}
+    v = c._conn("m").call("COMMIT", {"name": "m", "body": body, "token": token})["version"]
+    assert c.manifest("m", v)["tensors"]["w"]["loc"] == real["loc"]
+    assert torch.equal(c.load("m", version=v)["w"], sd["w"])
+    c.close()

@@ -204,8 +204,14 @@ class _Handler(socketserver.BaseRequestHandler):
         elif op == OP["PUT"]:
             self._put(sock, meta, dlen)
         elif op == OP["COMMIT"]:
-            v = repo._publish(meta["name"], meta["body"], bytes(meta["token"]),
-                              meta.get("parent"))
+            body = meta["body"]
+            for e in body.get("tensors", {}).values():
+                if isinstance(e, dict):
+                    e.pop("loc", None)  # file locations are this store's, never a client's
+            if isinstance(body.get("tensors"), dict):
+                repo._add_locations(meta["name"], body["tensors"],
+                                    repo._pending_hashes(bytes(meta["token"])))
+            v = repo._publish(meta["name"], body, bytes(meta["token"]), meta.get("parent"))
             _send(sock, OP["OK"], {"version": v})
         elif op == OP["MANIFEST"]:
             _send(sock, OP["OK"], {"manifest": repo.manifest(meta["name"], meta.get("version"))})

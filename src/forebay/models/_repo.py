@@ -258,7 +258,9 @@ class Repository:
         locate = getattr(self.backend, "locate", None)
         if locate is None:
             return
-        big = {k: e for k, e in entries.items() if e["nbytes"] >= _PARALLEL_VERIFY}
+        big = {k: e for k, e in entries.items()       # (a provider's entries come from
+               if isinstance(e, dict) and isinstance(e.get("hash"), str)   # a client)
+               and isinstance(e.get("nbytes"), int) and e["nbytes"] >= _PARALLEL_VERIFY}
         if not big:
             return
         known: dict[str, int] = {}
@@ -273,6 +275,15 @@ class Repository:
         for e in big.values():
             if e["hash"] in known:
                 e["loc"] = known[e["hash"]]
+
+    def _pending_hashes(self, token: bytes) -> set[str]:
+        """The tensors a save in progress wrote (its pending record), or none."""
+        with self.backend.read() as txn:
+            raw = txn.get("pending", token)
+        try:
+            return set(json.loads(bytes(raw))["hashes"]) if raw is not None else set()
+        except (ValueError, KeyError, TypeError):
+            return set()
 
     def _missing(self, hashes: list[str]) -> list[str]:
         """Which of these tensors the store does not hold."""
