@@ -160,10 +160,14 @@ _LIVE: "weakref.WeakSet[Coordinator]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """Stop every coordinator before interpreter teardown: a coordinator thread still running
-    Python code then would be killed while inside torch and abort the process."""
+    """Stop every coordinator before interpreter teardown (a coordinator thread still running
+    Python code then would be killed while inside torch and abort the process), then
+    destroy the default group if forebay made it."""
     for c in list(_LIVE):
         c.close()
+    from ._launch import _destroy_at_exit
+
+    _destroy_at_exit()
 
 
 class Coordinator:

@@ -56,7 +56,25 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 300.0,
     except Exception as exc:
         raise ReduceError(f"rank {rank} of {size} could not join the process group at "
                           f"{addr}:{mport} ({backend}): {exc}") from exc
+    global _OURS
+    _OURS = True
     return rank, size
+
+
+_OURS = False  # the default group was made by init_process_group above
+
+
+def _destroy_at_exit() -> None:
+    """Destroy a default group this module made, at interpreter exit, after the
+    coordinators stopped: its gloo worker threads drop their last tensor references
+    while Python still runs (a drop during teardown takes the GIL from a dying
+    interpreter and aborts the process: "terminate called without an active
+    exception").  A program that destroyed the group itself is left alone."""
+    if _OURS and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:                    # noqa: BLE001 - exiting anyway
+            pass
 
 
 def _rendezvous_over_mpi(addr: str | None, port: int | None) -> tuple[str, int]:
