@@ -76,8 +76,12 @@ def _pread_and_hash(fd: int, jobs: list[tuple[np.ndarray, int, bytes]]) -> list[
         ok = True
         for o in range(0, len(dst), _COPY_CHUNK):
             d = dst[o:o + _COPY_CHUNK]
-            if os.preadv(fd, [d], off + o) != len(d):
+            try:
+                if os.preadv(fd, [d], off + o) != len(d):
+                    ok = False
+            except (OSError, OverflowError, TypeError):   # a location that makes no sense
                 ok = False
+            if not ok:
                 break
             h.update(d)
         out.append(h.hexdigest() if ok else None)
@@ -314,10 +318,12 @@ class Repository:
                fresh: bool = False) -> None:
         """Fill each ``(key, destination tensor)`` with ``key``'s verified bytes.
 
-        Tensors that can be copied straight into CPU memory go through one hand-off per
-        load, not per tensor (the copies and xxhash release the interpreter lock): into
+        Tensors of 64 KiB or more that go straight into CPU memory take one hand-off
+        per load, not per tensor (preadv, the copies and xxhash release the interpreter
+        lock): when the manifest records where they sit in the store's file they are
+        read with :meth:`_fetch_pread`; otherwise, through the store's map, into
         existing tensors (a load in place) they are copied and hashed in one pass
-        (:func:`_copy_and_hash`), split by bytes between this thread and one helper;
+        (:func:`_copy_and_hash`), split by bytes between this thread and one helper, and
         into ``fresh`` tensors, whose first touch page-faults and would make two
         writing threads contend, this thread copies while the helper hashes the stored
         bytes.  Other tensors are verified, then copied, one by one."""
