@@ -146,7 +146,13 @@ class LmdbBackend(Backend):
 
     # -- reading large values with pread instead of through the map ---------------------
     def _map_base(self) -> Optional[int]:
-        """Where this process mapped data.mdb (Linux: /proc/self/maps), or None."""
+        """Where this process mapped data.mdb (Linux: /proc/self/maps), or None; found
+        once (LMDB keeps its map where it is while the environment is open)."""
+        if not hasattr(self, "_base"):
+            self._base = self._find_map_base()
+        return self._base
+
+    def _find_map_base(self) -> Optional[int]:
         path = os.path.realpath(self.path / "data.mdb")
         try:
             with open("/proc/self/maps") as fh:
