@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..plan import AccessPlan, permutation
-from ..store._placement import NONE, compute_placement
+from ..store._placement import NONE, compute_placement, fill_tiers
 from ..store._placement import RAM as P_RAM
 from ..store._placement import SSD as P_SSD
 from ._engine import PEER_RAM, PEER_SSD, PFS, RAM, SOURCES, SSD, Timeline, timeline
@@ -140,20 +140,6 @@ def _prefetching(w: Workload) -> _Run:
     return _Run(w, p0, w.n * p0)
 
 
-def _fill_first(order: np.ndarray, sizes: np.ndarray, caps: list[int]) -> np.ndarray:
-    """``int8`` tier (RAM, SSD, NONE) of each id of ``order``, filling RAM then SSD in
-    that order while the bytes fit."""
-    cum = np.cumsum(sizes[order])
-    tier = np.full(len(order), NONE, dtype=np.int8)
-    in_ram = cum <= caps[0]
-    tier[in_ram] = P_RAM
-    rest = ~in_ram
-    cum2 = np.cumsum(sizes[order[rest]])
-    t2 = np.where(cum2 <= caps[1], P_SSD, NONE).astype(np.int8)
-    tier[rest] = t2
-    return tier
-
-
 def _local(tier: np.ndarray) -> np.ndarray:
     return np.where(tier == P_RAM, RAM, SSD)
 
@@ -203,7 +189,7 @@ def deepio(w: Workload) -> dict[str, Any]:
     tier = np.full(f, NONE, dtype=np.int8)
     for r in range(w.n):
         mine = np.flatnonzero(owner == r)
-        tier[mine] = _fill_first(mine, w.sizes, [w.system.ram_bytes, 0])
+        tier[mine] = fill_tiers(mine, w.sizes, w.system.ram_bytes, 0)
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)
@@ -233,7 +219,7 @@ def parallel_staging(w: Workload) -> dict[str, Any]:
         shard = np.arange(bounds[i], bounds[i + 1])
         if len(shard) == 0:
             shard = np.arange(w.plan.num_samples)  # more workers than samples: share
-        tier = _fill_first(shard, w.sizes, [sysm.ram_bytes, sysm.ssd_bytes])
+        tier = fill_tiers(shard, w.sizes, sysm.ram_bytes, sysm.ssd_bytes)
         where = np.full(w.plan.num_samples, NONE, dtype=np.int8)
         where[shard] = tier
         mb_ram = w.mb[shard[tier == P_RAM]].sum()
@@ -284,7 +270,7 @@ def _first_reader_tiers(w: Workload) -> tuple[np.ndarray, np.ndarray]:
         _, first = np.unique(s, return_index=True)
         s = s[np.sort(first)]
         s = s[holder[s] < 0]
-        t = _fill_first(s, w.sizes, [w.system.ram_bytes, w.system.ssd_bytes])
+        t = fill_tiers(s, w.sizes, w.system.ram_bytes, w.system.ssd_bytes)
         keep = t != NONE
         holder[s[keep]] = i
         tier[s[keep]] = t[keep]
@@ -346,7 +332,7 @@ def nopfs(w: Workload) -> dict[str, Any]:
         cand = np.flatnonzero(freq > 0)
         cand = cand[np.lexsort((cand, first[cand], -freq[cand]))]
         held = np.full(f, NONE, dtype=np.int8)
-        held[cand] = _fill_first(cand, w.sizes, [w.system.ram_bytes, w.system.ssd_bytes])
+        held[cand] = fill_tiers(cand, w.sizes, w.system.ram_bytes, w.system.ssd_bytes)
         return held
 
     # two passes (copies per sample, then each worker's reads): O(F) memory, not O(N F)

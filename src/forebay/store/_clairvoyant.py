@@ -146,7 +146,6 @@ class ClairvoyantStore:
         self._peer_dirs = [Path(d) for _, _, d in every]
         self._choose_transport(transport)
         self._allocate()
-        self.fill_threads = (int(ram_threads), int(ssd_threads))
         if fill:
             n = len(self.fill_order)
             for tier, lo, hi, k in (("ram", 0, self._R, ram_threads),

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..plan import AccessPlan
 
-__all__ = ["Placement", "compute_placement", "RAM", "SSD", "NONE"]
+__all__ = ["Placement", "compute_placement", "fill_tiers", "RAM", "SSD", "NONE"]
 
 RAM, SSD, NONE = 0, 1, -1
 
@@ -87,6 +87,19 @@ def _first_need(plan: AccessPlan) -> tuple[np.ndarray, np.ndarray]:
             break
     reader = np.where(first >= 0, (first % plan.global_batch) // plan.batch_size, -1)
     return first, reader
+
+
+def fill_tiers(order: np.ndarray, sizes: np.ndarray, ram: int, ssd: int) -> np.ndarray:
+    """``int8`` tier (RAM, SSD or NONE) of each id of ``order``: RAM takes the longest
+    prefix of ``order`` that fits ``ram`` bytes, SSD the longest prefix of the rest that
+    fits ``ssd`` (shared by the placement and the simulator's policies)."""
+    cum = np.cumsum(sizes[order])
+    tier = np.full(len(order), NONE, dtype=np.int8)
+    in_ram = cum <= ram
+    tier[in_ram] = RAM
+    rest = ~in_ram
+    tier[rest] = np.where(np.cumsum(sizes[order[rest]]) <= ssd, SSD, NONE)
+    return tier
 
 
 def _group_cumsum(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -176,13 +189,10 @@ def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarra
     own_first = plan.first_access(rank)
     cand = np.flatnonzero((freq > 0) & (owner != rank))
     cand = cand[np.lexsort((cand, own_first[cand], -freq[cand]))]
-    cum = np.cumsum(sizes[cand])
-    ram_left = int(ram[rank] - ram_used[rank])
-    take = cum <= ram_left
-    extra_ram = cand[take]
-    rest = cand[~take]
-    cum = np.cumsum(sizes[rest])
-    extra_ssd = rest[cum <= int(ssd[rank] - ssd_used[rank])]
+    where = fill_tiers(cand, sizes, int(ram[rank] - ram_used[rank]),
+                       int(ssd[rank] - ssd_used[rank]))
+    extra_ram = cand[where == RAM]
+    extra_ssd = cand[where == SSD]
     extra_ram = extra_ram[np.argsort(own_first[extra_ram], kind="stable")]
     extra_ssd = extra_ssd[np.argsort(own_first[extra_ssd], kind="stable")]
     return Placement(rank=rank, owner=owner, tier=tier, slot=slot, first_need=first,
