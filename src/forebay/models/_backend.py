@@ -197,7 +197,9 @@ class LmdbBackend(Backend):
             yield
             return
         prev = getattr(self, "_advice", "normal")
-        size = self.env.info()["map_size"]
+        if not hasattr(self, "_map_size"):
+            self._map_size = self.env.info()["map_size"]
+        size = self._map_size
         self._madvise()(base, size, _ADVICE[pattern])
         self._advice = pattern
         try:
