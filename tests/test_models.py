@@ -242,11 +242,13 @@ def test_large_tensors_are_read_at_their_recorded_location(tmp_path):
 
     path = tmp_path / "loc"
     r = fm.open_repository(str(path))
-    sd = {"big": torch.randn(512, 512), "also": torch.randn(300, 300), "small": torch.randn(8)}
+    sd = {"big": torch.randn(512, 512), "also": torch.randn(300, 300), "small": torch.randn(8),
+          "bias": torch.randn(1024), "bias2": torch.randn(600)}
     r.save("m", sd)
     m = r.manifest("m")
-    assert "loc" in m["tensors"]["big"] and "loc" in m["tensors"]["also"]
-    assert "loc" not in m["tensors"]["small"]               # small ones go through LMDB
+    assert all("loc" in m["tensors"][k] for k in ("big", "also", "bias", "bias2"))
+    assert "loc" not in m["tensors"]["small"]               # inside a B-tree leaf: via LMDB
+    assert torch.equal(r.load("m", include=["bias", "bias2"])["bias2"], sd["bias2"])
     sd2 = dict(sd, also=torch.randn(300, 300))
     r.save("m", sd2)                                       # unchanged tensor keeps its loc
     assert r.manifest("m")["tensors"]["big"]["loc"] == m["tensors"]["big"]["loc"]
@@ -489,3 +491,37 @@ def test_saves_and_loads_are_traced(tmp_path):
     assert [e["name"] for e in ck] == ["save", "load"]
     assert ck[0]["args"]["model"] == "net" and ck[0]["args"]["version"] == v
     assert ck[1]["args"]["count"] == 2 and ck[1]["args"]["size"] == (16 * 3 + 3) * 4
+
+
+def test_located_reads_coalesce_neighbours_and_flag_bad_ones(tmp_path):
+    """``_pread_and_hash`` on a real file: neighbours within the gap are read by one call
+    (the gap discarded), far ones and 1 MiB-plus tensors in pieces; a read past the end
+    or at a nonsense offset comes back None, the others are still right."""
+    import os as _os
+
+    import xxhash
+    from forebay.models import _repo
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 6 << 20, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    spans = [(0, 4096), (4096 + 16, 4096), (20000, 1500), (20000 + 1500 + 60000, 3000),
+             (400000, (2 << 20) + 123), (3 << 20, 5000), (len(data) - 100, 4096), (-5, 10),
+             (5 << 20, 0)]
+    jobs = [(np.zeros(n, dtype=np.uint8), off, b"h|") for off, n in spans]
+    fd = _os.open(path, _os.O_RDONLY)
+    try:
+        got = _repo._pread_and_hash(fd, jobs)
+    finally:
+        _os.close(fd)
+    for (off, n), (dst, _, _), h in zip(spans, jobs, got):
+        if off < 0 or off + n > len(data):
+            assert h is None
+            continue
+        assert np.array_equal(dst, data[off:off + n])
+        want = xxhash.xxh3_128(b"h|" + data[off:off + n].tobytes()).hexdigest()
+        assert h == want
+    halves = _repo._file_halves([off for off, _ in spans[:6]], [n for _, n in spans[:6]])
+    assert sorted(halves[0] + halves[1]) == list(range(6))
+    assert halves[1] == [4, 5] and halves[0] == [0, 1, 2, 3]   # file order, cut by bytes

@@ -24,7 +24,26 @@ __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
 TABLES = ("tensors", "sizes", "versions", "pending")
 _ADVICE = {"normal": 0, "random": 1}   # MADV_NORMAL, MADV_RANDOM (Linux and BSDs)
+_MADV_HUGEPAGE = 14                     # Linux
+_HUGE = 2 << 20
 _MADVISE: Any = False
+
+
+def prefer_huge_pages(address: int, nbytes: int) -> None:
+    """Ask Linux to back the 2 MiB-aligned inside of fresh memory at ``address`` with
+    transparent huge pages when it is first touched (where THP is in ``madvise`` mode,
+    the usual default): one fault per 2 MiB instead of 512.  numpy does this for its
+    large arrays; torch.empty does not, so a load into new tensors page-faulted at half
+    the speed of h5py's reads into numpy arrays.  A no-op elsewhere."""
+    import sys
+
+    lo = (address + _HUGE - 1) & ~(_HUGE - 1)
+    hi = (address + nbytes) & ~(_HUGE - 1)
+    if hi <= lo or not sys.platform.startswith("linux"):
+        return
+    fn = LmdbBackend._madvise()
+    if fn is not None:
+        fn(lo, hi - lo, _MADV_HUGEPAGE)
 
 
 class Txn:

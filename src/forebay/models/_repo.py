@@ -19,7 +19,7 @@ import xxhash
 from ..errors import (CorruptModelError, ModelMismatchError, ModelNotFoundError,
                       ModelRepositoryError)
 from ._arch import Architecture, IdCache, capture
-from ._backend import Backend, LmdbBackend, MemoryBackend
+from ._backend import _HUGE, Backend, LmdbBackend, MemoryBackend, prefer_huge_pages
 
 __all__ = ["Repository", "open_repository", "tensor_hash"]
 
@@ -27,6 +27,11 @@ FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,254}$")
 PENDING_GRACE_S = 6 * 3600  # a save older than this without a manifest crashed
 _PARALLEL_VERIFY = 64 << 10  # tensors from this size are hashed while they are copied
+# Tensors from this size get their file location recorded: LMDB keeps a value larger
+# than its node limit (about 2,000 bytes with 4 KiB pages) in overflow pages of its own,
+# which never move while the value exists; smaller values sit inside B-tree leaves,
+# which move whenever a leaf is rewritten.
+_LOC_MIN = 2048
 _pool: Any = None
 
 
@@ -66,26 +71,80 @@ def _halves(nbytes: list[int]) -> list[list[int]]:
     return sides
 
 
-def _pread_and_hash(fd: int, jobs: list[tuple[np.ndarray, int, bytes]]) -> list[Optional[str]]:
-    """Read each ``(destination bytes, file offset, hash header)`` with ``preadv`` in
-    chunks, hashing every chunk right after it arrives; None for a short read."""
-    out: list[Optional[str]] = []
-    for dst, off, head in jobs:
+def _file_halves(offsets: list[int], nbytes: list[int]) -> list[list[int]]:
+    """Indices in file order, cut in two at the tensor boundary nearest half the bytes:
+    each side then reads one stretch of the file front to back (on its own descriptor,
+    so the kernel's read-ahead sees a sequential reader)."""
+    order = sorted(range(len(offsets)), key=lambda i: offsets[i])
+    total, run, cut = sum(nbytes), 0, len(order)
+    for j, i in enumerate(order):
+        if run + nbytes[i] / 2 >= total / 2:
+            cut = j
+            break
+        run += nbytes[i]
+    return [order[:cut], order[cut:]] if cut else [order, []]
+
+
+_GAP = 64 << 10   # tensors this close in the file are read by one call, the gap discarded
+_IOV_MAX = 512    # well under every kernel's IOV_MAX (1,024 on Linux)
+
+
+def _pread_and_hash(fd: int, jobs: list[tuple[np.ndarray, Any, bytes]]) -> list[Optional[str]]:
+    """Read each ``(destination bytes, file offset, hash header)`` with ``preadv`` and
+    hash it as it arrives; None where a read came back short or failed (the caller
+    reads those another way).  Jobs given in file order whose bytes lie within
+    ``_GAP`` of each other are read by one call covering up to 1 MiB of the file
+    (small tensors: one system call and one sequential read for many of them, not a
+    random read each); larger tensors in 1 MiB pieces, each hashed right after it
+    arrives while it is in the cache."""
+    hashes = []
+    for _, _, head in jobs:
         h = xxhash.xxh3_128()
         h.update(head)
-        ok = True
+        hashes.append(h)
+    ok = [True] * len(jobs)
+    scratch = np.empty(_GAP, dtype=np.uint8)
+    iovs: list[Any] = []
+    pieces: list[tuple[int, np.ndarray]] = []
+    start = pos = 0
+
+    def flush() -> None:
+        if not iovs:
+            return
+        try:
+            good = os.preadv(fd, iovs, start) == pos - start
+        except (OSError, OverflowError, TypeError, ValueError):   # a nonsense location
+            good = False
+        for i, piece in pieces:
+            if not good:
+                ok[i] = False
+            elif ok[i]:
+                hashes[i].update(piece)
+        iovs.clear()
+        pieces.clear()
+
+    for i, (dst, off, _) in enumerate(jobs):
+        if not isinstance(off, int) or off < 0:
+            ok[i] = False
+            continue
+        first = min(len(dst), _COPY_CHUNK)
+        if iovs and 0 <= off - pos <= _GAP and off + first - start <= _COPY_CHUNK:
+            if off > pos:
+                iovs.append(scratch[:off - pos])
+        else:
+            flush()
+            start = off
+        pos = off
         for o in range(0, len(dst), _COPY_CHUNK):
-            d = dst[o:o + _COPY_CHUNK]
-            try:
-                if os.preadv(fd, [d], off + o) != len(d):
-                    ok = False
-            except (OSError, OverflowError, TypeError):   # a location that makes no sense
-                ok = False
-            if not ok:
-                break
-            h.update(d)
-        out.append(h.hexdigest() if ok else None)
-    return out
+            piece = dst[o:o + _COPY_CHUNK]
+            if iovs and (pos + len(piece) - start > _COPY_CHUNK or len(iovs) >= _IOV_MAX):
+                flush()
+                start = pos
+            iovs.append(piece)
+            pieces.append((i, piece))
+            pos += len(piece)
+    flush()
+    return [h.hexdigest() if good else None for h, good in zip(hashes, ok)]
 
 
 def _copy_and_hash(jobs: list[tuple[np.ndarray, Any, bytes]]) -> list[str]:
@@ -253,10 +312,12 @@ class Repository:
 
     def _add_locations(self, name: str, entries: dict[str, dict[str, Any]],
                        new: set[str]) -> None:
-        """Record where large tensors' bytes sit in the store's file (``loc``), so loads
+        """Record where tensors' bytes sit in the store's file (``loc``; tensors of
+        ``_LOC_MIN`` bytes or more, which LMDB keeps in pages of their own), so loads
         read them with ``preadv`` straight into the destination, exactly what they need,
-        instead of through the map (where py-lmdb first touches every page of a value and
-        a cold fault reads the device's whole read-ahead window).  Tensors written by
+        neighbours in one call, instead of through the map (where every tensor is a
+        B-tree lookup, py-lmdb first touches every page of a value and a cold fault
+        reads the device's whole read-ahead window).  Tensors written by
         this save are located now, while cached; the others keep the location the
         previous version recorded, or none (then they are read through the map)."""
         locate = getattr(self.backend, "locate", None)
@@ -264,7 +325,7 @@ class Repository:
             return
         big = {k: e for k, e in entries.items()       # (a provider's entries come from
                if isinstance(e, dict) and isinstance(e.get("hash"), str)   # a client)
-               and isinstance(e.get("nbytes"), int) and e["nbytes"] >= _PARALLEL_VERIFY}
+               and isinstance(e.get("nbytes"), int) and e["nbytes"] >= _LOC_MIN}
         if not big:
             return
         known: dict[str, int] = {}
@@ -318,28 +379,32 @@ class Repository:
                fresh: bool = False) -> None:
         """Fill each ``(key, destination tensor)`` with ``key``'s verified bytes.
 
-        Tensors of 64 KiB or more that go straight into CPU memory take one hand-off
-        per load, not per tensor (preadv, the copies and xxhash release the interpreter
-        lock): when the manifest records where they sit in the store's file they are
-        read with :meth:`_fetch_pread`; otherwise, through the store's map, into
-        existing tensors (a load in place) they are copied and hashed in one pass
-        (:func:`_copy_and_hash`), split by bytes between this thread and one helper, and
-        into ``fresh`` tensors, whose first touch page-faults and would make two
-        writing threads contend, this thread copies while the helper hashes the stored
-        bytes.  Other tensors are verified, then copied, one by one."""
+        Tensors going straight into CPU memory whose location in the store's file the
+        manifest records are read with :meth:`_fetch_pread` (neighbours in one call, no
+        B-tree lookups).  Those of 64 KiB or more read through the store's map take one
+        hand-off per load, not per tensor (the copies and xxhash release the interpreter
+        lock): into existing tensors (a load in place) they are copied and hashed in one
+        pass (:func:`_copy_and_hash`), split by bytes between this thread and one
+        helper, and into ``fresh`` tensors, whose first touch page-faults and would make
+        two writing threads contend, this thread copies while the helper hashes the
+        stored bytes.  Other tensors are verified, then copied, one by one."""
         with self.backend.read() as txn:
-            fast, slow = [], []
+            fd = self.backend.data_fd() if hasattr(self.backend, "data_fd") else None
+            located, fast, slow = [], [], []
             for k, dst in pairs:
                 e = m["tensors"][k]
                 ok = dst.device.type == "cpu" and dst.is_contiguous() and e["dtype"] != "bool"
-                (fast if ok and e["nbytes"] >= _PARALLEL_VERIFY else slow).append((k, dst))
+                if ok and fd is not None and "loc" in e and e["nbytes"] > 0:
+                    located.append((k, dst))
+                elif ok and e["nbytes"] >= _PARALLEL_VERIFY:
+                    fast.append((k, dst))
+                else:
+                    slow.append((k, dst))
+            if located:
+                self._fetch_pread(txn, m, located, fd, self.backend.data_fd(1))
             for k, dst in slow:
                 self._read_into(txn, m, k, dst)
             if not fast:
-                return
-            fd = self.backend.data_fd() if hasattr(self.backend, "data_fd") else None
-            if fd is not None and all("loc" in m["tensors"][k] for k, _ in fast):
-                self._fetch_pread(txn, m, fast, fd, self.backend.data_fd(1))
                 return
             with self._advise("normal"):  # large values through the map: read-ahead on
                 bufs = [self._buffer(txn, m, k) for k, _ in fast]
@@ -368,20 +433,27 @@ class Repository:
     def _fetch_pread(self, txn: Any, m: dict[str, Any], fast: list, fd: int,
                      fd2: int) -> None:
         """Read tensors whose file location is recorded with ``preadv`` straight into
-        their destinations, hashing each chunk right after it arrives, split by bytes
-        between this thread and one helper.  A tensor whose bytes do not match (a
-        location gone stale, e.g. after the store was compacted by a copy) is read again
-        through the map and verified there before anything is called corrupt."""
+        their destinations, hashing each piece right after it arrives; the tensors in
+        file order, cut in two by bytes between this thread and one helper, each with
+        its own descriptor (a load under 1 MiB stays on this thread).  A tensor whose
+        bytes do not match (a location gone stale, e.g. after the store was compacted by
+        a copy) is read again through the map and verified there before anything is
+        called corrupt."""
         entries = [m["tensors"][k] for k, _ in fast]
         jobs = [(_byte_view(dst), e["loc"], _hash_head(e["dtype"], e["shape"]))
                 for (_, dst), e in zip(fast, entries)]
-        sides = _halves([e["nbytes"] for e in entries])
+        sides = _file_halves([e["loc"] if isinstance(e["loc"], int) else -1 for e in entries],
+                             [e["nbytes"] for e in entries])
+        if sum(e["nbytes"] for e in entries) < _COPY_CHUNK:
+            sides = [sides[0] + sides[1], []]
         got: dict[int, Optional[str]] = {}
-        fut = _hasher().submit(_pread_and_hash, fd2, [jobs[i] for i in sides[1]])
+        fut = _hasher().submit(_pread_and_hash, fd2, [jobs[i] for i in sides[1]]) \
+            if sides[1] else None
         try:
             got.update(zip(sides[0], _pread_and_hash(fd, [jobs[i] for i in sides[0]])))
         finally:
-            got.update(zip(sides[1], fut.result()))
+            if fut is not None:
+                got.update(zip(sides[1], fut.result()))
         for i, ((k, dst), e) in enumerate(zip(fast, entries)):
             self._io["bytes_read"] += e["nbytes"]
             self._io["tensors_read"] += 1
@@ -535,7 +607,9 @@ class Repository:
         out: dict[str, Any] = {}
         for k in keys:
             e = m["tensors"][k]
-            out[k] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            out[k] = t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            if e["nbytes"] >= 2 * _HUGE:
+                prefer_huge_pages(t.data_ptr(), e["nbytes"])
         self._fetch(m, list(out.items()), fresh=True)
         if device is not None:
             out = {k: t.to(device) for k, t in out.items()}
