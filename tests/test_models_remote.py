@@ -275,3 +275,51 @@ def test_provider_records_its_own_file_locations(tmp_path, provider):
     assert c.manifest("m", v)["tensors"]["w"]["loc"] == real["loc"]
     assert torch.equal(c.load("m", version=v)["w"], sd["w"])
     c.close()
+
+
+def test_provider_sends_located_tensors_from_its_file_and_survives_stale_ones(tmp_path):
+    """An in-process provider over LMDB: tensors with a recorded location go out with
+    sendfile; a stale location gets the tensor re-sent from the store's pages; bytes
+    corrupt on disk are named, however they are sent."""
+    import json
+    import threading
+
+    from forebay.errors import CorruptModelError
+    from forebay.models._remote import Provider
+
+    store = fm.open_repository(str(tmp_path / "store"))
+    srv = Provider(("127.0.0.1", 0), store, TOKEN)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        c = fm.open_repository(srv.address, token=TOKEN)
+        sd = {"w": torch.randn(512, 512), "b": torch.randn(1024), "tiny": torch.randn(8)}
+        c.save("m", sd)
+        back = c.load("m")
+        assert all(torch.equal(back[k], sd[k]) for k in sd)
+        assert srv.bytes_sent_from_file == (512 * 512 + 1024) * 4     # not "tiny"
+        with store.backend.write() as txn:                            # locations gone stale
+            key = b"m\x00" + b"%012d" % 1
+            man = json.loads(bytes(txn.get("versions", key)))
+            loc = man["tensors"]["w"]["loc"]
+            for e in man["tensors"].values():
+                if "loc" in e:
+                    e["loc"] += 4096
+            txn.put("versions", key, json.dumps(man).encode())
+        into = {k: torch.zeros_like(v) for k, v in sd.items()}
+        c.load("m", into=into)
+        assert all(torch.equal(into[k], sd[k]) for k in sd)
+        assert c.load("m", include="b")["b"].equal(sd["b"])           # the connection is fine
+        with open(tmp_path / "store" / "data.mdb", "r+b") as fh:      # corrupt on disk
+            fh.seek(loc + 100)
+            x = fh.read(1)
+            fh.seek(loc + 100)
+            fh.write(bytes([x[0] ^ 0x01]))
+        with pytest.raises(CorruptModelError, match=r"version 1: tensor 'w' arrived corrupt"):
+            c.load("m")
+        assert c.load("m", include="tiny")["tiny"].equal(sd["tiny"])
+        c.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        store.close()
