@@ -79,7 +79,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _sendmsg_all(sock: socket.socket, out: list[memoryview]) -> None:
+def _send(sock: socket.socket, op: int, meta: Any, data: list = ()) -> None:
+    """One frame, scatter-gather: header, meta and every data buffer in sendmsg calls."""
+    m = _packb(meta)
+    bufs = [memoryview(b).cast("B") for b in data]
+    total = sum(len(b) for b in bufs)
+    out = [memoryview(HEADER.pack(MAGIC, VERSION, op, 0, len(m), total)), memoryview(m)]
+    out += [b for b in bufs if len(b)]
     while out:
         sent = sock.sendmsg(out[:512])
         while sent:
@@ -89,27 +95,6 @@ def _sendmsg_all(sock: socket.socket, out: list[memoryview]) -> None:
             else:
                 out[0] = out[0][sent:]
                 sent = 0
-
-
-def _send(sock: socket.socket, op: int, meta: Any, data: list = (), file: Any = None) -> None:
-    """One frame, scatter-gather: header, meta and every data item in sendmsg calls;
-    an item given as ``(offset, count)`` is that range of ``file`` (an unbuffered
-    binary file object), sent with sendfile (the kernel copies from the page cache to
-    the socket; no pass through this process)."""
-    m = _packb(meta)
-    items = [d if isinstance(d, tuple) else memoryview(d).cast("B") for d in data]
-    total = sum(d[1] if isinstance(d, tuple) else len(d) for d in items)
-    out = [memoryview(HEADER.pack(MAGIC, VERSION, op, 0, len(m), total)), memoryview(m)]
-    for d in items:
-        if isinstance(d, tuple):
-            _sendmsg_all(sock, out)
-            out = []
-            if d[1] and sock.sendfile(file, d[0], d[1]) != d[1]:
-                raise ConnectionError(f"sent fewer than {d[1]} bytes from offset {d[0]} of "
-                                      f"the store's file")
-        elif len(d):
-            out.append(d)
-    _sendmsg_all(sock, out)
 
 
 def _recv_header(sock: socket.socket, max_data: int) -> tuple[int, int, int]:
@@ -155,7 +140,6 @@ class Provider(socketserver.ThreadingTCPServer):
         self.max_data, self.idle_timeout = max_data, idle_timeout
         self.slots = threading.BoundedSemaphore(workers)
         self.served = 0
-        self.bytes_sent_from_file = 0   # tensor bytes sent with sendfile (LMDB stores)
         super().__init__(listen, _Handler)
 
     @property
@@ -170,9 +154,6 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         sock.settimeout(self.server.idle_timeout)
-        # replies are written in pieces (header, sendmsg runs, sendfile ranges): no
-        # waiting for the peer's acknowledgement between small ones
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = f"{self.client_address[0]}:{self.client_address[1]}"
         with self.server.slots:
             try:
@@ -235,7 +216,15 @@ class _Handler(socketserver.BaseRequestHandler):
         elif op == OP["MANIFEST"]:
             _send(sock, OP["OK"], {"manifest": repo.manifest(meta["name"], meta.get("version"))})
         elif op == OP["GET"]:
-            self._get(sock, meta)
+            with repo.backend.read() as txn:
+                bufs = []
+                for h in meta["hashes"]:
+                    b = txn.get("tensors", str(h).encode())
+                    if b is None:
+                        raise CorruptModelError(f"tensor {str(h)[:16]} is missing from the "
+                                                f"provider's store")
+                    bufs.append(b)
+                _send(sock, OP["OK"], {"sizes": [len(b) for b in bufs]}, bufs)
         elif op == OP["VERSIONS"]:
             _send(sock, OP["OK"], {"versions": repo.versions(meta["name"])})
         elif op == OP["LIST"]:
@@ -253,51 +242,6 @@ class _Handler(socketserver.BaseRequestHandler):
                                                       "logical_bytes", "stored_bytes")})
         else:
             raise ProtocolError(f"unknown op {op}")
-
-    def _get(self, sock: socket.socket, meta: dict) -> None:
-        """Send the requested tensors.  When the request names the model version they
-        belong to and the store is LMDB, tensors whose location in the store's file the
-        manifest records go out with sendfile on a descriptor of this request's own
-        (read-ahead state is per open file); others, and every tensor when the client
-        asks ``via_map`` (it found a location stale), from the store's pages.  The
-        client verifies every tensor either way."""
-        srv = self.server
-        repo = srv.repo
-        hashes = [str(h) for h in meta["hashes"]]
-        locs: dict[str, int] = {}
-        path = getattr(repo.backend, "path", None)
-        if path is not None and not meta.get("via_map") and isinstance(meta.get("name"), str):
-            try:
-                man = repo.manifest(meta["name"], meta.get("version"))
-                locs = {e["hash"]: e["loc"] for e in man["tensors"].values()
-                        if isinstance(e.get("loc"), int)}
-            except ModelNotFoundError:
-                pass
-        file = open(path / "data.mdb", "rb", buffering=0) if locs else None
-        try:
-            end = os.fstat(file.fileno()).st_size if file is not None else 0
-            with repo.backend.read() as txn:
-                parts: list[Any] = []
-                sizes: list[int] = []
-                for h in hashes:
-                    loc = locs.get(h)
-                    raw = txn.get("sizes", h.encode()) if loc is not None else None
-                    n = int.from_bytes(bytes(raw), "little") if raw is not None else -1
-                    if n >= 0 and 0 <= loc and loc + n <= end:
-                        parts.append((loc, n))
-                        srv.bytes_sent_from_file += n
-                    else:
-                        b = txn.get("tensors", h.encode())
-                        if b is None:
-                            raise CorruptModelError(f"tensor {h[:16]} is missing from the "
-                                                    f"provider's store")
-                        parts.append(b)
-                        n = len(b)
-                    sizes.append(n)
-                _send(sock, OP["OK"], {"sizes": sizes}, parts, file)
-        finally:
-            if file is not None:
-                file.close()
 
     def _put(self, sock: socket.socket, meta: dict, dlen: int) -> None:
         """Receive tensors into one staging buffer, verify every hash (a client is not
@@ -468,34 +412,16 @@ class RemoteRepository(Repository):
                fresh: bool = False) -> None:
         """One GET for all the tensors; each received straight into its destination's
         memory (CPU, contiguous) or a staging buffer, then verified (``fresh`` does not
-        change how).  Tensors that arrive not matching their hash are asked for once
-        more ``via_map`` (the provider may have sent them from a stale file location);
-        if they are still wrong the store holds them corrupt."""
-        bad = self._get(m, pairs, via_map=False)
-        if bad:
-            pairs = [pairs[i] for i in bad]
-            bad = self._get(m, pairs, via_map=True)
-        if bad:
-            names = ", ".join(repr(pairs[i][0]) for i in bad[:5])
-            raise CorruptModelError(f"model {m['name']!r} version {m['version']}: tensor "
-                                    f"{names}{' and others' if len(bad) > 5 else ''} arrived "
-                                    f"corrupt (the provider's stored bytes do not match "
-                                    f"their hash)")
-
-    def _get(self, m: dict[str, Any], pairs: list[tuple[str, Any]], via_map: bool
-             ) -> list[int]:
-        """One GET; returns the indices of the tensors that did not match their hash
-        (all the reply is read either way, so the connection stays usable)."""
+        change how)."""
         import torch
 
         entries = [m["tensors"][k] for k, _ in pairs]
-        bad: list[int] = []
 
         def sink(sock: socket.socket, meta: dict, dlen: int) -> None:
             sizes = meta["sizes"]
             if len(sizes) != len(pairs) or sum(sizes) != dlen:
                 raise ProtocolError("GET reply does not match the request")
-            for i, ((k, dst), e, n) in enumerate(zip(pairs, entries, sizes)):
+            for (k, dst), e, n in zip(pairs, entries, sizes):
                 if n != e["nbytes"]:
                     raise CorruptModelError(f"model {m['name']!r} version {m['version']}: "
                                             f"tensor {k!r}: {n} bytes served, {e['nbytes']} "
@@ -508,17 +434,15 @@ class RemoteRepository(Repository):
                     view = _staging(n)
                 _recv_into(sock, memoryview(view)[:n] if n else memoryview(b""))
                 if tensor_hash(e["dtype"], e["shape"], view[:n]) != e["hash"]:
-                    bad.append(i)
-                    continue
+                    raise CorruptModelError(f"model {m['name']!r} version {m['version']}: "
+                                            f"tensor {k!r} arrived corrupt")
                 if not direct:
                     _copy_into(dst, view[:n], e["dtype"])
                 self._io["bytes_read"] += n
                 self._io["tensors_read"] += 1
 
-        self._conn(m["name"]).call("GET", {"hashes": [e["hash"] for e in entries],
-                                           "name": m["name"], "version": m["version"],
-                                           "via_map": via_map}, sink=sink)
-        return bad
+        self._conn(m["name"]).call("GET", {"hashes": [e["hash"] for e in entries]},
+                                   sink=sink)
 
     # -- housekeeping -------------------------------------------------------------------
     def delete(self, name: str, version: int) -> None:
