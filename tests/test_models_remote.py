@@ -275,3 +275,42 @@ def test_provider_records_its_own_file_locations(tmp_path, provider):
     assert c.manifest("m", v)["tensors"]["w"]["loc"] == real["loc"]
     assert torch.equal(c.load("m", version=v)["w"], sd["w"])
     c.close()
+
+
+def test_corrupt_tensor_over_a_provider_is_named_and_the_connection_goes_on(tmp_path):
+    """Bytes corrupt in the provider's store: the client names the tensor after reading
+    the whole reply, and its next request on the same connection works."""
+    import threading
+
+    import lmdb
+    from forebay.errors import CorruptModelError
+    from forebay.models._remote import Provider
+
+    sd = {"a": torch.randn(64, 64), "w": torch.randn(256, 256), "z": torch.randn(100)}
+    with fm.open_repository(str(tmp_path / "store")) as r:
+        r.save("m", sd)
+        h = r.manifest("m")["tensors"]["w"]["hash"].encode()
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=4)
+    db = env.open_db(b"tensors")
+    with env.begin(write=True) as txn:
+        bad = bytearray(txn.get(h, db=db))
+        bad[7] ^= 0x40
+        txn.put(h, bytes(bad), db=db)
+    env.close()
+    store = fm.open_repository(str(tmp_path / "store"))
+    srv = Provider(("127.0.0.1", 0), store, TOKEN)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        c = fm.open_repository(srv.address, token=TOKEN)
+        with pytest.raises(CorruptModelError, match=r"version 1: tensor 'w' arrived corrupt"):
+            c.load("m")
+        sock = c.conns[0].sock
+        back = c.load("m", include=["a", "z"])
+        assert c.conns[0].sock is sock                      # same connection, in step
+        assert torch.equal(back["a"], sd["a"]) and torch.equal(back["z"], sd["z"])
+        c.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        store.close()

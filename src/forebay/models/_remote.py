@@ -331,7 +331,11 @@ class _Conn:
                     raise {"notfound": ModelNotFoundError,
                            "corrupt": CorruptModelError}.get(kind, ModelRepositoryError)(msg)
                 if sink is not None:
-                    sink(self.sock, rmeta, dlen)
+                    try:
+                        sink(self.sock, rmeta, dlen)
+                    except BaseException:
+                        self.close()   # the rest of the reply is unread: out of step
+                        raise
                 elif dlen:
                     _recv_exact(self.sock, dlen)
                 return rmeta
@@ -412,10 +416,12 @@ class RemoteRepository(Repository):
                fresh: bool = False) -> None:
         """One GET for all the tensors; each received straight into its destination's
         memory (CPU, contiguous) or a staging buffer, then verified (``fresh`` does not
-        change how)."""
+        change how).  The whole reply is read before a corrupt tensor is reported, so
+        the connection stays in step for the next request."""
         import torch
 
         entries = [m["tensors"][k] for k, _ in pairs]
+        bad: list[str] = []
 
         def sink(sock: socket.socket, meta: dict, dlen: int) -> None:
             sizes = meta["sizes"]
@@ -434,8 +440,8 @@ class RemoteRepository(Repository):
                     view = _staging(n)
                 _recv_into(sock, memoryview(view)[:n] if n else memoryview(b""))
                 if tensor_hash(e["dtype"], e["shape"], view[:n]) != e["hash"]:
-                    raise CorruptModelError(f"model {m['name']!r} version {m['version']}: "
-                                            f"tensor {k!r} arrived corrupt")
+                    bad.append(repr(k))
+                    continue
                 if not direct:
                     _copy_into(dst, view[:n], e["dtype"])
                 self._io["bytes_read"] += n
@@ -443,6 +449,11 @@ class RemoteRepository(Repository):
 
         self._conn(m["name"]).call("GET", {"hashes": [e["hash"] for e in entries]},
                                    sink=sink)
+        if bad:
+            raise CorruptModelError(f"model {m['name']!r} version {m['version']}: tensor "
+                                    f"{', '.join(bad[:5])}{' and others' if len(bad) > 5 else ''}"
+                                    f" arrived corrupt (the provider's stored bytes do not "
+                                    f"match their hash)")
 
     # -- housekeeping -------------------------------------------------------------------
     def delete(self, name: str, version: int) -> None:
