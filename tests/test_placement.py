@@ -7,7 +7,7 @@ import pytest
 
 from forebay import AccessPlan
 from forebay.store import compute_placement
-from forebay.store._placement import NONE, RAM, SSD
+from forebay.store._placement import NONE, RAM, SSD, compute_coverage
 
 
 def _sizes(n, seed=0):
@@ -42,6 +42,13 @@ def test_coverage_is_identical_on_every_rank_and_within_capacity(drop_last):
             assert (np.diff(p.first_need[own]) > 0).all()  # filled in order of first need
         assert not np.isin(p.extra_ram, np.flatnonzero(p.owner == r)).any()
         assert len(np.intersect1d(p.extra_ram, p.extra_ssd)) == 0
+    # the shared coverage computed once (as the simulator does) gives the same placements
+    cov = compute_coverage(plan, sizes, ram, ssd)
+    for r, p in enumerate(ps):
+        q = compute_placement(plan, sizes, ram, ssd, r, coverage=cov)
+        for name in ("owner", "tier", "slot", "first_need", "own_ram", "own_ssd",
+                     "extra_ram", "extra_ssd", "ram_used", "ssd_used"):
+            np.testing.assert_array_equal(getattr(q, name), getattr(p, name))
 
 
 def test_everything_covered_when_capacity_allows_and_owner_reads_first():

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..plan import AccessPlan, permutation
-from ..store._placement import NONE, compute_placement, fill_tiers
+from ..store._placement import NONE, compute_coverage, compute_placement, fill_tiers
 from ..store._placement import RAM as P_RAM
 from ..store._placement import SSD as P_SSD
 from ._engine import PEER_RAM, PEER_SSD, PFS, RAM, SOURCES, SSD, Timeline, timeline
@@ -371,8 +371,9 @@ def forebay_clairvoyant(w: Workload) -> dict[str, Any]:
     span, gbatch, b = plan.steps_per_epoch * plan.global_batch, plan.global_batch, \
         plan.batch_size
     placement = None
+    cov = compute_coverage(plan, w.sizes, ram, ssd)      # the same for every worker
     for i in range(w.n):
-        placement = compute_placement(plan, w.sizes, ram, ssd, i)
+        placement = compute_placement(plan, w.sizes, ram, ssd, i, coverage=cov)
         owner, tier, first_need = placement.owner, placement.tier, placement.first_need
         extra = np.full(plan.num_samples, NONE, dtype=np.int8)
         extra[placement.extra_ram] = P_RAM

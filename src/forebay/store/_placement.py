@@ -27,7 +27,8 @@ import numpy as np
 
 from ..plan import AccessPlan
 
-__all__ = ["Placement", "compute_placement", "fill_tiers", "RAM", "SSD", "NONE"]
+__all__ = ["Coverage", "Placement", "compute_coverage", "compute_placement", "fill_tiers",
+           "RAM", "SSD", "NONE"]
 
 RAM, SSD, NONE = 0, 1, -1
 
@@ -113,16 +114,26 @@ def _group_cumsum(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
     return cum - base
 
 
-def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray | list[int]",
-                      ssd_bytes: "np.ndarray | list[int]", rank: int) -> Placement:
-    """Placement of a run for ``rank`` (identical coverage on every rank).
+@dataclass(frozen=True)
+class Coverage:
+    """The part of a placement every rank shares (steps 1 and 3 of the module's
+    description): coverage owners and tiers, fill slots, first needs, bytes used per
+    rank, and each held sample's (owner, tier) key in fill order."""
 
-    Args:
-        plan: the run's access plan.
-        sizes: ``int64[F]`` bytes each sample occupies in a tier.
-        ram_bytes, ssd_bytes: capacity of each rank's RAM and SSD tier (length N).
-        rank: whose extra copies to compute.
-    """
+    owner: np.ndarray
+    tier: np.ndarray
+    slot: np.ndarray
+    first_need: np.ndarray
+    ram_used: np.ndarray
+    ssd_used: np.ndarray
+    fill: np.ndarray       # held ids, by (owner, tier), then first need
+    fill_key: np.ndarray   # owner * 2 + tier of each id in ``fill``
+
+
+def compute_coverage(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray | list[int]",
+                     ssd_bytes: "np.ndarray | list[int]") -> Coverage:
+    """The coverage of a run, the same on every rank (see :func:`compute_placement`,
+    which adds one rank's extra copies; a simulator of many ranks computes this once)."""
     n_ranks, f = plan.world_size, plan.num_samples
     sizes = np.asarray(sizes, dtype=np.int64)
     ram = np.asarray(ram_bytes, dtype=np.int64)
@@ -181,20 +192,43 @@ def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarra
     k = owner[o].astype(np.int64) * 2 + tier[o]
     starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(o) else np.zeros(0, np.int64)
     slot[o] = np.arange(len(o)) - np.repeat(starts, np.diff(np.r_[starts, len(o)]))
-    mine_ram = o[k == rank * 2 + RAM]
-    mine_ssd = o[k == rank * 2 + SSD]
+    return Coverage(owner=owner, tier=tier, slot=slot, first_need=first, ram_used=ram_used,
+                    ssd_used=ssd_used, fill=o, fill_key=k)
+
+
+def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray | list[int]",
+                      ssd_bytes: "np.ndarray | list[int]", rank: int,
+                      coverage: "Coverage | None" = None) -> Placement:
+    """Placement of a run for ``rank`` (identical coverage on every rank).
+
+    Args:
+        plan: the run's access plan.
+        sizes: ``int64[F]`` bytes each sample occupies in a tier.
+        ram_bytes, ssd_bytes: capacity of each rank's RAM and SSD tier (length N).
+        rank: whose extra copies to compute.
+        coverage: :func:`compute_coverage` of the same arguments, when already known
+            (a simulator placing every rank computes it once).
+    """
+    cov = coverage if coverage is not None else \
+        compute_coverage(plan, sizes, ram_bytes, ssd_bytes)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    ram = np.asarray(ram_bytes, dtype=np.int64)
+    ssd = np.asarray(ssd_bytes, dtype=np.int64)
+    mine_ram = cov.fill[cov.fill_key == rank * 2 + RAM]
+    mine_ssd = cov.fill[cov.fill_key == rank * 2 + SSD]
 
     # 2. this rank's extra copies: what it reads most often, among what it does not own
     freq = plan.frequencies(rank)
     own_first = plan.first_access(rank)
-    cand = np.flatnonzero((freq > 0) & (owner != rank))
+    cand = np.flatnonzero((freq > 0) & (cov.owner != rank))
     cand = cand[np.lexsort((cand, own_first[cand], -freq[cand]))]
-    where = fill_tiers(cand, sizes, int(ram[rank] - ram_used[rank]),
-                       int(ssd[rank] - ssd_used[rank]))
+    where = fill_tiers(cand, sizes, int(ram[rank] - cov.ram_used[rank]),
+                       int(ssd[rank] - cov.ssd_used[rank]))
     extra_ram = cand[where == RAM]
     extra_ssd = cand[where == SSD]
     extra_ram = extra_ram[np.argsort(own_first[extra_ram], kind="stable")]
     extra_ssd = extra_ssd[np.argsort(own_first[extra_ssd], kind="stable")]
-    return Placement(rank=rank, owner=owner, tier=tier, slot=slot, first_need=first,
-                     own_ram=mine_ram, own_ssd=mine_ssd, extra_ram=extra_ram,
-                     extra_ssd=extra_ssd, ram_used=ram_used, ssd_used=ssd_used)
+    return Placement(rank=rank, owner=cov.owner, tier=cov.tier, slot=cov.slot,
+                     first_need=cov.first_need, own_ram=mine_ram, own_ssd=mine_ssd,
+                     extra_ram=extra_ram, extra_ssd=extra_ssd, ram_used=cov.ram_used,
+                     ssd_used=cov.ssd_used)
