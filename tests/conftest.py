@@ -94,3 +94,18 @@ def run_mpi(ranks: int, script: str, *args, timeout: int = 120, env: dict | None
 def say(line: str) -> None:
     """One atomic write per line, so lines of concurrent ranks never interleave."""
     os.write(1, (line + "\n").encode())
+
+
+def corrupt_stored_tensor(store: Path, tensor_hash: str, at: int = 10, mask: int = 0xFF) -> None:
+    """Flip bits of one byte of a tensor stored in an LMDB model repository, in place
+    (a bit rot the repository must detect; the store must not be open in this process)."""
+    import lmdb
+
+    env = lmdb.open(str(store), max_dbs=4)
+    db = env.open_db(b"tensors")
+    h = tensor_hash.encode()
+    with env.begin(write=True) as txn:
+        bad = bytearray(txn.get(h, db=db))
+        bad[at] ^= mask
+        txn.put(h, bytes(bad), db=db)
+    env.close()

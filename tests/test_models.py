@@ -293,20 +293,13 @@ def test_large_tensors_are_read_at_their_recorded_location(tmp_path):
 
 
 def test_corrupt_tensor_is_named(repo, tmp_path, cli):
-    import lmdb
+    from conftest import corrupt_stored_tensor
 
     m = Net()
     repo.save("net", m)
     man = repo.manifest("net")
-    h = man["tensors"]["blocks.1.lin.weight"]["hash"].encode()
     repo.close()
-    env = lmdb.open(str(tmp_path / "repo"), max_dbs=3)
-    db = env.open_db(b"tensors")
-    with env.begin(write=True) as txn:
-        bad = bytearray(txn.get(h, db=db))
-        bad[10] ^= 0xFF
-        txn.put(h, bytes(bad), db=db)
-    env.close()
+    corrupt_stored_tensor(tmp_path / "repo", man["tensors"]["blocks.1.lin.weight"]["hash"])
     r = fm.open_repository(str(tmp_path / "repo"))
     with pytest.raises(CorruptModelError, match=r"model 'net' version 1: tensor "
                        r"'blocks.1.lin.weight' .*corrupt"):

@@ -282,21 +282,15 @@ def test_corrupt_tensor_over_a_provider_is_named_and_the_connection_goes_on(tmp_
     the whole reply, and its next request on the same connection works."""
     import threading
 
-    import lmdb
+    from conftest import corrupt_stored_tensor
     from forebay.errors import CorruptModelError
     from forebay.models._remote import Provider
 
     sd = {"a": torch.randn(64, 64), "w": torch.randn(256, 256), "z": torch.randn(100)}
     with fm.open_repository(str(tmp_path / "store")) as r:
         r.save("m", sd)
-        h = r.manifest("m")["tensors"]["w"]["hash"].encode()
-    env = lmdb.open(str(tmp_path / "store"), max_dbs=4)
-    db = env.open_db(b"tensors")
-    with env.begin(write=True) as txn:
-        bad = bytearray(txn.get(h, db=db))
-        bad[7] ^= 0x40
-        txn.put(h, bytes(bad), db=db)
-    env.close()
+        h = r.manifest("m")["tensors"]["w"]["hash"]
+    corrupt_stored_tensor(tmp_path / "store", h, at=7, mask=0x40)
     store = fm.open_repository(str(tmp_path / "store"))
     srv = Provider(("127.0.0.1", 0), store, TOKEN)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
