@@ -518,3 +518,37 @@ def test_located_reads_coalesce_neighbours_and_flag_bad_ones(tmp_path):
     halves = _repo._file_halves([off for off, _ in spans[:6]], [n for _, n in spans[:6]])
     assert sorted(halves[0] + halves[1]) == list(range(6))
     assert halves[1] == [4, 5] and halves[0] == [0, 1, 2, 3]   # file order, cut by bytes
+
+
+def test_tensors_shared_with_another_model_get_their_location(tmp_path):
+    """A fine-tuned model saved under a new name shares its backbone (and zero biases)
+    with the base: those tensors are not written again, and the new manifest still
+    records where they are (the ``locs`` table), so its loads read them with preadv."""
+    r = fm.open_repository(str(tmp_path / "r"))
+    base = {"backbone.w": torch.randn(256, 256), "backbone.b": torch.zeros(1024),
+            "head.w": torch.randn(10, 256)}
+    r.save("base", base)
+    ft = dict(base, **{"head.w": torch.randn(10, 256)})
+    r.save("finetuned", ft)
+    mb, mf = r.manifest("base"), r.manifest("finetuned")
+    for k in ("backbone.w", "backbone.b"):
+        assert mf["tensors"][k]["loc"] == mb["tensors"][k]["loc"]
+    assert "loc" in mf["tensors"]["head.w"]
+    back = r.load("finetuned")
+    assert all(torch.equal(back[k], ft[k]) for k in ft)
+    # a store written before the table: the small shared tensor is located by reading it
+    with r.backend.write() as txn:
+        for k, _ in list(txn.items("locs", values=False)):
+            txn.delete("locs", k)
+    r.save("another", {"b": torch.zeros(1024), "w": base["backbone.w"]})
+    ma = r.manifest("another")
+    assert ma["tensors"]["b"]["loc"] == mb["tensors"]["backbone.b"]["loc"]
+    assert "loc" not in ma["tensors"]["w"]      # large, stored before, not read to find it
+    # gc drops the locations of the tensors it removes
+    r.delete("base", 1)
+    r.delete("finetuned", 1)
+    r.delete("another", 1)
+    r.gc(grace_seconds=0)
+    with r.backend.read() as txn:
+        assert list(txn.items("locs", values=False)) == []
+    r.close()

@@ -1,10 +1,13 @@
 """Key-value backends of the model repository: LMDB in a directory, or process memory.
 
-Four tables: ``tensors`` (content hash -> raw bytes), ``sizes`` (content hash -> its
+Five tables: ``tensors`` (content hash -> raw bytes), ``sizes`` (content hash -> its
 byte count, 8 bytes little-endian: which tensors exist and how big they are, readable
-without touching the tensors), ``versions`` (name and version -> manifest JSON) and
+without touching the tensors), ``versions`` (name and version -> manifest JSON),
 ``pending`` (saves whose tensors are written but whose manifest is not yet: garbage
-collection spares them for a grace period).  Writes happen in transactions: all or
+collection spares them for a grace period) and ``locs`` (content hash -> file offset of
+its bytes in data.mdb, 8 bytes little-endian, for tensors LMDB keeps in pages of their
+own: any save that uses a stored tensor, whichever model stored it, records where it
+is without reading it).  Writes happen in transactions: all or
 nothing.  py-lmdb reads every page of a value whenever it positions on it (get, a
 cursor, an iteration), so existence checks, sizes, statistics and garbage collection go
 through ``sizes``; a store written before that table existed gets it on first open.
@@ -22,7 +25,7 @@ from ..errors import ModelRepositoryError
 
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
-TABLES = ("tensors", "sizes", "versions", "pending")
+TABLES = ("tensors", "sizes", "versions", "pending", "locs")
 _ADVICE = {"normal": 0, "random": 1}   # MADV_NORMAL, MADV_RANDOM (Linux and BSDs)
 _MADV_HUGEPAGE = 14                     # Linux
 _HUGE = 2 << 20

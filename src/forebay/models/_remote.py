@@ -208,10 +208,11 @@ class _Handler(socketserver.BaseRequestHandler):
             for e in body.get("tensors", {}).values():
                 if isinstance(e, dict):
                     e.pop("loc", None)  # file locations are this store's, never a client's
-            if isinstance(body.get("tensors"), dict):
-                repo._add_locations(meta["name"], body["tensors"],
-                                    repo._pending_hashes(bytes(meta["token"])))
-            v = repo._publish(meta["name"], body, bytes(meta["token"]), meta.get("parent"))
+            found = repo._add_locations(meta["name"], body["tensors"],
+                                        repo._pending_hashes(bytes(meta["token"]))) \
+                if isinstance(body.get("tensors"), dict) else {}
+            v = repo._publish(meta["name"], body, bytes(meta["token"]), meta.get("parent"),
+                              found)
             _send(sock, OP["OK"], {"version": v})
         elif op == OP["MANIFEST"]:
             _send(sock, OP["OK"], {"manifest": repo.manifest(meta["name"], meta.get("version"))})
@@ -395,7 +396,7 @@ class RemoteRepository(Repository):
         return bytes(r["token"]), int(r["written"])
 
     def _publish(self, name: str, body: dict[str, Any], token: bytes,
-                 parent: Optional[int]) -> int:
+                 parent: Optional[int], locs: Optional[dict[str, int]] = None) -> int:
         return int(self._conn(name).call("COMMIT", {"name": name, "body": body,
                                                     "token": token, "parent": parent})["version"])
 

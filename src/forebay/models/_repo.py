@@ -273,13 +273,13 @@ class Repository:
             kinds[h] = {"dtype": dt, "shape": shape}
         new: set[str] = set()
         token, written = self._store_tensors(name, blobs, kinds, new=new)
-        self._add_locations(name, entries, new)
+        found = self._add_locations(name, entries, new)
         body = {"metadata": metadata or {},
                 "graph": arch.encode() if arch is not None else None,
                 "leaves": leaves, "tensors": entries,
                 "logical_bytes": sum(e["nbytes"] for e in entries.values()),
                 "new_bytes": written, "save_seconds": time.perf_counter() - t_start}
-        version = self._publish(name, body, token, parent)
+        version = self._publish(name, body, token, parent, found)
         _traced("save", t_start, name, version, written, len(blobs))
         return version
 
@@ -311,35 +311,51 @@ class Repository:
         return token, written
 
     def _add_locations(self, name: str, entries: dict[str, dict[str, Any]],
-                       new: set[str]) -> None:
+                       new: set[str]) -> dict[str, int]:
         """Record where tensors' bytes sit in the store's file (``loc``; tensors of
         ``_LOC_MIN`` bytes or more, which LMDB keeps in pages of their own), so loads
         read them with ``preadv`` straight into the destination, exactly what they need,
         neighbours in one call, instead of through the map (where every tensor is a
         B-tree lookup, py-lmdb first touches every page of a value and a cold fault
-        reads the device's whole read-ahead window).  Tensors written by
-        this save are located now, while cached; the others keep the location the
-        previous version recorded, or none (then they are read through the map)."""
+        reads the device's whole read-ahead window).  Locations come from the ``locs``
+        table (whichever model stored the tensor: a fine-tuned model's shared backbone,
+        a zero bias), else from the previous version of ``name`` (stores written before
+        that table), else by finding the value: tensors this save wrote (still cached)
+        and small ones (a page or a few).  Large tensors stored earlier without a
+        location stay without (they are read through the map).  Returns the locations
+        found here, for :meth:`_publish` to add to ``locs``."""
         locate = getattr(self.backend, "locate", None)
         if locate is None:
-            return
+            return {}
         big = {k: e for k, e in entries.items()       # (a provider's entries come from
                if isinstance(e, dict) and isinstance(e.get("hash"), str)   # a client)
                and isinstance(e.get("nbytes"), int) and e["nbytes"] >= _LOC_MIN}
         if not big:
-            return
+            return {}
+        size = {e["hash"]: e["nbytes"] for e in big.values()}
         known: dict[str, int] = {}
-        try:
-            prev = self.manifest(name)
-            known = {e["hash"]: e["loc"] for e in prev["tensors"].values() if "loc" in e}
-        except ModelNotFoundError:
-            pass
-        todo = sorted({e["hash"] for e in big.values() if e["hash"] in new})
-        known.update((h, off) for h, off in zip(todo, locate([h.encode() for h in todo]))
-                     if off is not None)
+        with self.backend.read() as txn:
+            for h in size:
+                raw = txn.get("locs", h.encode())
+                if raw is not None:
+                    known[h] = int.from_bytes(bytes(raw), "little")
+        if len(known) < len(size):
+            try:
+                prev = self.manifest(name)
+                for e in prev["tensors"].values():
+                    if "loc" in e and e["hash"] in size:
+                        known.setdefault(e["hash"], e["loc"])
+            except ModelNotFoundError:
+                pass
+        todo = sorted(h for h in size if h not in known
+                      and (h in new or size[h] < _PARALLEL_VERIFY))
+        found = {h: off for h, off in zip(todo, locate([h.encode() for h in todo]))
+                 if off is not None}
+        known.update(found)
         for e in big.values():
             if e["hash"] in known:
                 e["loc"] = known[e["hash"]]
+        return found
 
     def _pending_hashes(self, token: bytes) -> set[str]:
         """The tensors a save in progress wrote (its pending record), or none."""
@@ -356,9 +372,10 @@ class Repository:
             return [h for h in hashes if not txn.has("sizes", h.encode())]
 
     def _publish(self, name: str, body: dict[str, Any], token: bytes,
-                 parent: Optional[int]) -> int:
+                 parent: Optional[int], locs: Optional[dict[str, int]] = None) -> int:
         """Write the manifest as the next version of ``name``, atomically, and drop the
-        pending record of its tensors."""
+        pending record of its tensors (and add ``locs``, from :meth:`_add_locations`,
+        to the ``locs`` table in the same transaction)."""
         _check_name(name)
         with self.backend.write() as txn:  # 2: the manifest, atomically, then un-pend
             for e in body["tensors"].values():
@@ -373,6 +390,8 @@ class Repository:
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), **body}
             txn.put("versions", _vkey(name, version), json.dumps(manifest).encode())
             txn.delete("pending", token)
+            for h, off in (locs or {}).items():
+                txn.put("locs", h.encode(), int(off).to_bytes(8, "little"))
         return version
 
     def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]],
@@ -689,6 +708,7 @@ class Repository:
             for k, n in dead:
                 txn.delete("tensors", k)
                 txn.delete("sizes", k)
+                txn.delete("locs", k)
                 removed += 1
                 freed += n
             now = time.time()
