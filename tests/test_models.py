@@ -552,3 +552,33 @@ def test_tensors_shared_with_another_model_get_their_location(tmp_path):
     with r.backend.read() as txn:
         assert list(txn.items("locs", values=False)) == []
     r.close()
+
+
+def test_lmdb_store_on_a_shared_file_system_is_refused_unless_vouched_for(tmp_path,
+                                                                         monkeypatch):
+    """LMDB's locks do not hold across nodes: a store on Lustre, GPFS, NFS... is refused
+    with a message naming the file system and the way out (a provider), unless the user
+    sets FOREBAY_LMDB_SHARED_FS=1; a local store opens as before."""
+    from forebay.models import _backend
+
+    home = str(tmp_path / "my home").replace(" ", "\\040")   # as /proc/mounts escapes it
+    table = ("/dev/vda / ext4 rw 0 0\n"
+             f"10.0.0.1@o2ib:/scratch {tmp_path / 'lus'} lustre rw,flock 0 0\n"
+             f"srv:/home/a\\040b {home} nfs4 rw 0 0\n")
+    assert _backend.filesystem_type(tmp_path / "lus" / "models" / "new", table) == "lustre"
+    assert _backend.filesystem_type(tmp_path / "my home" / "x", table) == "nfs4"
+    assert _backend.filesystem_type(tmp_path / "elsewhere", table) == "ext4"
+    (tmp_path / "lus").mkdir()
+    mounts = tmp_path / "mounts"
+    mounts.write_text(table)
+    monkeypatch.setattr(_backend, "_MOUNTS", str(mounts))
+    monkeypatch.delenv(_backend.SHARED_FS_ENV, raising=False)
+    with pytest.raises(ModelRepositoryError, match=r"is on lustre.*forebay models serve"):
+        fm.open_repository(f"file://{tmp_path / 'lus' / 'repo'}")
+    assert not (tmp_path / "lus" / "repo").exists()          # nothing created
+    monkeypatch.setenv(_backend.SHARED_FS_ENV, "1")
+    with fm.open_repository(f"file://{tmp_path / 'lus' / 'repo'}") as r:
+        r.save("m", {"w": torch.ones(3)})
+    monkeypatch.delenv(_backend.SHARED_FS_ENV)
+    with fm.open_repository(f"file://{tmp_path / 'local'}") as r:   # ext4: as before
+        r.save("m", {"w": torch.ones(3)})
