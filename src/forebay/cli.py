@@ -305,6 +305,15 @@ def cmd_models(a: argparse.Namespace) -> int:
             r = repo.gc(grace_seconds=a.grace_hours * 3600)
             print(f"removed {r['tensors_removed']} tensors ({human_bytes(r['bytes_freed'])}), "
                   f"{r['stale_saves']} records of crashed saves")
+        elif a.models_command == "compact":
+            r = repo.compact(a.dest, progress=_progress())
+            print(f"{a.dest}: {human_bytes(r['bytes_after'])} (was "
+                  f"{human_bytes(r['bytes_before'])}); {r['tensors_located']} tensors "
+                  f"located, {r['manifests_rewritten']} manifests rewritten")
+        elif a.models_command == "relocate":
+            r = repo.relocate(progress=_progress())
+            print(f"{r['tensors_located']} tensors located, {r['manifests_rewritten']} "
+                  f"manifests rewritten")
     finally:
         repo.close()
     return 0
@@ -398,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("out", help="output file (.json or .json.gz)")
     te.set_defaults(func=cmd_trace_export)
 
-    mo = sub.add_parser("models", help="model repository: list, show, verify, gc")
+    mo = sub.add_parser("models", help="model repository: list, show, verify, gc, compact, "
+                        "serve")
     mos = mo.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     ml = mos.add_parser("ls", help="models and versions")
     ml.add_argument("url", help="repository: file:///path, a path")
@@ -413,7 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("url")
     mg.add_argument("--grace-hours", type=float, default=6.0,
                     help="spare saves in progress younger than this (default 6)")
-    for q in (ml, ms, mv, mg):
+    mc = mos.add_parser("compact", help="write a copy without free pages (after gc), with "
+                        "fresh tensor locations")
+    mc.add_argument("url", help="an LMDB repository (file:///path or a path)")
+    mc.add_argument("dest", help="a new or empty directory for the copy")
+    mr = mos.add_parser("relocate", help="find every tensor's file location again (after "
+                        "the store's file was rewritten by a copy)")
+    mr.add_argument("url")
+    for q in (ml, ms, mv, mg, mc, mr):
         q.set_defaults(func=cmd_models)
         q.add_argument("--token-file", help="shared token for tcp:// providers "
                        "(default: FOREBAY_TOKEN)")

@@ -82,6 +82,19 @@ def filesystem_type(path: "str | Path", mounts: Optional[str] = None) -> Optiona
     return kind
 
 
+def check_local_fs(path: "str | Path") -> None:
+    """Refuse an LMDB store on a file system shared between nodes, unless the user
+    vouches (``FOREBAY_LMDB_SHARED_FS=1``) that one node only opens it."""
+    fs = filesystem_type(path)
+    if fs in NETWORK_FS and os.environ.get(SHARED_FS_ENV) != "1":
+        raise ModelRepositoryError(
+            f"{path} is on {fs}, a file system shared between nodes: LMDB's locks "
+            f"do not hold across nodes, so processes on two nodes writing it would "
+            f"corrupt the store. Open it from one node only (for example a `forebay "
+            f"models serve` provider that the other nodes reach with tcp:// URLs) and "
+            f"set {SHARED_FS_ENV}=1 to say so")
+
+
 class Txn:
     """What a transaction offers: get (a buffer valid inside the transaction), put
     (``overwrite=False`` keeps an existing value), delete, and prefix scans."""
@@ -153,14 +166,7 @@ class LmdbBackend(Backend):
         import lmdb
 
         self.path = Path(path)
-        fs = filesystem_type(self.path)
-        if fs in NETWORK_FS and os.environ.get(SHARED_FS_ENV) != "1":
-            raise ModelRepositoryError(
-                f"{self.path} is on {fs}, a file system shared between nodes: LMDB's locks "
-                f"do not hold across nodes, so processes on two nodes writing it would "
-                f"corrupt the store. Open it from one node only (for example a `forebay "
-                f"models serve` provider that the other nodes reach with tcp:// URLs) and "
-                f"set {SHARED_FS_ENV}=1 to say so")
+        check_local_fs(self.path)
         if not self.path.exists():
             if not create:
                 raise ModelRepositoryError(f"{self.path}: no model repository here")
@@ -307,6 +313,26 @@ class LmdbBackend(Backend):
     def write(self):
         with self.env.begin(write=True, buffers=True) as txn:
             yield _LmdbTxn(txn, self.dbs)
+
+    def copy_compacted(self, dest: "str | Path") -> Path:
+        """A consistent copy of the store in ``dest`` (a new or empty directory) without
+        its free pages (``mdb_copy -c``); readers and writers may go on meanwhile."""
+        import lmdb
+
+        dest = Path(dest)
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise ModelRepositoryError(f"{dest}: not a new or empty directory; a compacted "
+                                       f"copy is written to one")
+        if dest.resolve() == self.path.resolve():
+            raise ModelRepositoryError(f"{dest}: compact into another directory")
+        check_local_fs(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            self.env.copy(str(dest), compact=True)
+        except lmdb.Error as e:
+            raise ModelRepositoryError(f"{self.path}: compacted copy to {dest} failed: "
+                                       f"{e}") from e
+        return dest
 
     def close(self) -> None:
         if self.closed:

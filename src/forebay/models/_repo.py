@@ -719,6 +719,66 @@ class Repository:
                 stale += 1
         return {"tensors_removed": removed, "bytes_freed": freed, "stale_saves": stale}
 
+    def relocate(self, progress: Any = None) -> dict[str, int]:
+        """Find every stored tensor's location in the store's file again and rewrite the
+        ``locs`` table and every manifest's ``loc`` (after the file was rewritten, e.g.
+        by a compacting copy: old locations would each cost a failed read before the
+        fallback).  Reads the whole store once.  LMDB stores only."""
+        from ..progress import as_progress
+
+        locate = getattr(self.backend, "locate", None)
+        if locate is None:
+            raise ModelRepositoryError(f"{self.url}: only LMDB stores record locations")
+        with self.backend.read() as txn:
+            keys = [k for k, v in txn.items("sizes")
+                    if int.from_bytes(bytes(v), "little") >= _LOC_MIN]
+        prog = as_progress(progress)
+        prog.start(len(keys), "locating tensors", unit="tensor")
+        locs: dict[bytes, int] = {}
+        try:
+            for i in range(0, len(keys), 256):
+                part = keys[i:i + 256]
+                locs.update((k, off) for k, off in zip(part, locate(part)) if off is not None)
+                prog.update(len(part))
+        finally:
+            prog.close()
+        rewritten = 0
+        with self.backend.write() as txn:
+            for k in [k for k, _ in txn.items("locs", values=False)]:
+                txn.delete("locs", k)
+            for k, off in locs.items():
+                txn.put("locs", k, off.to_bytes(8, "little"))
+            for k, raw in [(k, bytes(v)) for k, v in txn.items("versions")]:
+                m = json.loads(raw)
+                changed = False
+                for e in m["tensors"].values():
+                    off = locs.get(e["hash"].encode())
+                    if off is None:
+                        changed |= e.pop("loc", None) is not None
+                    elif e.get("loc") != off:
+                        e["loc"], changed = off, True
+                if changed:
+                    txn.put("versions", k, json.dumps(m).encode())
+                    rewritten += 1
+        return {"tensors_located": len(locs), "manifests_rewritten": rewritten}
+
+    def compact(self, dest: "str | os.PathLike[str]", progress: Any = None) -> dict[str, Any]:
+        """Write a compacted copy of this LMDB store to ``dest`` (a new or empty
+        directory): without the free pages that deleted versions and :meth:`gc` leave
+        (LMDB reuses them but never shrinks its file), with every location found again
+        (:meth:`relocate`).  This store is not changed; readers and writers may go on
+        (the copy is one consistent snapshot); swap the directories when nothing uses
+        the old one.  Returns ``bytes_before``, ``bytes_after`` and relocate's counts."""
+        copy = getattr(self.backend, "copy_compacted", None)
+        if copy is None:
+            raise ModelRepositoryError(f"{self.url}: only LMDB stores can be compacted")
+        before = os.path.getsize(self.backend.path / "data.mdb")
+        out = copy(dest)
+        with Repository(LmdbBackend(out, create=False)) as other:
+            moved = other.relocate(progress)
+        return {"bytes_before": before, "bytes_after": os.path.getsize(out / "data.mdb"),
+                **moved}
+
     def verify(self) -> list[str]:
         """Check every stored tensor against its hash and every manifest against the
         store; returns the problems found (empty: intact)."""
