@@ -628,3 +628,22 @@ def test_compact_shrinks_the_store_and_finds_locations_again(tmp_path, cli):
     assert code == 2 and "not a new or empty directory" in err
     code, outp, _ = cli("models", "relocate", str(dst))
     assert code == 0 and "0 manifests rewritten" in outp
+
+
+def test_ls_points_at_compact_when_the_file_is_mostly_free_pages(tmp_path, cli):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    with fm.open_repository(str(src)) as r:
+        for v in range(6):
+            r.save("m", {f"w{i}": torch.full((1536, 1024), float(v * 10 + i))
+                         for i in range(4)})                     # 24 MiB per version
+        for v in range(1, 6):
+            r.delete("m", v)
+        r.gc(grace_seconds=0)
+        st = r.stats()
+        assert st["file_bytes"] > 5 * st["stored_bytes"]
+    code, out, _ = cli("models", "ls", str(src))
+    assert code == 0 and "forebay models compact" in out
+    code, out, _ = cli("models", "compact", str(src), str(dst))
+    assert code == 0
+    code, out, _ = cli("models", "ls", str(dst))
+    assert code == 0 and "compact" not in out and "versions 6..6" in out

@@ -276,6 +276,10 @@ def cmd_models(a: argparse.Namespace) -> int:
             st = repo.stats()
             print(f"store: {st['tensors']} tensors, {human_bytes(st['stored_bytes'])} stored for "
                   f"{human_bytes(st['logical_bytes'])} of versions")
+            fb = st.get("file_bytes")
+            if fb is not None and fb > 2 * st["stored_bytes"] + (64 << 20):
+                print(f"data file: {human_bytes(fb)}, mostly pages freed by deleted versions; "
+                      f"`forebay models compact` writes a copy without them")
         elif a.models_command == "show":
             m = repo.manifest(a.name, a.version)
             if a.json:

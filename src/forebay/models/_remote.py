@@ -240,7 +240,8 @@ class _Handler(socketserver.BaseRequestHandler):
         elif op == OP["STATS"]:
             st = repo.stats()
             _send(sock, OP["OK"], {k: st[k] for k in ("models", "versions", "tensors",
-                                                      "logical_bytes", "stored_bytes")})
+                                                      "logical_bytes", "stored_bytes",
+                                                      "file_bytes") if k in st})
         else:
             raise ProtocolError(f"unknown op {op}")
 

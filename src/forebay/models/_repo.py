@@ -809,7 +809,9 @@ class Repository:
 
     def stats(self) -> dict[str, Any]:
         """``logical_bytes`` (every version's tensors counted in full), ``stored_bytes``
-        (tensor bytes actually in the store), counts, and this client's I/O."""
+        (tensor bytes actually in the store), ``file_bytes`` (LMDB: the size of its data
+        file, which keeps the pages deleted versions free: see :meth:`compact`), counts,
+        and this client's I/O."""
         logical = versions = 0
         names = set()
         with self.backend.read() as txn:
@@ -821,8 +823,10 @@ class Repository:
             for _, v in txn.items("sizes"):
                 stored += int.from_bytes(bytes(v), "little")
                 tensors += 1
+        path = getattr(self.backend, "path", None)
+        extra = {"file_bytes": os.path.getsize(path / "data.mdb")} if path is not None else {}
         return {"models": len(names), "versions": versions, "tensors": tensors,
-                "logical_bytes": logical, "stored_bytes": stored,
+                "logical_bytes": logical, "stored_bytes": stored, **extra,
                 "id_cache": {"hits": self.cache.hits, "misses": self.cache.misses},
                 **self._io}
 
