@@ -114,7 +114,7 @@ def _reply(s: socket.socket):
 
 
 @pytest.mark.parametrize("bad", ["magic", "oversized", "garbled", "unknown-op", "truncated",
-                                 "corrupt-put", "no-hello"])
+                                 "corrupt-put", "no-hello", "bad-commit"])
 def test_bad_clients_are_dropped_and_the_provider_keeps_serving(tmp_path, bad):
     p, url = _serve(tmp_path, "memory://", "--max-frame", "1MiB")
     try:
@@ -141,6 +141,9 @@ def test_bad_clients_are_dropped_and_the_provider_keeps_serving(tmp_path, bad):
         elif bad == "no-hello":
             m = _packb({})
             s.sendall(HEADER.pack(MAGIC, 1, OP["LIST"], 0, len(m), 0) + m)
+        elif bad == "bad-commit":  # a body whose tensors are not a map
+            m = _packb({"name": "keep", "token": b"x", "body": {"tensors": [1, 2]}})
+            s.sendall(HEADER.pack(MAGIC, 1, OP["COMMIT"], 0, len(m), 0) + m)
         if bad == "truncated":
             s.close()
         else:
@@ -148,7 +151,7 @@ def test_bad_clients_are_dropped_and_the_provider_keeps_serving(tmp_path, bad):
             assert op == OP["ERR"], meta
             want = {"magic": "bad magic", "oversized": "exceeds", "garbled": "malformed",
                     "unknown-op": "unknown op", "corrupt-put": "arrived corrupt",
-                    "no-hello": "HELLO"}[bad]
+                    "no-hello": "HELLO", "bad-commit": "COMMIT body malformed"}[bad]
             assert want in meta["error"]
             s.close()
         # the provider still serves everybody else, and stored nothing bad

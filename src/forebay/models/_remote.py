@@ -205,12 +205,15 @@ class _Handler(socketserver.BaseRequestHandler):
             self._put(sock, meta, dlen)
         elif op == OP["COMMIT"]:
             body = meta["body"]
-            for e in body.get("tensors", {}).values():
-                if isinstance(e, dict):
-                    e.pop("loc", None)  # file locations are this store's, never a client's
+            if not isinstance(body, dict) or not isinstance(body.get("tensors"), dict) or \
+                    not all(isinstance(e, dict) and isinstance(e.get("hash"), str)
+                            for e in body["tensors"].values()):
+                raise ProtocolError("COMMIT body malformed: a map whose 'tensors' maps "
+                                    "state keys to entries with a 'hash'")
+            for e in body["tensors"].values():
+                e.pop("loc", None)  # file locations are this store's, never a client's
             found = repo._add_locations(meta["name"], body["tensors"],
-                                        repo._pending_hashes(bytes(meta["token"]))) \
-                if isinstance(body.get("tensors"), dict) else {}
+                                        repo._pending_hashes(bytes(meta["token"])))
             v = repo._publish(meta["name"], body, bytes(meta["token"]), meta.get("parent"),
                               found)
             _send(sock, OP["OK"], {"version": v})
