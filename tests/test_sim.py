@@ -195,7 +195,10 @@ def test_system_files(tmp_path):
         (500, 900.0, 1 << 30, 2)
     prof.write_text(prof.read_text() + '[compute]\nMBps = 250.0\npreprocess_MBps = 800.0\n')
     rep = simulate(str(prof), "mnist", workers=2, epochs=1, scale=0.01, policies=["staging"])
-    assert rep["system"]["compute_MBps"] == 250.0
+    assert rep["system"]["compute_MBps"] == 250.0 and rep["system"]["pfs_open_ms"] == 0.0
+    prof.write_text(prof.read_text().replace("[pfs]\n", "[pfs]\nopen_ms = 1.5\n"))
+    assert load_system(prof).pfs_open_ms == 1.5
+    assert load_system(prof, pfs_open_ms=0.2).pfs_open_ms == 0.2
     prof.write_text("[compute]\nMBps = -3\n")
     with pytest.raises(ProfileError, match="positive number"):
         load_system(prof)
@@ -241,3 +244,45 @@ def test_simulate_real_dataset_and_sweep(cli, packed, tmp_path):
     assert grid.shape == (2, 3)
     # caching helps: with no RAM and no SSD every epoch streams from the PFS
     assert grid[0, 0] > grid[1, 2]
+
+
+def test_open_latency_is_paid_per_file_read_from_the_pfs():
+    """A file per sample: every PFS read pays pfs_open_ms on top of its bytes; a packed
+    dataset is opened once.  Naive on the toy system: 8 reads x 0.5 s more on the
+    critical path; staging spreads the same 4 s over the prefetch overlap."""
+    plan = AccessPlan(num_samples=8, world_size=1, batch_size=2, epochs=1)
+    sizes = np.full(8, 10**6)
+    sysm = toy(pfs_open_ms=500.0)
+    files = simulate_policy("naive", Workload(sizes, plan, sysm, per_file=True))
+    packed = simulate_policy("naive", Workload(sizes, plan, sysm, per_file=False))
+    assert packed["total_s"] == pytest.approx(20.0)              # as without latency
+    assert files["total_s"] == pytest.approx(24.0)               # 4 x (3 + 1 + 2)
+    assert files["by_source"]["pfs"] == pytest.approx(12.0)
+    st = simulate_policy("staging", Workload(sizes, plan, sysm, per_file=True))
+    assert st["total_s"] == pytest.approx(4 * 4.0 + 2.0)         # delivery-bound: 4 s/batch
+    # cached policies pay it only for what they still read from the PFS
+    cached = toy(pfs_open_ms=500.0, ram_bytes=10**9)
+    plan3 = AccessPlan(num_samples=8, world_size=1, batch_size=2, epochs=3)
+    for name in ("nopfs", "forebay-clairvoyant"):
+        a = simulate_policy(name, Workload(sizes, plan3, cached, per_file=True))
+        b = simulate_policy(name, Workload(sizes, plan3, cached, per_file=False))
+        assert a["fetches"]["pfs"] == 8 and b["fetches"]["pfs"] == 8
+        assert a["by_source"]["pfs"] - b["by_source"]["pfs"] == pytest.approx(8 * 0.5)
+    with pytest.raises(ProfileError, match="pfs_open_ms"):
+        toy(pfs_open_ms=-1.0)
+
+
+def test_simulate_layout_option(cli, tmp_path):
+    code, out, _ = cli("simulate", "--dataset", "mnist", "--workers", "2", "--epochs", "1",
+                       "--policies", "naive", "--scale", "0.01", "--pfs-open-ms", "2",
+                       "--json", str(tmp_path / "f.json"))
+    assert code == 0 and "a file per sample, 2 ms per open" in out
+    code, _, _ = cli("simulate", "--dataset", "mnist", "--workers", "2", "--epochs", "1",
+                     "--policies", "naive", "--scale", "0.01", "--pfs-open-ms", "2",
+                     "--layout", "packed", "--json", str(tmp_path / "p.json"))
+    f = json.loads((tmp_path / "f.json").read_text())
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert f["workload"]["layout"] == "files" and p["workload"]["layout"] == "packed"
+    extra = f["policies"]["naive"]["total_s"] - p["policies"]["naive"]["total_s"]
+    reads = f["policies"]["naive"]["fetches"]["pfs"] / 2          # per worker, serial
+    assert extra == pytest.approx(reads * 0.002, rel=1e-6)

@@ -175,8 +175,10 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from .sim._report import format_sweep, format_table, plot_policies, plot_sweep
 
     sysm = load_system(a.system, compute_MBps=a.compute_MBps,
-                       preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps)
-    kw = dict(workers=a.workers, epochs=a.epochs, batch=a.batch, scale=a.scale, seed=a.seed)
+                       preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps,
+                       pfs_open_ms=a.pfs_open_ms)
+    kw = dict(workers=a.workers, epochs=a.epochs, batch=a.batch, scale=a.scale, seed=a.seed,
+              layout=a.layout)
     if a.mode == "sweep":
         if not a.ram or not a.ssd:
             raise ValueError("simulate sweep needs --ram and --ssd lists, e.g. "
@@ -472,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training throughput c per worker (overrides the system)")
     sm.add_argument("--preprocess-MBps", dest="preprocess_MBps", type=float, default=None)
     sm.add_argument("--network-MBps", dest="network_MBps", type=float, default=None)
+    sm.add_argument("--pfs-open-ms", dest="pfs_open_ms", type=float, default=None,
+                    help="latency of opening one file on the PFS (overrides [pfs] open_ms; "
+                    "paid per sample read with --layout files)")
+    sm.add_argument("--layout", choices=["files", "packed"], default=None,
+                    help="samples as a file each on the PFS, or one packed dataset (default: "
+                    "files for a scenario, packed for a dataset directory)")
     sm.add_argument("--ram", help="sweep: RAM capacities per worker, e.g. 0,60GB,120GB")
     sm.add_argument("--ssd", help="sweep: SSD capacities per worker, e.g. 0,450GB,900GB")
     sm.add_argument("--json", help="write the results as JSON")

@@ -26,7 +26,7 @@ __all__ = ["simulate", "sweep", "System", "lassen", "load_system", "system_from_
 def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,
              workers: int, epochs: int, batch: Optional[int] = None,
              policies: Optional[Iterable[str]] = None, scale: float = 1.0, seed: int = 0,
-             progress: Any = None) -> dict[str, Any]:
+             layout: Optional[str] = None, progress: Any = None) -> dict[str, Any]:
     """Simulate ``policies`` (default: all) for one workload.
 
     Args:
@@ -36,6 +36,9 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
         batch: per-worker batch size; default the scenario's (32 when a directory).
         scale: simulate this fraction of the samples with every tier capacity scaled
             by the same factor (the same scenario case, fewer samples).
+        layout: ``"files"`` (a file per sample: every PFS read also pays the system's
+            ``pfs_open_ms``) or ``"packed"`` (one packed dataset, opened once); default
+            files for a scenario, packed for a dataset directory.
 
     Returns ``{"workload": {...}, "system": {...}, "policies": {name: {total_s, stall_s,
     setup_s, compute_s, by_source, fetches, pfs_reads, epoch_s, failed, ...}}}``.
@@ -49,15 +52,18 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     if batch is not None and batch <= 0:
         raise ValueError(f"batch must be a positive integer, got {batch}")
     batch = min(batch or (spec.batch if spec else 32), len(sizes))
+    if layout not in (None, "files", "packed"):
+        raise ValueError(f"layout must be 'files' or 'packed', got {layout!r}")
+    layout = layout or ("files" if spec else "packed")
     plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
                       epochs=epochs, seed=seed)
-    w = Workload(sizes, plan, sysm)
+    w = Workload(sizes, plan, sysm, per_file=layout == "files")
     if workers * len(sizes) > 2e9:
         import warnings
 
         warnings.warn(f"{workers} workers x {len(sizes):,} samples: the per-worker policies "
-                      f"cost O(workers x samples) here (forebay-clairvoyant computes the "
-                      f"placement of every worker); this may take long. --scale simulates "
+                      f"cost O(workers x samples) here (forebay-clairvoyant computes every "
+                      f"worker's extra copies); this may take long. --scale simulates "
                       f"the same case with fewer samples", RuntimeWarning, stacklevel=2)
     names = list(policies) if policies else list(POLICIES)
     for name in names:
@@ -75,7 +81,7 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     prog.close()
     return {"workload": {"dataset": str(dataset), "samples": len(sizes),
                          "bytes": int(sizes.sum()), "workers": workers, "epochs": epochs,
-                         "batch": batch, "scale": scale, "seed": seed,
+                         "batch": batch, "scale": scale, "seed": seed, "layout": layout,
                          "scenario": spec.note if spec else None},
             "system": sysm.describe(), "policies": out}
 

@@ -28,11 +28,14 @@ __all__ = ["POLICIES", "Workload", "simulate_policy"]
 
 @dataclass
 class Workload:
-    """A run to simulate: sample sizes (bytes), its access plan, the system."""
+    """A run to simulate: sample sizes (bytes), its access plan, the system, and
+    whether every sample is a file of its own on the PFS (``per_file``: each PFS read
+    also pays the system's ``pfs_open_ms``) or lives in a packed dataset (opened once)."""
 
     sizes: np.ndarray
     plan: AccessPlan
     system: System
+    per_file: bool = False
     _streams: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +43,7 @@ class Workload:
         if len(self.sizes) != self.plan.num_samples:
             raise ValueError("one size per sample of the plan")
         self.mb = self.sizes / 1e6
+        self.open_s = self.system.pfs_open_ms / 1e3 if self.per_file else 0.0
 
     @property
     def n(self) -> int:
@@ -100,7 +104,7 @@ class _Run:
         w = self.w
         sl = slice(epoch * w.steps, (epoch + 1) * w.steps)
         mb = w.mb[ids]
-        fetch = mb * self.coef[src]
+        fetch = mb * self.coef[src] + np.where(src == PFS, w.open_s, 0.0)
         self.read[rank, sl] = (fetch + mb * self.wcoef).sum(axis=1) / self.threads
         self.nbytes[rank, sl] = w.sizes[ids].sum(axis=1)
         self.src_s += np.bincount(src.ravel(), fetch.ravel(), len(SOURCES)) / self.threads
@@ -226,7 +230,8 @@ def parallel_staging(w: Workload) -> dict[str, Any]:
         mb_ssd = w.mb[shard[tier == P_SSD]].sum()
         setup.append((mb_ram * (run.coef[PFS] + sysm.tier_write_s_per_MB("ram"))
                       + mb_ssd * (run.coef[PFS] + (sysm.tier_write_s_per_MB("ssd")
-                                                   if mb_ssd else 0))) / run.threads)
+                                                   if mb_ssd else 0))
+                      + int((tier != NONE).sum()) * w.open_s) / run.threads)
         for e in range(w.plan.epochs):
             order = shard[permutation(len(shard), w.plan.seed + 7919 * (i + 1), e)]
             need = w.steps * b
@@ -415,9 +420,10 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
     run = _prefetching(w)
     bounds, member = chunk_members(w.sizes, width)
     chunk_mb = np.diff(np.r_[0.0, np.cumsum(w.mb)][bounds])
-    readers = w.n                                   # every worker loads its chunk at once
-    run.setup_s = float(chunk_mb.max() * (sysm.pfs_s_per_MB(readers * run.threads)
-                                          + sysm.tier_write_s_per_MB("ram")) / run.threads)
+    # every worker loads its chunk at once
+    chunk_s = chunk_mb * (sysm.pfs_s_per_MB(w.n * run.threads)
+                          + sysm.tier_write_s_per_MB("ram")) + np.diff(bounds) * w.open_s
+    run.setup_s = float(chunk_s.max() / run.threads)
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)

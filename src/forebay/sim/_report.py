@@ -21,7 +21,9 @@ def format_table(res: dict[str, Any]) -> str:
     lines = [f"{wl['dataset']}: {wl['samples']:,} samples, {human_bytes(wl['bytes'])}, "
              f"{wl['workers']} workers x batch {wl['batch']}, {wl['epochs']} epochs, "
              f"system {res['system']['name']}"
-             + (f" (scale {wl['scale']})" if wl["scale"] != 1 else "")]
+             + (f" (scale {wl['scale']})" if wl["scale"] != 1 else "")
+             + (f", a file per sample, {res['system']['pfs_open_ms']:g} ms per open"
+                if wl.get("layout") == "files" and res["system"].get("pfs_open_ms") else "")]
     best = min((v["total_s"] for n, v in res["policies"].items()
                 if not v["failed"] and n != "perfect"), default=None)
     lines.append(f"{'policy':<20} {'total':>10} {'vs best':>8} {'stall':>10} {'setup':>9} "

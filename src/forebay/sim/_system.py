@@ -40,6 +40,7 @@ class System:
     staging_threads: int = 8                  # p_0
     ram_threads: int = 4                      # p_1
     ssd_threads: int = 2                      # p_2
+    pfs_open_ms: float = 0.0                  # per file opened on the PFS (metadata)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -59,6 +60,9 @@ class System:
         for key in ("staging_threads", "ram_threads", "ssd_threads"):
             if getattr(self, key) < 1:
                 raise ProfileError(f"system {self.name}: {key} must be >= 1")
+        if not self.pfs_open_ms >= 0:
+            raise ProfileError(f"system {self.name}: pfs_open_ms must be >= 0, got "
+                               f"{self.pfs_open_ms!r}")
 
     # -- per-MB times of one thread (NoPFS §4) ---------------------------------------
     def pfs_s_per_MB(self, readers: int) -> float:
@@ -104,14 +108,16 @@ class System:
                 "ssd_read_MBps": dict(self.ssd_read_MBps),
                 "staging_bytes": self.staging_bytes, "ram_bytes": self.ram_bytes,
                 "ssd_bytes": self.ssd_bytes, "threads": [self.staging_threads,
-                                                         self.ram_threads, self.ssd_threads]}
+                                                         self.ram_threads, self.ssd_threads],
+                "pfs_open_ms": self.pfs_open_ms}
 
 
 def lassen() -> System:
     """NoPFS §6.1's small Lassen-like cluster node: c = 64 MB/s, beta = 200 MB/s,
     b_c = 24,000 MB/s, 5 GB staging buffer, 120 GB RAM, 900 GB SSD, 8/4/2 prefetch
     threads, r_0(8) = 111 GB/s, r_1(4) = 85 GB/s, r_2(2) = 4 GB/s, PFS t(1) = 330,
-    t(2) = 730, t(4) = 1,540, t(8) = 2,870 MB/s."""
+    t(2) = 730, t(4) = 1,540, t(8) = 2,870 MB/s.  No separate open latency: the paper's
+    model has none (its t(gamma) is a throughput of reading samples)."""
     return System(compute_MBps=64.0, preprocess_MBps=200.0, network_MBps=24_000.0,
                   pfs_MBps={1: 330.0, 2: 730.0, 4: 1540.0, 8: 2870.0},
                   mem_MBps={4: 85_000.0, 8: 111_000.0},
@@ -125,7 +131,8 @@ PRESETS = {"lassen": lassen}
 
 def load_system(spec: "str | os.PathLike[str]", *, compute_MBps: Optional[float] = None,
                 preprocess_MBps: Optional[float] = None,
-                network_MBps: Optional[float] = None) -> System:
+                network_MBps: Optional[float] = None,
+                pfs_open_ms: Optional[float] = None) -> System:
     """A preset name (``lassen``) or a TOML profile.  A profile from ``forebay calibrate``
     lacks the workload figures: give them in ``[compute]``/``[network]`` or as
     arguments (arguments win)."""
@@ -133,18 +140,20 @@ def load_system(spec: "str | os.PathLike[str]", *, compute_MBps: Optional[float]
         sysm = PRESETS[str(spec)]()
         over = {k: v for k, v in (("compute_MBps", compute_MBps),
                                   ("preprocess_MBps", preprocess_MBps),
-                                  ("network_MBps", network_MBps)) if v is not None}
+                                  ("network_MBps", network_MBps),
+                                  ("pfs_open_ms", pfs_open_ms)) if v is not None}
         return replace(sysm, **over) if over else sysm
     prof = load_profile(spec)
     return system_from_profile(prof, name=os.path.basename(str(spec)),
                                compute_MBps=compute_MBps, preprocess_MBps=preprocess_MBps,
-                               network_MBps=network_MBps)
+                               network_MBps=network_MBps, pfs_open_ms=pfs_open_ms)
 
 
 def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                         compute_MBps: Optional[float] = None,
                         preprocess_MBps: Optional[float] = None,
-                        network_MBps: Optional[float] = None) -> System:
+                        network_MBps: Optional[float] = None,
+                        pfs_open_ms: Optional[float] = None) -> System:
     comp = prof.get("compute", {})
     c = compute_MBps or comp.get("MBps")
     beta = preprocess_MBps or comp.get("preprocess_MBps")
@@ -171,5 +180,8 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   ssd_bytes=tiers.get("ssd_bytes", 0) if ssd.get("read_MBps") else 0,
                   staging_threads=max(1, tiers.get("staging_threads", 1)),
                   ram_threads=max(1, tiers.get("ram_threads", 1)),
-                  ssd_threads=max(1, tiers.get("ssd_threads", 1)), name=name)
+                  ssd_threads=max(1, tiers.get("ssd_threads", 1)),
+                  pfs_open_ms=float(pfs_open_ms if pfs_open_ms is not None
+                                    else prof.get("pfs", {}).get("open_ms", 0.0)),
+                  name=name)
 

@@ -27,7 +27,8 @@ SCHEMA: dict[str, dict[str, str]] = {
     "machine": {"description": "str", "date": "str"},
     "ram": {"copy_MBps": "bw"},
     "ssd": {"path": "str", "write_MBps": "bw", "read_MBps": "bw"},
-    "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num"},
+    # open_ms: latency of opening one file (the simulator's --layout files)
+    "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num", "open_ms": "num"},
     "rma": {"get_MBps": "bw", "ranks": "num"},
     # tier settings for the clairvoyant loader (DataLoader(system=...)); sizes in bytes
     # or as "8GiB"; 0 disables a tier
