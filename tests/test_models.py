@@ -559,19 +559,20 @@ def test_lmdb_store_on_a_shared_file_system_is_refused_unless_vouched_for(tmp_pa
     """LMDB's locks do not hold across nodes: a store on Lustre, GPFS, NFS... is refused
     with a message naming the file system and the way out (a provider), unless the user
     sets FOREBAY_LMDB_SHARED_FS=1; a local store opens as before."""
+    from forebay import _fs
     from forebay.models import _backend
 
     home = str(tmp_path / "my home").replace(" ", "\\040")   # as /proc/mounts escapes it
     table = ("/dev/vda / ext4 rw 0 0\n"
              f"10.0.0.1@o2ib:/scratch {tmp_path / 'lus'} lustre rw,flock 0 0\n"
              f"srv:/home/a\\040b {home} nfs4 rw 0 0\n")
-    assert _backend.filesystem_type(tmp_path / "lus" / "models" / "new", table) == "lustre"
-    assert _backend.filesystem_type(tmp_path / "my home" / "x", table) == "nfs4"
-    assert _backend.filesystem_type(tmp_path / "elsewhere", table) == "ext4"
+    assert _fs.filesystem_type(tmp_path / "lus" / "models" / "new", table) == "lustre"
+    assert _fs.filesystem_type(tmp_path / "my home" / "x", table) == "nfs4"
+    assert _fs.filesystem_type(tmp_path / "elsewhere", table) == "ext4"
     (tmp_path / "lus").mkdir()
     mounts = tmp_path / "mounts"
     mounts.write_text(table)
-    monkeypatch.setattr(_backend, "_MOUNTS", str(mounts))
+    monkeypatch.setattr(_fs, "_MOUNTS", str(mounts))
     monkeypatch.delenv(_backend.SHARED_FS_ENV, raising=False)
     with pytest.raises(ModelRepositoryError, match=r"is on lustre.*forebay models serve"):
         fm.open_repository(f"file://{tmp_path / 'lus' / 'repo'}")

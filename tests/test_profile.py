@@ -116,3 +116,28 @@ def test_calibrate_under_mpiexec_measures_gets_from_a_peer(tmp_path):
     prof = load_profile(out)
     assert prof["rma"]["ranks"] == 2 and prof["rma"]["get_MBps"][2] > 0
     assert p.stdout.count("[rma]") == 1          # only rank 0 prints and writes
+
+
+def test_ssd_tier_on_a_shared_file_system_is_used_with_a_warning(tmp_path, packed,
+                                                                  monkeypatch):
+    """An SSD tier directory on Lustre (by /proc/mounts) is not node-local: the store
+    says so, naming the file system, and still uses it (a burst buffer may be fast)."""
+    from forebay import AccessPlan, _fs
+    from forebay.store import ClairvoyantStore
+
+    ssd = tmp_path / "lus" / "ssd"
+    ssd.mkdir(parents=True)
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\nmds@tcp:/fs {tmp_path / 'lus'} lustre rw 0 0\n")
+    monkeypatch.setattr(_fs, "_MOUNTS", str(mounts))
+    path = packed[0]
+    from forebay.dataset import open_dataset
+
+    n = len(open_dataset(path))
+    plan = AccessPlan(n, 1, 8, epochs=2, seed=0)
+    with pytest.warns(RuntimeWarning, match=r"SSD tier .* is on lustre, a file system shared"):
+        st = ClairvoyantStore(path, plan, None, ram_bytes=0, ssd_dir=ssd, ssd_bytes=1 << 20)
+    try:
+        assert st.stats()["ssd_bytes"] > 0
+    finally:
+        st.close()

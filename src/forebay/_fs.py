@@ -1,4 +1,5 @@
-"""Atomic directory creation: build under a temporary sibling, fsync, rename into place."""
+"""Atomic directory creation (build under a temporary sibling, fsync, rename into place)
+and which file system holds a path."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Optional
 
 from .errors import DatasetExistsError
 
-__all__ = ["check_target", "tmp_sibling", "commit_dir", "fsync_dir"]
+__all__ = ["check_target", "tmp_sibling", "commit_dir", "fsync_dir", "filesystem_type",
+           "NETWORK_FS"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -56,3 +59,35 @@ def commit_dir(tmp: Path, path: Path, overwrite: bool) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink()
+
+
+# File systems shared between hosts (by their /proc/mounts type): LMDB's locks do not
+# hold across nodes there, and a cache tier there is not node-local.
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph",
+              "glusterfs", "panfs", "orangefs", "pvfs2", "afs", "wekafs", "fuse.ceph",
+              "fuse.glusterfs", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs"}
+_MOUNTS = "/proc/mounts"
+
+
+def filesystem_type(path: "str | Path", mounts: Optional[str] = None) -> Optional[str]:
+    """Type of the file system holding ``path`` (the longest mount point above it in
+    ``/proc/mounts``, or ``mounts`` when given); None where that cannot be read."""
+    p, tail = Path(path).absolute(), []
+    while not p.exists() and p != p.parent:   # a store not created yet: its parents
+        tail.append(p.name)
+        p = p.parent
+    p = p.resolve().joinpath(*reversed(tail))
+    try:
+        text = mounts if mounts is not None else Path(_MOUNTS).read_text()
+    except OSError:
+        return None
+    best, kind = -1, None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ").replace("\\011", "\t")
+        mp = Path(point)
+        if (p == mp or mp in p.parents) and len(mp.parts) > best:
+            best, kind = len(mp.parts), parts[2]
+    return kind

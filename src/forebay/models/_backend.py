@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from .._fs import NETWORK_FS, filesystem_type
 from ..errors import ModelRepositoryError
 
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
@@ -49,37 +50,7 @@ def prefer_huge_pages(address: int, nbytes: int) -> None:
         fn(lo, hi - lo, _MADV_HUGEPAGE)
 
 
-# File systems shared between hosts, where LMDB's locks (a shared-memory lock file and
-# fcntl) do not hold across nodes: two writers on different nodes would both commit.
-NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph",
-              "glusterfs", "panfs", "orangefs", "pvfs2", "afs", "wekafs", "fuse.ceph",
-              "fuse.glusterfs", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs"}
 SHARED_FS_ENV = "FOREBAY_LMDB_SHARED_FS"   # "1": the user vouches only one node opens it
-_MOUNTS = "/proc/mounts"
-
-
-def filesystem_type(path: "str | Path", mounts: Optional[str] = None) -> Optional[str]:
-    """Type of the file system holding ``path`` (the longest mount point above it in
-    ``/proc/mounts``, or ``mounts`` when given); None where that cannot be read."""
-    p, tail = Path(path).absolute(), []
-    while not p.exists() and p != p.parent:   # a store not created yet: its parents
-        tail.append(p.name)
-        p = p.parent
-    p = p.resolve().joinpath(*reversed(tail))
-    try:
-        text = mounts if mounts is not None else Path(_MOUNTS).read_text()
-    except OSError:
-        return None
-    best, kind = -1, None
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ").replace("\\011", "\t")
-        mp = Path(point)
-        if (p == mp or mp in p.parents) and len(mp.parts) > best:
-            best, kind = len(mp.parts), parts[2]
-    return kind
 
 
 def check_local_fs(path: "str | Path") -> None:

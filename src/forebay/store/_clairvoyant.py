@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .._fs import NETWORK_FS, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._batch import assemble_batch, gather_ranges
 from ..dataset._format import ALIGNMENT, IndexLayout
@@ -181,6 +182,12 @@ class ClairvoyantStore:
             warnings.warn(f"rank {self.rank}: SSD tier skipped: {problem}; its samples go "
                           f"to the other tiers or the files", RuntimeWarning, stacklevel=3)
             return 0
+        fs = filesystem_type(d)
+        if fs in NETWORK_FS:
+            warnings.warn(f"rank {self.rank}: the SSD tier {d} is on {fs}, a file system "
+                          f"shared between nodes: its reads go over the network, where the "
+                          f"tier is meant to be a node-local disk (a burst buffer such as "
+                          f"BeeOND may still be fast)", RuntimeWarning, stacklevel=3)
         return ssd_bytes
 
     def _layout_offsets(self) -> None:
