@@ -77,7 +77,10 @@ class Txn:
         """Whether ``key`` is stored (on LMDB this reads the value: ask small tables)."""
         return self.get(table, key) is not None
 
-    def put(self, table: str, key: bytes, value: Any, overwrite: bool = True) -> bool:
+    def put(self, table: str, key: bytes, value: Any, overwrite: bool = True,
+            owned: bool = False) -> bool:
+        """Store ``value`` (``owned``: the caller gives the buffer away and never touches
+        it again, so a memory store keeps it instead of a copy)."""
         raise NotImplementedError
 
     def delete(self, table: str, key: bytes) -> bool:
@@ -107,7 +110,7 @@ class _LmdbTxn(Txn):
     def get(self, table, key):
         return self.txn.get(key, db=self.dbs[table])
 
-    def put(self, table, key, value, overwrite=True):
+    def put(self, table, key, value, overwrite=True, owned=False):
         return self.txn.put(key, value, db=self.dbs[table], overwrite=overwrite)
 
     def delete(self, table, key):
@@ -320,9 +323,9 @@ class LmdbBackend(Backend):
 
 
 class _MemTxn(Txn):
-    def __init__(self, tables: dict[str, dict[bytes, bytes]], write: bool) -> None:
+    def __init__(self, tables: dict[str, dict[bytes, Any]], write: bool) -> None:
         self.tables = tables
-        self.staged: dict[tuple[str, bytes], Optional[bytes]] = {}
+        self.staged: dict[tuple[str, bytes], Optional[Any]] = {}
         self.writable = write
 
     def get(self, table, key):
@@ -332,10 +335,10 @@ class _MemTxn(Txn):
         v = self.tables[table].get(key)
         return None if v is None else memoryview(v)
 
-    def put(self, table, key, value, overwrite=True):
+    def put(self, table, key, value, overwrite=True, owned=False):
         if not overwrite and self.get(table, key) is not None:
             return False
-        self.staged[(table, bytes(key))] = bytes(value)
+        self.staged[(table, bytes(key))] = value if owned else bytes(value)
         return True
 
     def delete(self, table, key):

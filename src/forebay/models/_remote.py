@@ -249,23 +249,24 @@ class _Handler(socketserver.BaseRequestHandler):
             raise ProtocolError(f"unknown op {op}")
 
     def _put(self, sock: socket.socket, meta: dict, dlen: int) -> None:
-        """Receive tensors into one staging buffer, verify every hash (a client is not
-        trusted), then store them under a pending record."""
+        """Receive each tensor into a buffer of its own, verify every hash (a client is
+        not trusted), then store them under a pending record (a memory store keeps the
+        buffers: no second copy)."""
         items = meta["tensors"]
         sizes = [int(t["nbytes"]) for t in items]
         if sum(sizes) != dlen or any(s < 0 for s in sizes):
             raise ProtocolError(f"PUT announces {sum(sizes)} bytes of tensors, frame has {dlen}")
-        stage = np.empty(dlen, dtype=np.uint8)
-        _recv_into(sock, memoryview(stage))
-        blobs, off = {}, 0
+        blobs, bad = {}, None
         for t, n in zip(items, sizes):
-            data = stage[off:off + n]
-            off += n
-            if tensor_hash(t["dtype"], t["shape"], data) != t["hash"]:
-                raise CorruptModelError(f"tensor {t['hash'][:16]} arrived corrupt (its bytes "
-                                        f"do not match its hash); nothing stored")
+            data = np.empty(n, dtype=np.uint8)   # its own buffer: a memory store keeps it
+            _recv_into(sock, memoryview(data))
+            if bad is None and tensor_hash(t["dtype"], t["shape"], data) != t["hash"]:
+                bad = t["hash"]                  # read the rest: the connection stays usable
             blobs[t["hash"]] = data
-        token, written = self.server.repo._store_tensors("", blobs)
+        if bad is not None:
+            raise CorruptModelError(f"tensor {str(bad)[:16]} arrived corrupt (its bytes "
+                                    f"do not match its hash); nothing stored")
+        token, written = self.server.repo._store_tensors("", blobs, owned=True)
         _send(sock, OP["OK"], {"token": token, "written": written})
 
 

@@ -285,10 +285,12 @@ class Repository:
 
     # -- the storage side of a save (a provider runs these for its clients) -------------
     def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None,
-                       new: Optional[set] = None) -> tuple[bytes, int]:
+                       new: Optional[set] = None, owned: bool = False) -> tuple[bytes, int]:
         """Write the tensors of a save of ``name`` not stored yet, durably, under a
         pending record; returns the record's token and the bytes written (``kinds``:
-        hash -> dtype and shape, for a store that re-verifies)."""
+        hash -> dtype and shape, for a store that re-verifies; ``owned``: the buffers
+        are given away, as a provider's receive buffers are, so a memory store keeps
+        them instead of copies)."""
         token = uuid.uuid4().hex.encode()
         written = 0
         with self.backend.write() as txn:  # 1: the tensors, durable before any manifest
@@ -299,7 +301,8 @@ class Repository:
                 # table would read the whole stored tensor first)
                 if not txn.has("sizes", h.encode()):
                     n = len(memoryview(data).cast("B"))
-                    txn.put("tensors", h.encode(), memoryview(data))
+                    txn.put("tensors", h.encode(), data if owned else memoryview(data),
+                            owned=owned)
                     txn.put("sizes", h.encode(), n.to_bytes(8, "little"))
                     written += n
                     self._io["tensors_written"] += 1
