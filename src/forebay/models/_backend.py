@@ -140,7 +140,8 @@ class LmdbBackend(Backend):
         import lmdb
 
         self.path = Path(path)
-        check_local_fs(self.path)
+        if str(self.path.resolve()) not in self._open:   # (checked when first opened)
+            check_local_fs(self.path)
         if not self.path.exists():
             if not create:
                 raise ModelRepositoryError(f"{self.path}: no model repository here")
