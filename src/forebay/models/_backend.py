@@ -149,6 +149,7 @@ class LmdbBackend(Backend):
         elif not self.path.is_dir():
             raise ModelRepositoryError(f"{self.path}: not a directory")
         self.key = str(self.path.resolve())
+        self.data_file = self.path / "data.mdb"   # where LMDB keeps every table
         self.url = f"file://{self.key}"
         self.closed = False
         with self._open_lock:
@@ -197,7 +198,7 @@ class LmdbBackend(Backend):
         return self._base
 
     def _find_map_base(self) -> Optional[int]:
-        path = os.path.realpath(self.path / "data.mdb")
+        path = os.path.realpath(self.data_file)
         try:
             with open("/proc/self/maps") as fh:
                 for line in fh:
@@ -216,7 +217,7 @@ class LmdbBackend(Backend):
         base = self._map_base()
         if base is None:
             return [None] * len(keys)
-        size = os.path.getsize(self.path / "data.mdb")
+        size = os.path.getsize(self.data_file)
         out: list[Optional[int]] = []
         with self.read() as txn:
             for k in keys:
@@ -280,7 +281,7 @@ class LmdbBackend(Backend):
         if len(entry) < 4:
             with self._open_lock:
                 if len(entry) < 4:
-                    entry.append([os.open(self.path / "data.mdb", os.O_RDONLY)
+                    entry.append([os.open(self.data_file, os.O_RDONLY)
                                   for _ in range(2)])
         return entry[3][reader]
 

@@ -775,11 +775,12 @@ class Repository:
         copy = getattr(self.backend, "copy_compacted", None)
         if copy is None:
             raise ModelRepositoryError(f"{self.url}: only LMDB stores can be compacted")
-        before = os.path.getsize(self.backend.path / "data.mdb")
+        before = os.path.getsize(self.backend.data_file)
         out = copy(dest)
         with Repository(LmdbBackend(out, create=False)) as other:
             moved = other.relocate(progress)
-        return {"bytes_before": before, "bytes_after": os.path.getsize(out / "data.mdb"),
+            after = os.path.getsize(other.backend.data_file)
+        return {"bytes_before": before, "bytes_after": after,
                 **moved}
 
     def verify(self) -> list[str]:
@@ -826,8 +827,8 @@ class Repository:
             for _, v in txn.items("sizes"):
                 stored += int.from_bytes(bytes(v), "little")
                 tensors += 1
-        path = getattr(self.backend, "path", None)
-        extra = {"file_bytes": os.path.getsize(path / "data.mdb")} if path is not None else {}
+        data = getattr(self.backend, "data_file", None)
+        extra = {"file_bytes": os.path.getsize(data)} if data is not None else {}
         return {"models": len(names), "versions": versions, "tensors": tensors,
                 "logical_bytes": logical, "stored_bytes": stored, **extra,
                 "id_cache": {"hits": self.cache.hits, "misses": self.cache.misses},
