@@ -171,3 +171,47 @@ def test_hdf5_per_file_layout(tmp_path, cli):
     assert code == 0, err
     ds = forebay.open_dataset(tmp_path / "ds")
     assert len(ds) == 3 and ds[2]["x"].tolist() == vols[2].tolist() and ds[1]["y"] == 1.0
+
+
+def _many_unit_sources(root):
+    """Every source kind, each with many more units than workers (issue M.0)."""
+    synthesize("ising", root / "pff", 150, seed=3)                       # 150 files
+    synthesize("ising", root / "cff", 150, seed=3, format="cff")
+    synthesize("mummi", root / "mummi", 120, seed=3, per_file=4)         # 30 files
+    synthesize("imagenet", root / "img", 90, seed=3, classes=3, mean_bytes=300)
+    (root / "npy").mkdir()
+    for i in range(40):
+        np.save(root / "npy" / f"{i:03d}.npy", np.arange(i, dtype=np.int32))
+    return {
+        "pickle": get_source("pickle", root / "pff", trust_pickle=True, chunk_files=4),
+        "hdf5": get_source("hdf5", root / "cff", chunk_bytes=20_000),
+        "npz": get_source("npz", root / "mummi"),
+        "npy": get_source("npy", root / "npy"),
+        "imagefolder": get_source("imagefolder", root / "img", chunk_files=2),
+    }
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_keep_every_unit_of_every_source(tmp_path, workers):
+    """More units than 2 x workers: every sample is ingested, bit for bit as with one
+    worker (a window of 2N units in flight once dropped one unit in every refill)."""
+    sources = _many_unit_sources(tmp_path)
+    assert set(sources) == set(SOURCES)
+    for kind, src in sources.items():
+        assert len(src.units()) > 8 * workers, kind
+        one = ingest(src, tmp_path / f"{kind}-1")
+        many = ingest(src, tmp_path / f"{kind}-{workers}", workers=workers)
+        assert many.num_samples == one.num_samples, kind
+        assert many.fingerprint == one.fingerprint, kind
+        a, b = forebay.open_dataset(tmp_path / f"{kind}-1"), \
+            forebay.open_dataset(tmp_path / f"{kind}-{workers}")
+        every = np.arange(len(a))
+        assert a.get_many(every).equals(b.get_many(every)), kind
+
+
+def test_units_per_task_bounds():
+    from forebay.dataset.sources import units_per_task
+
+    assert units_per_task(5, 4) == 1
+    assert units_per_task(10_000, 4) == 64
+    assert units_per_task(100, 2) == 12

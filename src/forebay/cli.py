@@ -365,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "is found automatically)")
     g.add_argument("--shard-size", type=parse_size, default="256MiB",
                    help="bytes per shard (default 256MiB)")
-    g.add_argument("--workers", type=int, default=1, help="reader processes (default 1)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="reader processes (default 1; more help only when decoding a unit "
+                        "costs more than writing it, on spare cores)")
     g.add_argument("--trust-pickle", action="store_true",
                    help="allow unpickling the source (runs code stored in it)")
     g.add_argument("--overwrite", action="store_true")

@@ -1,12 +1,12 @@
 """Ingest sources: each reads one kind of input into samples (see ``forebay ingest``)."""
 
-from ._base import SOURCES, Source, get_source, ingest, list_files, register_source
+from ._base import SOURCES, Source, get_source, ingest, list_files, register_source, units_per_task
 from ._hdf5 import Hdf5Source
 from ._imagefolder import ImageFolderSource
 from ._numpy import NpySource, NpzSource
 from ._pickle import PickleSource
 
 __all__ = [
-    "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source",
+    "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "Hdf5Source", "ImageFolderSource", "NpySource", "NpzSource", "PickleSource",
 ]

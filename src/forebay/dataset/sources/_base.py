@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
+from itertools import islice
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Optional, Sequence
@@ -14,7 +15,8 @@ from ...progress import Progress, as_progress
 from .._format import Manifest
 from .._writer import DEFAULT_SHARD_BYTES, DatasetWriter
 
-__all__ = ["Source", "SOURCES", "register_source", "get_source", "ingest", "list_files"]
+__all__ = ["Source", "SOURCES", "register_source", "get_source", "ingest", "list_files",
+           "units_per_task"]
 
 
 class Source:
@@ -74,8 +76,19 @@ def list_files(root: "str | os.PathLike[str]", suffixes: Iterable[str], what: st
     return files
 
 
-def _read(source: Source, unit: Any) -> list[dict[str, Any]]:
-    return source.read_unit(unit)
+def _read_units(source: Source, units: Sequence[Any]) -> list[list[dict[str, Any]]]:
+    return [source.read_unit(u) for u in units]
+
+
+#: a worker task holds at most this many units (one task per unit costs a pipe round
+#: trip each: 10,000 one-sample files took 2.7x longer with 4 workers than with one)
+MAX_UNITS_PER_TASK = 64
+
+
+def units_per_task(n_units: int, workers: int) -> int:
+    """Units per worker task: at least 4 tasks per worker in flight over the run (so
+    the pool stays balanced), at most :data:`MAX_UNITS_PER_TASK`."""
+    return max(1, min(MAX_UNITS_PER_TASK, n_units // (4 * workers)))
 
 
 def ingest(source: Source, out: "str | os.PathLike[str]", *,
@@ -99,17 +112,20 @@ def ingest(source: Source, out: "str | os.PathLike[str]", *,
                 prog.update(1)
         else:
             ctx = multiprocessing.get_context("spawn")
+            per = units_per_task(len(units), workers)
+            tasks = (units[i:i + per] for i in range(0, len(units), per))
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
-                it = iter(units)
-                pending: deque = deque(ex.submit(_read, source, u)
-                                       for u, _ in zip(it, range(2 * workers)))
+                # keep 2 tasks per worker in flight, written in order; islice takes
+                # exactly that many (zip(it, range(k)) would pull one more and drop it)
+                pending: deque = deque(ex.submit(_read_units, source, t)
+                                       for t in islice(tasks, 2 * workers))
                 while pending:
-                    samples = pending.popleft().result()
-                    nxt = next(it, None)
-                    if nxt is not None:
-                        pending.append(ex.submit(_read, source, nxt))
-                    writer.add_many(samples)
-                    prog.update(1)
+                    done = pending.popleft().result()
+                    for t in islice(tasks, 1):
+                        pending.append(ex.submit(_read_units, source, t))
+                    for samples in done:
+                        writer.add_many(samples)
+                        prog.update(1)
     except BaseException:
         writer.abort()
         prog.close()
