@@ -157,6 +157,68 @@ def test_existing_output_refused_and_kept(packed, ragged):
     assert len(forebay.open_dataset(path)) == len(samples)
 
 
+def _precious(root):
+    """A user's directory that no forebay command wrote."""
+    (root / "sub").mkdir(parents=True)
+    (root / "thesis.tex").write_text("years of work")
+    (root / "sub" / "data.csv").write_text("1,2,3")
+    return root
+
+
+def _still_there(root):
+    return ((root / "thesis.tex").read_text() == "years of work"
+            and (root / "sub" / "data.csv").read_text() == "1,2,3")
+
+
+def test_overwrite_refuses_a_users_directory(tmp_path, cli):
+    """--overwrite replaces a forebay dataset, never a directory forebay did not write
+    (it used to rename it aside and delete it whole)."""
+    precious = _precious(tmp_path / "precious")
+    with pytest.raises(errors.DatasetExistsError, match="refusing to overwrite"):
+        forebay.write_dataset(precious, [{"x": np.arange(3)}], overwrite=True)
+    assert _still_there(precious)
+    forebay.synth.synthesize("mummi", tmp_path / "src", 8, per_file=4)
+    code, out, err = cli("ingest", tmp_path / "src", precious, "--from", "npz", "--overwrite")
+    assert code == 2 and "refusing to overwrite" in err and "Traceback" not in err
+    assert _still_there(precious) and leftovers(tmp_path) == []
+    code, out, err = cli("synth", "ising", precious, "--samples", "3", "--overwrite")
+    assert code == 2 and "forebay synth did not write it" in err
+    assert _still_there(precious) and leftovers(tmp_path) == []
+    # a file or a link is refused too; a link's target is never touched
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "link").symlink_to(precious)
+    for p in (tmp_path / "file", tmp_path / "link"):
+        with pytest.raises(errors.DatasetExistsError, match="refusing"):
+            forebay.write_dataset(p, [{"x": np.arange(3)}], overwrite=True)
+    assert (tmp_path / "file").read_text() == "mine" and _still_there(precious)
+
+
+def test_overwrite_replaces_datasets_and_empty_directories(packed, tmp_path):
+    path, samples = packed
+    forebay.write_dataset(path, samples[:3], overwrite=True)
+    assert len(forebay.open_dataset(path)) == 3
+    (tmp_path / "empty").mkdir()
+    forebay.write_dataset(tmp_path / "empty", samples[:2], overwrite=True)
+    assert len(forebay.open_dataset(tmp_path / "empty")) == 2
+    # a dataset holding something its manifest does not list is refused, then kept
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(errors.DatasetExistsError, match="notes.txt"):
+        forebay.write_dataset(path, samples[:5], overwrite=True)
+    assert (path / "notes.txt").read_text() == "mine" and len(forebay.open_dataset(path)) == 3
+
+
+def test_synth_overwrite_replaces_only_its_own_output(tmp_path):
+    from forebay.synth import synthesize
+
+    out = synthesize("ising", tmp_path / "s", 4)
+    synthesize("ising", out, 6, overwrite=True)
+    assert len(list(out.glob("*.pkl"))) == 6
+    (out / "extra.txt").write_text("mine")
+    with pytest.raises(errors.DatasetExistsError, match="holds 7 files"):
+        synthesize("ising", out, 2, overwrite=True)
+    assert (out / "extra.txt").read_text() == "mine"
+
+
 def test_failed_overwrite_keeps_the_old_dataset(packed):
     path, samples = packed
 

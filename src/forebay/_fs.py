@@ -7,7 +7,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import DatasetExistsError
 
@@ -29,9 +29,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_target(path: Path, overwrite: bool) -> None:
-    if (path.exists() or path.is_symlink()) and not overwrite:
+#: says why ``overwrite`` must not replace an existing path (None: it may)
+Replaceable = Callable[[Path], Optional[str]]
+
+
+def check_target(path: Path, overwrite: bool, replaceable: Optional[Replaceable] = None) -> None:
+    """Raise :class:`DatasetExistsError` unless ``path`` is free, or ``overwrite`` is
+    given and ``path`` is an empty directory or something ``replaceable`` recognises as
+    forebay's own output.  ``overwrite`` never deletes a user's files."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not overwrite:
         raise DatasetExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+    if path.is_symlink():
+        why: Optional[str] = "it is a symbolic link"
+    elif not path.is_dir():
+        why = "it is not a directory"
+    elif not any(path.iterdir()):
+        why = None
+    elif replaceable is None:
+        why = "it is not empty"
+    else:
+        why = replaceable(path)
+    if why is not None:
+        raise DatasetExistsError(f"refusing to overwrite {path}: {why}; overwrite replaces only "
+                                 f"what forebay wrote there (or an empty directory): remove or "
+                                 f"rename it yourself, or choose another path")
 
 
 def tmp_sibling(path: Path, tag: str = "tmp") -> Path:
@@ -39,7 +62,8 @@ def tmp_sibling(path: Path, tag: str = "tmp") -> Path:
     return path.parent / f".{path.name}.forebay-{tag}-{uuid.uuid4().hex[:12]}"
 
 
-def commit_dir(tmp: Path, path: Path, overwrite: bool) -> None:
+def commit_dir(tmp: Path, path: Path, overwrite: bool,
+               replaceable: Optional[Replaceable] = None) -> None:
     """Move the finished directory ``tmp`` to ``path``, replacing it if ``overwrite``.
 
     The old dataset is renamed aside first and removed only after the new one is in
@@ -49,7 +73,7 @@ def commit_dir(tmp: Path, path: Path, overwrite: bool) -> None:
     fsync_dir(tmp)
     old = None
     if path.exists() or path.is_symlink():
-        check_target(path, overwrite)
+        check_target(path, overwrite, replaceable)
         old = tmp_sibling(path, "old")
         os.rename(path, old)
     os.rename(tmp, path)

@@ -63,7 +63,9 @@ class UnsupportedDtypeError(SchemaError, TypeError):
 
 
 class DatasetExistsError(ForebayError, FileExistsError):
-    """The output path exists and ``overwrite`` was not given."""
+    """The output path exists and ``overwrite`` was not given, or it holds something
+    ``overwrite`` must not replace (anything but what forebay wrote there, or an empty
+    directory)."""
 
 
 class DatasetNotFoundError(ForebayError, FileNotFoundError):

@@ -19,6 +19,7 @@ Everything is a pure function of ``seed``; the output directory appears atomical
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
@@ -201,6 +202,23 @@ KINDS: dict[str, tuple[Callable[..., None], str, str]] = {
 }
 
 
+#: written into every synth output: what ``overwrite`` may replace
+MARKER = ".forebay-synth.json"
+
+
+def _replace_problem(path: Path) -> "str | None":
+    """Why ``overwrite`` must not replace ``path`` (None: forebay synth wrote it and
+    nothing was added since)."""
+    try:
+        files = int(json.loads((path / MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"forebay synth did not write it (no {MARKER})"
+    have = sum(1 for p in path.rglob("*") if p.is_file() and p.name != MARKER)
+    if have != files:
+        return f"it holds {have} files, forebay synth wrote {files} there"
+    return None
+
+
 def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int = 0, *,
                overwrite: bool = False, progress: "Progress | bool | None" = None,
                **options: Any) -> Path:
@@ -208,14 +226,16 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
 
     Options by kind: ``format`` ("pff" | "cff") for ising and molecules;
     ``per_file`` for mummi; ``classes`` and ``mean_bytes`` for imagenet; ``size``
-    for cosmoflow.  Returns ``out``.
+    for cosmoflow.  Returns ``out``.  ``overwrite`` replaces only an earlier synth
+    output to which nothing was added (it carries a :data:`MARKER` file), or an empty
+    directory.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; choose one of {', '.join(KINDS)}")
     if samples <= 0:
         raise ValueError(f"samples must be positive, got {samples}")
     out = Path(out)
-    check_target(out, overwrite)
+    check_target(out, overwrite, _replace_problem)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_sibling(out)
     tmp.mkdir()
@@ -224,7 +244,10 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
     try:
         KINDS[kind][0](tmp, samples, seed, prog, **{k: v for k, v in options.items()
                                                     if v is not None})
-        commit_dir(tmp, out, overwrite)
+        files = sum(1 for p in tmp.rglob("*") if p.is_file())
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "samples": samples, "seed": seed,
+                                              "files": files}) + "\n")
+        commit_dir(tmp, out, overwrite, _replace_problem)
     except BaseException:
         import shutil
 

@@ -15,7 +15,7 @@ from ._schema import Schema
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
-    "ShardInfo", "Manifest", "checksum",
+    "ShardInfo", "Manifest", "checksum", "replace_problem",
 ]
 
 FORMAT_NAME = "forebay.packed"
@@ -148,3 +148,24 @@ class Manifest:
             raise ManifestError(f"{mpath}: shards hold {sum(s.num_samples for s in shards)} "
                                 f"samples but num_samples is {m.num_samples}")
         return m
+
+
+def replace_problem(path: Path) -> "str | None":
+    """Why ``overwrite`` must not replace the directory ``path`` (None: it is a forebay
+    dataset holding nothing but its manifest and the shard files the manifest names)."""
+    mpath = Path(path) / MANIFEST_NAME
+    try:
+        doc = json.loads(mpath.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return f"it is not a forebay dataset (no readable {MANIFEST_NAME})"
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        return f"it is not a forebay dataset ({MANIFEST_NAME} is not a forebay manifest)"
+    ours = {MANIFEST_NAME}
+    for shard in doc.get("shards") or []:
+        if isinstance(shard, dict):
+            ours.update(str(shard.get(k)) for k in ("data", "index"))
+    extra = sorted(p.name for p in Path(path).iterdir() if p.name not in ours or p.is_dir())
+    if extra:
+        return (f"it holds {len(extra)} entries the dataset's manifest does not list "
+                f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})")
+    return None

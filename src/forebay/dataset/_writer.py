@@ -16,6 +16,7 @@ from ..errors import EmptySourceError, SchemaError
 from ..progress import Progress, as_progress
 from .._fs import check_target, commit_dir, tmp_sibling
 from ._format import ALIGNMENT, MANIFEST_NAME, IndexLayout, Manifest, ShardInfo, checksum
+from ._format import replace_problem
 from ._schema import Schema, as_field_array
 
 __all__ = ["DatasetWriter", "write_dataset", "DEFAULT_SHARD_BYTES"]
@@ -38,7 +39,8 @@ class DatasetWriter:
     Args:
         path: output directory.
         shard_bytes: a new shard starts when the current one would grow past this.
-        overwrite: replace an existing dataset at ``path``.
+        overwrite: replace an existing dataset at ``path`` (or an empty directory);
+            anything else there is refused with :class:`DatasetExistsError`, never deleted.
         metadata: JSON-serializable mapping stored in the manifest (``ds.metadata``).
         progress: a :class:`forebay.progress.Progress` hook, updated per sample.
 
@@ -54,7 +56,7 @@ class DatasetWriter:
         self.shard_bytes = int(shard_bytes)
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
-        check_target(self.path, self.overwrite)
+        check_target(self.path, self.overwrite, replace_problem)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = tmp_sibling(self.path)
         self._tmp.mkdir()
@@ -252,7 +254,7 @@ class DatasetWriter:
             os.fsync(f.fileno())
 
     def _commit(self) -> None:
-        commit_dir(self._tmp, self.path, self.overwrite)
+        commit_dir(self._tmp, self.path, self.overwrite, replace_problem)
 
 
 def write_dataset(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str, Any]], *,
