@@ -433,6 +433,30 @@ def test_cli_models(tmp_path, cli):
     assert code == 0 and "removed 0 tensors" in out
 
 
+def test_read_only_commands_never_create_a_repository(tmp_path, cli):
+    """`models ls|verify|show|gc DIR` on a directory that is not a repository fail with
+    a message and create nothing (they used to create data.mdb and report 'no models')."""
+    import lmdb
+
+    empty, mine = tmp_path / "empty", tmp_path / "mine"
+    empty.mkdir()
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    other = tmp_path / "other-lmdb"   # an LMDB store of some other program
+    env = lmdb.open(str(other), max_dbs=2)
+    env.open_db(b"stuff")
+    env.close()
+    before = {p: sorted(x.name for x in p.iterdir()) for p in (empty, mine, other)}
+    for d in (empty, mine, other):
+        for args in (("ls", d), ("verify", d), ("show", d, "net"), ("gc", d)):
+            code, out, err = cli("models", *args)
+            assert code == 2 and "model repository" in err and "Traceback" not in err, args
+            assert "no models" not in out and "ok:" not in out
+    assert before == {p: sorted(x.name for x in p.iterdir()) for p in (empty, mine, other)}
+    with pytest.raises(ModelRepositoryError, match="not a forebay model repository"):
+        fm.open_repository(str(other), create=False)
+
+
 def test_corrupt_large_tensor_detected_while_copying():
     r = fm.open_repository("memory://")
     sd = {"big": torch.randn(1024, 1024), "small": torch.randn(4)}  # 4 MiB: verified in parallel

@@ -27,6 +27,8 @@ from ..errors import ModelRepositoryError
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
 TABLES = ("tensors", "sizes", "versions", "pending", "locs")
+#: tables every forebay repository has had since the first release
+_FIRST_TABLES = ("tensors", "versions")
 _ADVICE = {"normal": 0, "random": 1}   # MADV_NORMAL, MADV_RANDOM (Linux and BSDs)
 _MADV_HUGEPAGE = 14                     # Linux
 _HUGE = 2 << 20
@@ -150,6 +152,9 @@ class LmdbBackend(Backend):
             raise ModelRepositoryError(f"{self.path}: not a directory")
         self.key = str(self.path.resolve())
         self.data_file = self.path / "data.mdb"   # where LMDB keeps every table
+        if not create and not self.data_file.is_file():
+            # opening to read must not turn a directory into a repository
+            raise ModelRepositoryError(f"{self.path}: not a model repository (no data.mdb)")
         self.url = f"file://{self.key}"
         self.closed = False
         with self._open_lock:
@@ -165,6 +170,14 @@ class LmdbBackend(Backend):
                 except lmdb.Error as e:
                     raise ModelRepositoryError(f"{self.path}: cannot open the LMDB store: "
                                                f"{e}") from e
+                if not create:
+                    with env.begin() as txn:
+                        missing = [t for t in _FIRST_TABLES if txn.get(t.encode()) is None]
+                    if missing:
+                        env.close()
+                        raise ModelRepositoryError(
+                            f"{self.path}: an LMDB store but not a forebay model repository "
+                            f"(no {', '.join(missing)} table)")
                 entry = self._open[self.key] = [env, {t: env.open_db(t.encode())
                                                       for t in TABLES}, 0]
                 self.env, self.dbs = env, entry[1]
