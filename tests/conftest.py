@@ -91,6 +91,32 @@ def run_mpi(ranks: int, script: str, *args, timeout: int = 120, env: dict | None
         os.unlink(f.name)
 
 
+def run_ranks(ranks: int, func, *args, timeout: int = 120, env: dict | None = None):
+    """Run ``func(*args)``, a function of a test module (named ``rank_*`` so pytest does
+    not collect it), on every rank of real ``mpiexec -n ranks``; a hang fails at
+    ``timeout``.  Returns the CompletedProcess; each rank whose call returned printed
+    ``rank R ok`` (see :func:`assert_ranks_ok`)."""
+    import subprocess
+
+    mod = sys.modules[func.__module__]
+    here = Path(__file__).parent
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join([str(here), str(Path(mod.__file__).parent),
+                                              full_env.get("PYTHONPATH", "")])
+    return subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), sys.executable,
+                           str(here / "rank_main.py"), func.__module__, func.__name__,
+                           *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def assert_ranks_ok(p, ranks: int) -> None:
+    """Every rank of a :func:`run_ranks` run returned from its function."""
+    ok = sorted(line for line in p.stdout.splitlines() if line.endswith(" ok")
+                and line.startswith("rank "))
+    assert p.returncode == 0 and ok == sorted(f"rank {r} ok" for r in range(ranks)), \
+        f"exit {p.returncode}, {ok}\n{p.stderr[-4000:]}"
+
+
 def say(line: str) -> None:
     """One atomic write per line, so lines of concurrent ranks never interleave."""
     os.write(1, (line + "\n").encode())

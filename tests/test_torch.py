@@ -181,3 +181,41 @@ def test_staging_area_bounded_in_bytes(molecules):
     it.close()
     with pytest.raises(ValueError, match="staging_bytes"):
         DataLoader(path, 8, comm=None, staging_bytes=0)
+
+
+def _flip_a_sample_byte(path, sample):
+    """Damage one byte of sample ``sample``'s ``pos`` field in its shard file, in place;
+    returns what ``verify`` then finds damaged."""
+    ds = forebay.open_dataset(path)
+    want = ds[sample]["pos"].tobytes()
+    for shard in ds.manifest.shards:
+        raw = bytearray((path / shard.data).read_bytes())
+        at = raw.find(want)
+        if at >= 0:
+            assert raw.find(want, at + 1) < 0
+            raw[at + 3] ^= 0xFF
+            (path / shard.data).write_bytes(bytes(raw))
+            break
+    return forebay.open_dataset(path).verify(raise_on_error=False).bad_samples
+
+
+@pytest.mark.parametrize("mode", ["preload", "clairvoyant", "direct"])
+def test_verify_on_read_is_honoured_in_every_mode(tmp_path, molecules, mode):
+    """A damaged sample is never delivered when verify_on_read is set (preload and
+    clairvoyant used to read records around the check and deliver it)."""
+    import shutil
+
+    path = tmp_path / "mol.fb"
+    shutil.copytree(molecules[0], path)
+    assert _flip_a_sample_byte(path, 57) == [57]
+    kw = dict(epochs=1, seed=3, mode=mode, prefetch=0, comm=None)
+    if mode == "clairvoyant":
+        kw["ram_bytes"] = 1 << 20
+    # without the check the damaged sample goes out: the test sees the difference
+    assert sum(1 for _ in DataLoader(path, 16, **kw)) == 13
+    for loader in (lambda: DataLoader(path, 16, verify_on_read=True, **kw),
+                   lambda: DataLoader(forebay.open_dataset(path, verify_on_read=True), 16,
+                                      **kw)):
+        with pytest.raises(forebay.errors.ChecksumError, match="sample 57"):
+            for _ in loader():
+                pass

@@ -27,6 +27,7 @@ __all__ = [
     "ModelNotFoundError",
     "CorruptModelError",
     "ModelMismatchError",
+    "RankMismatchError",
 ]
 
 
@@ -116,3 +117,9 @@ class ReduceError(ForebayError, RuntimeError):
 class ReduceMismatchError(ReduceError, ValueError):
     """Ranks submitted the same tensor name with different shapes, dtypes, ops or groups
     (the message lists what each side sent)."""
+
+
+class RankMismatchError(ForebayError, ValueError):
+    """The ranks of one job passed different values for something that must be the
+    same on every rank (seed, batch size, width, dataset, ...); raised on every rank,
+    naming the parameter and each rank's value."""

@@ -229,7 +229,7 @@ class PackedDataset:
                 a = base - base % _PAGE
                 mm.madvise(mmap.MADV_WILLNEED, a, min(base + rec_len, len(mm)) - a)
         if self.verify_on_read:
-            self._check_records(np.array([i]))
+            self.check_records(np.array([i]))
         out = {}
         for name, dtype, c_off, c_nb, c_shape, c_end in self._field_cols:
             nb = row[c_nb]
@@ -268,7 +268,7 @@ class PackedDataset:
         """
         ids = self.normalize_ids(ids)
         if self.verify_on_read:
-            self._check_records(ids)
+            self.check_records(ids)
         rows = self._index[ids]
         shard = self._shard_of[ids]
         shards = np.unique(shard)
@@ -283,23 +283,37 @@ class PackedDataset:
         return assemble_batch(ids, rows, self.schema, self._layout, parts, alloc)
 
     # -- integrity ----------------------------------------------------------------
-    def _check_records(self, ids: np.ndarray) -> list[int]:
-        """Raise :class:`ChecksumError` naming the first sample whose bytes are damaged."""
-        bad = self._bad_records(ids)
+    def check_records(self, ids: np.ndarray, buf: Optional[np.ndarray] = None,
+                      offsets: Optional[np.ndarray] = None, where: str = "") -> None:
+        """Raise :class:`ChecksumError` naming the first of samples ``ids`` whose record
+        fails its checksum: in the dataset's files, or in ``buf`` at ``offsets`` where
+        a store copied the records (``where`` names that copy in the message)."""
+        bad = self.bad_records(ids, buf, offsets)
         if bad:
             i = bad[0]
             shard = self.manifest.shards[int(self._shard_of[i])]
-            raise ChecksumError(f"{self.path / shard.data}: sample {i} fails its checksum "
-                                f"({len(bad)} of {len(ids)} checked samples damaged)")
-        return bad
+            raise ChecksumError(f"{self.path / shard.data}: sample {i} fails its checksum"
+                                f"{' ' + where if where else ''} ({len(bad)} of {len(ids)} "
+                                f"checked samples damaged)")
 
-    def _bad_records(self, ids: np.ndarray) -> list[int]:
+    def bad_records(self, ids: np.ndarray, buf: Optional[np.ndarray] = None,
+                    offsets: Optional[np.ndarray] = None) -> list[int]:
+        """Those of samples ``ids`` whose record bytes fail their checksum: read from
+        the dataset's files, or from ``buf`` (uint8) at ``offsets`` (one per id)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         bad = []
         rows = self._index[ids]
-        for i, s, off, ln, want in zip(ids.tolist(), self._shard_of[ids].tolist(),
-                                       rows[:, 0].tolist(), rows[:, 1].tolist(),
-                                       rows[:, 2].view(np.uint64).tolist()):
-            if xxhash.xxh3_64_intdigest(self._map(s)[off:off + ln]) != want:
+        if buf is None:
+            starts = rows[:, IndexLayout.REC_OFF].tolist()
+            srcs = [self._map(s) for s in self._shard_of[ids].tolist()]
+        else:
+            starts = np.asarray(offsets, dtype=np.int64).reshape(-1).tolist()
+            srcs = [buf] * len(ids)
+        for i, src, off, ln, want in zip(ids.tolist(), srcs, starts,
+                                         rows[:, IndexLayout.REC_LEN].tolist(),
+                                         rows[:, IndexLayout.REC_SUM].view(np.uint64).tolist()):
+            if off < 0 or off + ln > len(src) or \
+                    xxhash.xxh3_64_intdigest(src[off:off + ln]) != want:
                 bad.append(i)
         return bad
 
@@ -334,7 +348,7 @@ class PackedDataset:
                 report.problems.append(f"{dpath}: {size} bytes, manifest records {s.data_nbytes}")
             elif h.hexdigest() != s.data_checksum:
                 first = int(self._shard_start[k])
-                bad = self._bad_records(np.arange(first, first + s.num_samples))
+                bad = self.bad_records(np.arange(first, first + s.num_samples))
                 report.bad_samples += bad
                 report.problems.append(
                     f"{dpath}: shard checksum mismatch; damaged samples: "

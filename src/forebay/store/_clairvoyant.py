@@ -29,9 +29,10 @@ from .._fs import NETWORK_FS, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._batch import assemble_batch, gather_ranges
 from ..dataset._format import ALIGNMENT, IndexLayout
+from ..errors import ChecksumError
 from ..plan import AccessPlan
-from ._distributed import (StoreError, agree, check_same_dataset, default_comm, node_size,
-                           rma_get, shared_segment)
+from ._distributed import (StoreError, agree, check_agreement, check_same_dataset, default_comm,
+                           node_size, rma_get, shared_segment)
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
 from ..trace import _hooks
@@ -116,6 +117,12 @@ class ClairvoyantStore:
         # choice is one decision, taken here rather than per batch
         self._peer_via_pfs = model is not None and model.prefer_pfs(1.0, self.world,
                                                                     self.world)
+        check_same_dataset(self.comm, self.ds)
+        check_agreement(self.comm, "ClairvoyantStore's arguments", {
+            "plan": (f"{plan.num_samples} samples, world {plan.world_size}, batch "
+                     f"{plan.batch_size}, {plan.epochs} epochs, seed {plan.seed}, "
+                     f"drop_last {plan.drop_last}, shuffle {plan.shuffle}"),
+            "transport": transport, "verify_on_read": self.ds.verify_on_read})
         problems = []
         if plan.world_size != self.world:
             problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
@@ -130,7 +137,6 @@ class ClairvoyantStore:
         agree(self.comm, "; ".join(problems) or None)
         ssd_bytes = self._check_ssd(ssd_dir, int(ssd_bytes))
         self.ssd_dir = Path(ssd_dir) if ssd_bytes else None
-        check_same_dataset(self.comm, self.ds)
         if self.comm is not None:
             rams = np.array(self.comm.allgather(int(ram_bytes)), dtype=np.int64)
             ssds = np.array(self.comm.allgather(ssd_bytes), dtype=np.int64)
@@ -348,6 +354,9 @@ class ClairvoyantStore:
             for src, rec, sel in self._record_parts(ids[tsel], rows[tsel]):
                 gather_ranges(src, rec, rows[tsel][sel, IndexLayout.REC_LEN], buf,
                               dst[tsel][sel])
+            if self.ds.verify_on_read:   # checked once, as it enters the tier
+                self.ds.check_records(ids[tsel], buf, dst[tsel],
+                                      where=f"(read into rank {self.rank}'s tier)")
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):
@@ -569,6 +578,8 @@ class ClairvoyantStore:
             raise StoreError("the store is closed")
         err = getattr(self, "_fill_error", None)
         if err is not None:
+            if isinstance(err, ChecksumError):
+                raise ChecksumError(f"the fill thread found damaged data: {err}") from err
             raise StoreError(f"the fill thread failed: {err}") from err
         ids = self.ds.normalize_ids(ids)
         rows = self.ds._index[ids]
@@ -615,6 +626,8 @@ class ClairvoyantStore:
             tags.extend([("peer", None)] * len(peer_parts))
         if pfs.any():
             pidx = np.flatnonzero(pfs)
+            if self.ds.verify_on_read:
+                self.ds.check_records(ids[pidx])
             for src, rec, sel in self._record_parts(ids[pidx], rows[pidx]):
                 mask = np.zeros(len(ids), dtype=bool)
                 mask[pidx[sel]] = True

@@ -21,14 +21,14 @@ import numpy as np
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._batch import assemble_batch
 from ..dataset._format import ALIGNMENT, IndexLayout
-from ..errors import ForebayError
+from ..errors import ChecksumError, ForebayError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from ..trace import _hooks
 
 __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
-           "check_same_dataset", "node_size"]
+           "check_same_dataset", "check_agreement", "node_size"]
 
 _READ_BLOCK = 64 << 20
 
@@ -108,14 +108,50 @@ class StoreLayout:
                      "len": run_len, "base": run_base, "count": run_last - run_first + 1}
 
 
-def agree(comm: Any, message: Optional[str]) -> None:
-    """Raise :class:`StoreError` on every rank if any rank has a message: a check that
-    fails on one rank fails on all (no rank is left waiting in a collective)."""
+def agree(comm: Any, message: Optional[str], error: type[Exception] = StoreError) -> None:
+    """Raise ``error`` on every rank if any rank has a message: a check that fails on
+    one rank fails on all (no rank is left waiting in a collective)."""
     msgs = comm.allgather(message) if comm is not None else [message]
     bad = [(r, m) for r, m in enumerate(msgs) if m]
     if bad:
         text = "; ".join(f"rank {r}: {m}" if comm is not None else m for r, m in bad[:4])
-        raise StoreError(text + (f" (+{len(bad) - 4} more ranks)" if len(bad) > 4 else ""))
+        raise error(text + (f" (+{len(bad) - 4} more ranks)" if len(bad) > 4 else ""))
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def check_agreement(comm: Any, what: str, params: dict[str, Any]) -> None:
+    """Every rank of ``comm`` passed the same ``params`` (everything that shapes the
+    plan and the layout); else raise :class:`RankMismatchError` on every rank naming
+    each parameter that differs and each rank's value.  The first collective of a
+    set-up, so ranks that disagree fail before they wait in different collectives."""
+    if comm is None:
+        return
+    from .. import __version__
+
+    mine = {"forebay version": __version__, **params}
+    every = comm.allgather(mine)
+    diffs = []
+    for key in mine:
+        values = [p.get(key) for p in every]
+        if len({repr(v) for v in values}) > 1:
+            by_value: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(repr(v), []).append(r)
+            diffs.append(f"{key} " + ", ".join(
+                f"{v} on rank{'s' if len(rs) > 1 else ''} {_rank_list(rs)}"
+                for v, rs in list(by_value.items())[:4]))
+    if diffs:
+        raise RankMismatchError(f"ranks disagree on the {what}: " + "; ".join(diffs) +
+                                " (every rank must pass the same values)")
 
 
 def node_size(comm: Any) -> int:
@@ -236,9 +272,12 @@ class DistributedStore:
         self._closed = False
         self._fetches = {"local": 0, "peer": 0}
         self.on_pfs_read = on_pfs_read
+        check_same_dataset(self.comm, self.ds)
+        check_agreement(self.comm, "DistributedStore's arguments", {
+            "width": width, "node_aware": node_aware, "transport": transport,
+            "verify_on_read": self.ds.verify_on_read})
         self._setup_groups(width, node_aware)
         self.transport = self._choose_transport(transport)
-        check_same_dataset(self.comm, self.ds)
         self.layout = StoreLayout(self.ds, self.width)
         self._check_memory()
         if progress is None:
@@ -246,6 +285,11 @@ class DistributedStore:
         t0 = time.perf_counter()
         self._allocate()
         self._preload(as_progress(progress))
+        try:
+            self._verify_chunk()
+        except BaseException:
+            self.close()
+            raise
         self.preload_seconds = time.perf_counter() - t0
 
     # -- setup ------------------------------------------------------------------------
@@ -413,6 +457,20 @@ class DistributedStore:
             self._win.Sync()
         if self.transport == "shm":
             self._map_peers()
+
+    def _verify_chunk(self) -> None:
+        """With the dataset's ``verify_on_read``: check every record this rank preloaded
+        against its checksum, once (peers read only chunks their owners checked); a
+        damaged one fails the store on every rank with :class:`ChecksumError`."""
+        msg = None
+        if self.ds.verify_on_read:
+            mine = np.flatnonzero(self.layout.member == self.member)
+            try:
+                self.ds.check_records(mine, self._buf, self.layout.offset[mine],
+                                      where=f"(preloaded by rank {self.rank})")
+            except ChecksumError as e:
+                msg = str(e)
+        agree(self.comm, msg, ChecksumError)
 
     # -- access -----------------------------------------------------------------------
     def __len__(self) -> int:

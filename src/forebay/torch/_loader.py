@@ -17,7 +17,7 @@ from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._format import IndexLayout
 from ..plan import AccessPlan
 from ..store import ClairvoyantStore, DistributedStore, available_memory, default_comm
-from ..store._distributed import node_size
+from ..store._distributed import check_agreement, check_same_dataset, node_size
 from ._collate import collate_samples, default_collate
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
@@ -103,6 +103,14 @@ class DataLoader:
             peer holds is read from the file system instead when that is predicted
             faster (``stats()["pfs_by_model"]``).
 
+    Integrity:
+        verify_on_read: check every sample's checksum (default: the dataset's own
+            ``verify_on_read``, False for a path).  Preload checks each rank's chunk
+            once while loading (a damaged sample fails the store on every rank);
+            clairvoyant checks each sample as it enters a tier or is read from the
+            files; direct checks every batch.  A damaged sample raises
+            :class:`~forebay.errors.ChecksumError` naming it.
+
     Resume: :meth:`state_dict` / :meth:`load_state_dict` record (epoch, step); a loader
     at another world size with the same global batch resumes the same global batches.
     """
@@ -118,7 +126,8 @@ class DataLoader:
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: Optional[int] = None,
                  pin_memory: bool = False, progress: Any = None,
-                 system: "Optional[str | os.PathLike[str]]" = None) -> None:
+                 system: "Optional[str | os.PathLike[str]]" = None,
+                 verify_on_read: Optional[bool] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
@@ -139,10 +148,20 @@ class DataLoader:
             ram_threads = tiers.get("ram_threads") if ram_threads is None else ram_threads
             ssd_threads = tiers.get("ssd_threads") if ssd_threads is None else ssd_threads
         prefetch = 4 if prefetch is None else prefetch
-        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self.ds = dataset if isinstance(dataset, PackedDataset) else \
+            open_dataset(dataset, verify_on_read=bool(verify_on_read))
+        if verify_on_read and not self.ds.verify_on_read:   # the caller's object unchanged
+            self.ds = open_dataset(self.ds.path, verify_on_read=True,
+                                   readahead=self.ds.readahead)
         self.comm = default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
+        # ranks that disagree on what shapes the plan or the store fail here, together
+        check_same_dataset(self.comm, self.ds)
+        check_agreement(self.comm, "DataLoader's arguments", {
+            "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
+            "drop_last": drop_last, "mode": mode, "width": width, "node_aware": node_aware,
+            "transport": transport, "verify_on_read": self.ds.verify_on_read})
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode

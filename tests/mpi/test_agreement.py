@@ -1,0 +1,120 @@
+"""Ranks that disagree on what shapes the plan or the store fail together, naming the
+parameter and every rank's value (issue M.1); a damaged sample fails a preload on
+every rank (M.0d).  Each ``rank_*`` function runs on every rank of real mpiexec."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.errors import ChecksumError, RankMismatchError
+from conftest import assert_ranks_ok, run_ranks
+
+pytest.importorskip("mpi4py")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.mpi
+
+
+def _rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.rank
+
+
+def _expect_mismatch(make, *words: str) -> None:
+    with pytest.raises(RankMismatchError) as e:
+        make()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def rank_loader_seed_differs(path: str, mode: str) -> None:
+    from forebay.torch import DataLoader
+
+    _expect_mismatch(lambda: DataLoader(path, 8, seed=1 + _rank(), mode=mode,
+                                        ram_bytes=1 << 20),
+                     "DataLoader", "seed 1 on rank 0, 2 on rank 1")
+
+
+def rank_loader_batch_and_drop_last_differ(path: str, mode: str) -> None:
+    from forebay.torch import DataLoader
+
+    r = _rank()
+    _expect_mismatch(lambda: DataLoader(path, 8 * (r + 1), drop_last=bool(r), mode=mode,
+                                        ram_bytes=1 << 20),
+                     "batch_size 8 on rank 0, 16 on rank 1",
+                     "drop_last False on rank 0, True on rank 1")
+
+
+def rank_loader_mode_differs(path: str) -> None:
+    from forebay.torch import DataLoader
+
+    _expect_mismatch(lambda: DataLoader(path, 8, mode=("preload", "clairvoyant")[_rank()],
+                                        ram_bytes=1 << 20),
+                     "mode 'preload' on rank 0, 'clairvoyant' on rank 1")
+
+
+def rank_stores_arguments_differ(path: str) -> None:
+    from mpi4py import MPI
+
+    from forebay.store import ClairvoyantStore, DistributedStore
+
+    comm, r = MPI.COMM_WORLD, _rank()
+    _expect_mismatch(lambda: DistributedStore(path, comm, width=(1, 2)[r], progress=False),
+                     "width 1 on rank 0, 2 on rank 1")
+    plan = forebay.AccessPlan(len(forebay.open_dataset(path)), comm.size, 4, 2, seed=r)
+    _expect_mismatch(lambda: ClairvoyantStore(path, plan, comm, ram_bytes=1 << 20),
+                     "ClairvoyantStore", "seed 0", "seed 1")
+    # and a store the ranks agree on still works afterwards
+    with DistributedStore(path, comm, progress=False) as st:
+        ids = np.arange(len(st))
+        assert st.get_many(ids).equals(forebay.open_dataset(path).get_many(ids))
+
+
+def rank_preload_finds_damage_on_every_rank(path: str) -> None:
+    from forebay.torch import DataLoader
+
+    with pytest.raises(ChecksumError, match="sample 57"):
+        DataLoader(path, 8, mode="preload", verify_on_read=True)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agree") / "ds"
+    rng = np.random.default_rng(0)
+    forebay.write_dataset(path, ({"x": rng.normal(size=(int(rng.integers(1, 9)), 3)),
+                                  "y": np.int64(i)} for i in range(120)), shard_bytes=4 << 10)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["preload", "clairvoyant", "direct"])
+def test_loader_ranks_that_disagree_fail_together(dataset, mode):
+    for func in (rank_loader_seed_differs, rank_loader_batch_and_drop_last_differ):
+        assert_ranks_ok(run_ranks(2, func, dataset, mode), 2)
+
+
+def test_loader_mode_that_differs_fails_together(dataset):
+    assert_ranks_ok(run_ranks(2, rank_loader_mode_differs, dataset), 2)
+
+
+def test_store_arguments_that_differ_fail_together(dataset):
+    assert_ranks_ok(run_ranks(2, rank_stores_arguments_differ, dataset), 2)
+
+
+def test_damaged_sample_fails_a_verified_preload_on_every_rank(dataset, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(dataset, path)
+    ds = forebay.open_dataset(path)
+    want = ds[57]["x"].tobytes()
+    for shard in ds.manifest.shards:
+        raw = bytearray((path / shard.data).read_bytes())
+        at = raw.find(want)
+        if at >= 0:
+            raw[at] ^= 1
+            (path / shard.data).write_bytes(bytes(raw))
+            break
+    assert forebay.open_dataset(path).verify(raise_on_error=False).bad_samples == [57]
+    assert_ranks_ok(run_ranks(2, rank_preload_finds_damage_on_every_rank, path), 2)
