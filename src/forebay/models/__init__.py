@@ -12,7 +12,7 @@ those bytes; a version is visible only after all its tensors are durable.
 """
 
 from ._arch import Architecture, IdCache, Leaf, capture, stable_ids
-from ._repo import Repository, open_repository, tensor_hash
+from ._repo import ModelStore, Repository, open_repository, tensor_hash
 
-__all__ = ["open_repository", "Repository", "capture", "Architecture", "Leaf", "IdCache",
-           "stable_ids", "tensor_hash"]
+__all__ = ["open_repository", "ModelStore", "Repository", "capture", "Architecture", "Leaf",
+           "IdCache", "stable_ids", "tensor_hash"]

@@ -15,11 +15,12 @@ through ``sizes``; a store written before that table existed gets it on first op
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional
 
 from .._fs import NETWORK_FS, filesystem_type
 from ..errors import ModelRepositoryError
@@ -93,7 +94,16 @@ class Txn:
 
 
 class Backend:
+    """Where a :class:`~forebay.models.Repository` keeps its tables.  Abilities beyond
+    transactions are declared, not probed: ``file_locations`` says that values live at
+    stable offsets of one data file (:attr:`data_file`), so :meth:`locate`,
+    :meth:`data_fd` and :meth:`copy_compacted` work."""
+
     url: str
+    #: values have stable offsets in :attr:`data_file` (LMDB's overflow pages)
+    file_locations: ClassVar[bool] = False
+    #: the one file holding every value (None: not a file-backed store)
+    data_file: Optional[Path] = None
 
     def read(self) -> Any:  # context manager yielding a Txn
         raise NotImplementedError
@@ -103,6 +113,23 @@ class Backend:
 
     def close(self) -> None:
         pass
+
+    def advise(self, pattern: str) -> Any:
+        """A context manager under which reads follow ``pattern`` ("random" or
+        "normal"); nothing to advise by default."""
+        return contextlib.nullcontext()
+
+    def locate(self, keys: list[bytes]) -> list[Optional[int]]:
+        """File offsets of the values of ``keys`` (``file_locations`` stores only)."""
+        raise ModelRepositoryError(f"{self.url}: this store records no file locations")
+
+    def data_fd(self, reader: int = 0) -> Optional[int]:
+        """A descriptor of :attr:`data_file` for positioned reads (None: read by key)."""
+        return None
+
+    def copy_compacted(self, dest: "str | os.PathLike[str]") -> Path:
+        """A copy of the store at ``dest`` without free pages (``file_locations``)."""
+        raise ModelRepositoryError(f"{self.url}: only LMDB stores can be compacted")
 
 
 class _LmdbTxn(Txn):
@@ -130,6 +157,9 @@ class _LmdbTxn(Txn):
 
 
 class LmdbBackend(Backend):
+    file_locations = True
+    data_file: Path
+
     """One LMDB environment in ``path`` (a directory): concurrent readers, one writer at
     a time across processes, durable commits.  Repositories opened on the same path in
     one process share the environment (LMDB allows one per process)."""
@@ -303,7 +333,7 @@ class LmdbBackend(Backend):
         with self.env.begin(write=True, buffers=True) as txn:
             yield _LmdbTxn(txn, self.dbs)
 
-    def copy_compacted(self, dest: "str | Path") -> Path:
+    def copy_compacted(self, dest: "str | os.PathLike[str]") -> Path:
         """A consistent copy of the store in ``dest`` (a new or empty directory) without
         its free pages (``mdb_copy -c``); readers and writers may go on meanwhile."""
         import lmdb

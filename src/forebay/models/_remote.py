@@ -18,6 +18,7 @@ destinations); the client verifies every tensor against its hash.
 
 from __future__ import annotations
 
+import builtins
 import hmac
 import logging
 import os
@@ -25,13 +26,13 @@ import socket
 import socketserver
 import struct
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import xxhash
 
 from ..errors import CorruptModelError, ModelNotFoundError, ModelRepositoryError
-from ._repo import Repository, _copy_into, tensor_hash
+from ._repo import ModelStore, Repository, _copy_into, tensor_hash
 
 __all__ = ["serve", "RemoteRepository", "Provider", "HEADER", "parse_addresses"]
 
@@ -79,7 +80,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _send(sock: socket.socket, op: int, meta: Any, data: list = ()) -> None:
+def _send(sock: socket.socket, op: int, meta: Any, data: Sequence[Any] = ()) -> None:
     """One frame, scatter-gather: header, meta and every data buffer in sendmsg calls."""
     m = _packb(meta)
     bufs = [memoryview(b).cast("B") for b in data]
@@ -145,7 +146,7 @@ class Provider(socketserver.ThreadingTCPServer):
     @property
     def address(self) -> str:
         host, port = self.server_address[:2]
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host!s}:{port}"
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -200,7 +201,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if op != OP["PUT"] and dlen:
             raise ProtocolError(f"op {op} carries no data, got {dlen} bytes")
         if op == OP["HAS"]:
-            _send(sock, OP["OK"], {"missing": repo._missing(list(meta["hashes"]))})
+            _send(sock, OP["OK"], {"missing": repo.missing(list(meta["hashes"]))})
         elif op == OP["PUT"]:
             self._put(sock, meta, dlen)
         elif op == OP["COMMIT"]:
@@ -210,24 +211,12 @@ class _Handler(socketserver.BaseRequestHandler):
                             for e in body["tensors"].values()):
                 raise ProtocolError("COMMIT body malformed: a map whose 'tensors' maps "
                                     "state keys to entries with a 'hash'")
-            for e in body["tensors"].values():
-                e.pop("loc", None)  # file locations are this store's, never a client's
-            found = repo._add_locations(meta["name"], body["tensors"],
-                                        repo._pending_hashes(bytes(meta["token"])))
-            v = repo._publish(meta["name"], body, bytes(meta["token"]), meta.get("parent"),
-                              found)
+            v = repo.commit(meta["name"], body, bytes(meta["token"]), meta.get("parent"))
             _send(sock, OP["OK"], {"version": v})
         elif op == OP["MANIFEST"]:
             _send(sock, OP["OK"], {"manifest": repo.manifest(meta["name"], meta.get("version"))})
         elif op == OP["GET"]:
-            with repo.backend.read() as txn:
-                bufs = []
-                for h in meta["hashes"]:
-                    b = txn.get("tensors", str(h).encode())
-                    if b is None:
-                        raise CorruptModelError(f"tensor {str(h)[:16]} is missing from the "
-                                                f"provider's store")
-                    bufs.append(b)
+            with repo.read_tensors(list(meta["hashes"])) as bufs:
                 _send(sock, OP["OK"], {"sizes": [len(b) for b in bufs]}, bufs)
         elif op == OP["VERSIONS"]:
             _send(sock, OP["OK"], {"versions": repo.versions(meta["name"])})
@@ -259,14 +248,14 @@ class _Handler(socketserver.BaseRequestHandler):
         blobs, bad = {}, None
         for t, n in zip(items, sizes):
             data = np.empty(n, dtype=np.uint8)   # its own buffer: a memory store keeps it
-            _recv_into(sock, memoryview(data))
+            _recv_into(sock, data.data)
             if bad is None and tensor_hash(t["dtype"], t["shape"], data) != t["hash"]:
                 bad = t["hash"]                  # read the rest: the connection stays usable
             blobs[t["hash"]] = data
         if bad is not None:
             raise CorruptModelError(f"tensor {str(bad)[:16]} arrived corrupt (its bytes "
                                     f"do not match its hash); nothing stored")
-        token, written = self.server.repo._store_tensors("", blobs, owned=True)
+        token, written = self.server.repo.put_tensors(blobs, owned=True)
         _send(sock, OP["OK"], {"token": token, "written": written})
 
 
@@ -280,6 +269,7 @@ def serve(listen: str, store_url: str, token: Optional[str], *, workers: int = 1
     if store_url.startswith("tcp://"):
         raise ModelRepositoryError("a provider serves a local store (file:// or memory://)")
     repo = open_repository(store_url)
+    assert isinstance(repo, Repository)   # a local store: tcp:// was refused above
     with Provider((host, port), repo, token, workers=workers, max_data=max_data) as srv:
         log.warning("serving %s on %s (%d workers%s)", repo.url, srv.address, workers,
                     ", token required" if token else ", NO token")
@@ -320,7 +310,7 @@ class _Conn:
         meta = _unpackb(_recv_exact(s, mlen))
         return op, meta, dlen
 
-    def call(self, op: str, meta: dict, data: list = (), sink: Any = None) -> dict:
+    def call(self, op: str, meta: dict, data: Sequence[Any] = (), sink: Any = None) -> dict:
         """One request; ``sink(sock, meta, dlen)`` receives a reply's data."""
         with self.lock:
             if self.sock is None:
@@ -334,8 +324,10 @@ class _Conn:
                     kind, msg = rmeta.get("kind"), rmeta.get("error", "error")
                     if kind == "protocol":
                         self.close()
-                    raise {"notfound": ModelNotFoundError,
-                           "corrupt": CorruptModelError}.get(kind, ModelRepositoryError)(msg)
+                    err: type[ModelRepositoryError] = {
+                        "notfound": ModelNotFoundError, "corrupt": CorruptModelError,
+                    }.get(str(kind), ModelRepositoryError)
+                    raise err(msg)
                 if sink is not None:
                     try:
                         sink(self.sock, rmeta, dlen)
@@ -364,14 +356,14 @@ class _Conn:
             pass
 
 
-class RemoteRepository(Repository):
+class RemoteRepository(ModelStore):
     """The client of one or more providers: each model name lives on the provider that
     rendezvous hashing picks (stable when providers are added: only names whose
     highest-scoring provider is the new one move).  Architecture capture, hashing and
     the ID cache stay client-side; tensors the provider already holds are not sent."""
 
     def __init__(self, url: str, token: Optional[str] = None, timeout: float = 300.0) -> None:
-        super().__init__(None, url)
+        super().__init__(url)
         self.addrs = parse_addresses(url)
         self.token = token or ""
         self.conns = [_Conn(a, self.token, timeout) for a in self.addrs]
@@ -386,7 +378,7 @@ class RemoteRepository(Repository):
 
     # -- save ---------------------------------------------------------------------------
     def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None,
-                       new: Optional[set] = None) -> tuple[bytes, int]:
+                       new: Optional[set] = None, owned: bool = False) -> tuple[bytes, int]:
         """Ask ``name``'s provider which tensors it lacks, send only those (it re-hashes
         them; file locations are the provider's business: ``new`` stays empty)."""
         c = self._conn(name)
@@ -409,16 +401,16 @@ class RemoteRepository(Repository):
     def manifest(self, name: str, version: Optional[int] = None) -> dict[str, Any]:
         return self._conn(name).call("MANIFEST", {"name": name, "version": version})["manifest"]
 
-    def versions(self, name: str) -> list[int]:
+    def versions(self, name: str) -> builtins.list[int]:
         return list(self._conn(name).call("VERSIONS", {"name": name})["versions"])
 
-    def list(self) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
+    def list(self) -> dict[str, builtins.list[int]]:
+        out: dict[str, builtins.list[int]] = {}
         for c in self.conns:
             out.update(c.call("LIST", {})["models"])
         return out
 
-    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]],
+    def _fetch(self, m: dict[str, Any], pairs: builtins.list[tuple[str, Any]],
                fresh: bool = False) -> None:
         """One GET for all the tensors; each received straight into its destination's
         memory (CPU, contiguous) or a staging buffer, then verified (``fresh`` does not
@@ -427,7 +419,7 @@ class RemoteRepository(Repository):
         import torch
 
         entries = [m["tensors"][k] for k, _ in pairs]
-        bad: list[str] = []
+        bad: builtins.list[str] = []
 
         def sink(sock: socket.socket, meta: dict, dlen: int) -> None:
             sizes = meta["sizes"]
@@ -472,7 +464,7 @@ class RemoteRepository(Repository):
                 tot[k] = tot.get(k, 0) + int(v)
         return tot
 
-    def verify(self) -> list[str]:
+    def verify(self) -> builtins.list[str]:
         return [p for c in self.conns for p in c.call("VERIFY", {})["problems"]]
 
     def stats(self) -> dict[str, Any]:

@@ -4,6 +4,9 @@ only the selected tensors; every read verified against its hash."""
 
 from __future__ import annotations
 
+import abc
+import builtins
+import contextlib
 import datetime
 import fnmatch
 import json
@@ -11,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 import xxhash
@@ -21,7 +24,7 @@ from ..errors import (CorruptModelError, ModelMismatchError, ModelNotFoundError,
 from ._arch import Architecture, IdCache, capture
 from ._backend import _HUGE, Backend, LmdbBackend, MemoryBackend, prefer_huge_pages
 
-__all__ = ["Repository", "open_repository", "tensor_hash"]
+__all__ = ["ModelStore", "Repository", "open_repository", "tensor_hash"]
 
 FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,254}$")
@@ -119,7 +122,7 @@ def _pread_and_hash(fd: int, jobs: list[tuple[np.ndarray, Any, bytes]]) -> list[
             if not good:
                 ok[i] = False
             elif ok[i]:
-                hashes[i].update(piece)
+                hashes[i].update(memoryview(piece.data))
         iovs.clear()
         pieces.clear()
 
@@ -160,7 +163,7 @@ def _copy_and_hash(jobs: list[tuple[np.ndarray, Any, bytes]]) -> list[str]:
         for o in range(0, len(src), _COPY_CHUNK):
             d = dst[o:o + _COPY_CHUNK]
             np.copyto(d, src[o:o + _COPY_CHUNK])
-            h.update(d)
+            h.update(d.data)
         out.append(h.hexdigest())
     return out
 
@@ -188,7 +191,7 @@ def _vkey(name: str, version: int) -> bytes:
 
 
 def open_repository(url: str, token: Optional[str] = None, *, create: bool = True
-                    ) -> "Repository":
+                    ) -> "ModelStore":
     """``file:///path`` (or a plain path): LMDB in that directory; ``memory://`` (fresh)
     or ``memory://NAME`` (shared within the process); ``tcp://host:port[,...]``: a
     provider (``forebay models serve``)."""
@@ -211,12 +214,23 @@ def open_repository(url: str, token: Optional[str] = None, *, create: bool = Tru
     return Repository(LmdbBackend(path, create=create))
 
 
-class Repository:
-    """Models and their versions in one store (see :func:`open_repository`)."""
+_S = TypeVar("_S", bound="ModelStore")
 
-    def __init__(self, backend: Optional[Backend], url: Optional[str] = None) -> None:
-        self.backend = backend
-        self.url = url if url is not None else backend.url
+
+class ModelStore(abc.ABC):
+    """The model repository contract: what every store of models offers, local (LMDB,
+    memory) or remote (providers over tcp://).  Saving and loading, with architecture
+    capture, hashing, selection and verification, are the same for all of them and live
+    here; a store implements where tensors and manifests go (the abstract methods).
+    Optional abilities are declared in :attr:`capabilities`, never probed.
+
+    Every implementation passes ``tests/test_model_store_contract.py``."""
+
+    #: optional abilities: "relocate" and "compact" (file-backed LMDB stores)
+    capabilities: frozenset[str] = frozenset()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
         self.cache = IdCache()  # client side: config hashes of architectures seen
         self._io = {"bytes_read": 0, "bytes_written": 0, "tensors_read": 0,
                     "tensors_written": 0, "tensors_deduplicated": 0}
@@ -283,6 +297,218 @@ class Repository:
         _traced("save", t_start, name, version, written, len(blobs))
         return version
 
+    def graph(self, name: str, version: Optional[int] = None) -> Optional[dict[str, Any]]:
+        """The compact architecture graph stored with a version (None for a state dict)."""
+        return self.manifest(name, version)["graph"]
+
+    # -- loading ------------------------------------------------------------------------
+    def _select(self, m: dict[str, Any], include: Any) -> builtins.list[str]:
+        """State keys selected by ``include``: exact keys, module paths or leaf IDs
+        (dictionary lookups), or glob patterns over keys and module paths."""
+        keys = list(m["tensors"])
+        if include is None:
+            return keys
+        pats = [include] if isinstance(include, str) else list(include)
+        by_mod: dict[str, builtins.list[str]] = {}
+        for k in keys:
+            by_mod.setdefault(k.rpartition(".")[0], []).append(k)
+        chosen: set[str] = set()
+        for p in pats:
+            if any(c in p for c in "*?["):
+                rx = re.compile(fnmatch.translate(p))
+                chosen.update(k for k in keys if rx.match(k) or rx.match(k.rpartition(".")[0]))
+                continue
+            if p in m["tensors"]:
+                chosen.add(p)
+            chosen.update(by_mod.get(p, ()))
+            leaf = m["leaves"].get(p)
+            if leaf is not None:
+                chosen.update(leaf["tensors"].values())
+        out = [k for k in keys if k in chosen]
+        if not out:
+            raise ModelNotFoundError(f"{m['name']!r} version {m['version']}: nothing matches "
+                                     f"include={include!r}")
+        return out
+
+    def load(self, name: str, version: Optional[int] = None, into: Any = None,
+             include: Any = None, device: Any = None) -> Any:
+        """A version as a state dict of tensors, or copied in place into ``into`` (a
+        module or a state dict of tensors; returned).  ``include``: state-dict name
+        patterns (``"blocks.3.*"``), module paths, or leaf IDs; only the selected
+        tensors' bytes are read."""
+
+        t_start = time.perf_counter()
+        read0 = self._io["bytes_read"]
+        with self._advise("random"):  # manifests, B-tree pages, small tensors
+            return self._load(name, version, into, include, device, t_start, read0)
+
+    def _load(self, name: str, version: Optional[int], into: Any, include: Any, device: Any,
+              t_start: float, read0: int) -> Any:
+        import torch
+
+        m = self.manifest(name, version)
+        keys = self._select(m, include)
+        if into is not None:
+            self._check_into(m, keys, into)
+            target = into.state_dict(keep_vars=True) if hasattr(into, "state_dict") else into
+            self._fetch(m, [(k, target[k]) for k in keys])
+            _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0,
+                    len(keys))
+            return into
+        out: dict[str, Any] = {}
+        for k in keys:
+            e = m["tensors"][k]
+            out[k] = t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            if e["nbytes"] >= 2 * _HUGE:
+                prefer_huge_pages(t.data_ptr(), e["nbytes"])
+        self._fetch(m, list(out.items()), fresh=True)
+        if device is not None:
+            out = {k: t.to(device) for k, t in out.items()}
+        _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0, len(keys))
+        return out
+
+    def _check_into(self, m: dict[str, Any], keys: builtins.list[str], into: Any) -> None:
+        sd = into.state_dict() if hasattr(into, "state_dict") else into
+        problems = []
+        for k in keys:
+            e = m["tensors"][k]
+            if k not in sd:
+                problems.append(f"{k}: stored, not in the module")
+                continue
+            t = sd[k]
+            if list(t.shape) != e["shape"] or _dtype_name(t) != e["dtype"]:
+                problems.append(f"{k}: stored {e['dtype']}{tuple(e['shape'])}, module has "
+                                f"{_dtype_name(t)}{tuple(t.shape)}")
+        if problems:
+            raise ModelMismatchError(f"cannot load {m['name']!r} version {m['version']} into "
+                                     f"{type(into).__name__}: " + "; ".join(problems))
+
+    def load_matching(self, name: str, into: Any, version: Optional[int] = None
+                      ) -> dict[str, Any]:
+        """Fill every leaf layer of ``into`` whose stable structural ID equals a stored
+        leaf's, whatever the layer names (transfer learning).  Returns ``matched``
+        (into's module path, the stored one, the ID), ``unmatched`` (into's leaves with
+        no stored twin) and ``graph`` (how into's edges were found)."""
+        m = self.manifest(name, version)
+        arch = capture(into, self.cache)
+        target = into.state_dict(keep_vars=True)
+        matched, unmatched, keys = [], [], []
+        pairs: builtins.list[tuple[str, str]] = []
+        for lf in arch.leaves:
+            st = m["leaves"].get(lf.id)
+            if st is None:
+                unmatched.append(lf.name)
+                continue
+            matched.append({"into": lf.name, "stored": st["name"], "id": lf.id})
+            for rel, key in st["tensors"].items():
+                dst = f"{lf.name}.{rel}" if lf.name else rel
+                if dst in target:
+                    pairs.append((dst, key))
+                    keys.append(key)
+        self._fetch(m, [(key, target[dst]) for dst, key in pairs])
+        return {"matched": matched, "unmatched": unmatched, "graph": arch.source,
+                "tensors": len(pairs)}
+
+    @staticmethod
+    def _check_hashes(bufs: list, entries: list, got: dict[int, str]) -> None:
+        for i, ((_, where), e) in enumerate(zip(bufs, entries)):
+            if got[i] != e["hash"]:
+                raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do "
+                                        f"not match their hash (corrupt); the tensor "
+                                        f"loaded into holds them")
+
+    def _advise(self, pattern: str) -> Any:
+        """Read-pattern advice for the store while a load runs (none by default)."""
+        return contextlib.nullcontext()
+
+    def _add_locations(self, name: str, entries: dict[str, dict[str, Any]],
+                       new: set[str]) -> dict[str, int]:
+        """File locations of a save's tensors, for stores that record them (none)."""
+        return {}
+
+    def relocate(self, progress: Any = None) -> dict[str, int]:
+        """Find every tensor's file location again (``"relocate"`` in capabilities)."""
+        raise ModelRepositoryError(f"{self.url}: this store records no file locations")
+
+    def compact(self, dest: "str | os.PathLike[str]", progress: Any = None) -> dict[str, Any]:
+        """A copy of the store at ``dest`` without free pages (``"compact"`` in
+        capabilities)."""
+        raise ModelRepositoryError(f"{self.url}: only LMDB stores can be compacted")
+
+    # -- what a store implements ------------------------------------------------------------
+    @abc.abstractmethod
+    def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None,
+                       new: Optional[set] = None, owned: bool = False) -> tuple[bytes, int]:
+        """Store a save's tensors not stored yet, durably, under a pending record;
+        return its token and the bytes written."""
+
+    @abc.abstractmethod
+    def _publish(self, name: str, body: dict[str, Any], token: bytes,
+                 parent: Optional[int], locs: Optional[dict[str, int]] = None) -> int:
+        """Make ``body`` the next version of ``name``, atomically; return the version."""
+
+    @abc.abstractmethod
+    def _fetch(self, m: dict[str, Any], pairs: builtins.list[tuple[str, Any]],
+               fresh: bool = False) -> None:
+        """Copy the tensors of manifest ``m`` named in ``pairs`` into their destination
+        tensors, verifying each one's hash."""
+
+    @abc.abstractmethod
+    def manifest(self, name: str, version: Optional[int] = None) -> dict[str, Any]:
+        """The manifest of ``name`` at ``version`` (default: the latest)."""
+
+    @abc.abstractmethod
+    def versions(self, name: str) -> builtins.list[int]:
+        """The versions of ``name``, oldest first (empty: no such model)."""
+
+    @abc.abstractmethod
+    def list(self) -> dict[str, builtins.list[int]]:
+        """Every model name and its versions."""
+
+    @abc.abstractmethod
+    def delete(self, name: str, version: int) -> None:
+        """Remove one version (its tensors stay until :meth:`gc`)."""
+
+    @abc.abstractmethod
+    def gc(self, grace_seconds: float = PENDING_GRACE_S) -> dict[str, int]:
+        """Remove tensors no version references (and saves abandoned longer ago than
+        ``grace_seconds``)."""
+
+    @abc.abstractmethod
+    def verify(self) -> builtins.list[str]:
+        """Check every stored tensor against its hash; the problems found."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """``models``, ``versions``, ``tensors``, ``logical_bytes``, ``stored_bytes``
+        (and ``file_bytes`` for a file-backed store), ``id_cache`` and I/O counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the store (its connections, its environment)."""
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Repository(ModelStore):
+    """Models and their versions in one local store, LMDB or memory (see
+    :func:`open_repository`); a provider serves one to remote clients through its
+    storage-side methods (:meth:`missing`, :meth:`put_tensors`, :meth:`commit`,
+    :meth:`read_tensors`)."""
+
+    def __init__(self, backend: Backend, url: Optional[str] = None) -> None:
+        super().__init__(url if url is not None else backend.url)
+        self.backend = backend
+        if backend.file_locations:
+            self.capabilities = frozenset({"relocate", "compact"})
+
+    def _advise(self, pattern: str) -> Any:
+        return self.backend.advise(pattern)
+
     # -- the storage side of a save (a provider runs these for its clients) -------------
     def _store_tensors(self, name: str, blobs: dict[str, Any], kinds: Optional[dict] = None,
                        new: Optional[set] = None, owned: bool = False) -> tuple[bytes, int]:
@@ -327,9 +553,9 @@ class Repository:
         and small ones (a page or a few).  Large tensors stored earlier without a
         location stay without (they are read through the map).  Returns the locations
         found here, for :meth:`_publish` to add to ``locs``."""
-        locate = getattr(self.backend, "locate", None)
-        if locate is None:
+        if not self.backend.file_locations:
             return {}
+        locate = self.backend.locate
         big = {k: e for k, e in entries.items()       # (a provider's entries come from
                if isinstance(e, dict) and isinstance(e.get("hash"), str)   # a client)
                and isinstance(e.get("nbytes"), int) and e["nbytes"] >= _LOC_MIN}
@@ -369,7 +595,7 @@ class Repository:
         except (ValueError, KeyError, TypeError):
             return set()
 
-    def _missing(self, hashes: list[str]) -> list[str]:
+    def _missing(self, hashes: builtins.list[str]) -> builtins.list[str]:
         """Which of these tensors the store does not hold."""
         with self.backend.read() as txn:
             return [h for h in hashes if not txn.has("sizes", h.encode())]
@@ -397,7 +623,7 @@ class Repository:
                 txn.put("locs", h.encode(), int(off).to_bytes(8, "little"))
         return version
 
-    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]],
+    def _fetch(self, m: dict[str, Any], pairs: builtins.list[tuple[str, Any]],
                fresh: bool = False) -> None:
         """Fill each ``(key, destination tensor)`` with ``key``'s verified bytes.
 
@@ -411,7 +637,7 @@ class Repository:
         two writing threads contend, this thread copies while the helper hashes the
         stored bytes.  Other tensors are verified, then copied, one by one."""
         with self.backend.read() as txn:
-            fd = self.backend.data_fd() if hasattr(self.backend, "data_fd") else None
+            fd = self.backend.data_fd()
             located, fast, slow = [], [], []
             for k, dst in pairs:
                 e = m["tensors"][k]
@@ -422,8 +648,9 @@ class Repository:
                     fast.append((k, dst))
                 else:
                     slow.append((k, dst))
-            if located:
-                self._fetch_pread(txn, m, located, fd, self.backend.data_fd(1))
+            fd2 = self.backend.data_fd(1)
+            if located and fd is not None and fd2 is not None:
+                self._fetch_pread(txn, m, located, fd, fd2)
             for k, dst in slow:
                 self._read_into(txn, m, k, dst)
             if not fast:
@@ -484,14 +711,6 @@ class Repository:
                 self._io["tensors_read"] -= 1
                 self._read_into(txn, m, k, dst)
 
-    @staticmethod
-    def _check_hashes(bufs: list, entries: list, got: dict[int, str]) -> None:
-        for i, ((_, where), e) in enumerate(zip(bufs, entries)):
-            if got[i] != e["hash"]:
-                raise CorruptModelError(f"{where} ({e['hash'][:16]}): stored bytes do "
-                                        f"not match their hash (corrupt); the tensor "
-                                        f"loaded into holds them")
-
     # -- reading manifests --------------------------------------------------------------
     @staticmethod
     def _last_version(txn: Any, name: str) -> int:
@@ -500,15 +719,15 @@ class Repository:
             last = max(last, int(k.split(b"\x00")[1]))
         return last
 
-    def versions(self, name: str) -> list[int]:
+    def versions(self, name: str) -> builtins.list[int]:
         """Versions of ``name``, oldest first."""
         with self.backend.read() as txn:
             return [int(k.split(b"\x00")[1]) for k, _ in
                     txn.items("versions", f"{name}\x00".encode(), values=False)]
 
-    def list(self) -> dict[str, list[int]]:
+    def list(self) -> dict[str, builtins.list[int]]:
         """Every model name with its versions."""
-        out: dict[str, list[int]] = {}
+        out: dict[str, builtins.list[int]] = {}
         with self.backend.read() as txn:
             for k, _ in txn.items("versions", values=False):
                 n, v = k.split(b"\x00")
@@ -534,39 +753,6 @@ class Repository:
             except ValueError as e:
                 raise CorruptModelError(f"model {name!r} version {version}: the manifest "
                                         f"is not valid JSON ({e})") from e
-
-    def graph(self, name: str, version: Optional[int] = None) -> Optional[dict[str, Any]]:
-        """The compact architecture graph stored with a version (None for a state dict)."""
-        return self.manifest(name, version)["graph"]
-
-    # -- loading ------------------------------------------------------------------------
-    def _select(self, m: dict[str, Any], include: Any) -> list[str]:
-        """State keys selected by ``include``: exact keys, module paths or leaf IDs
-        (dictionary lookups), or glob patterns over keys and module paths."""
-        keys = list(m["tensors"])
-        if include is None:
-            return keys
-        pats = [include] if isinstance(include, str) else list(include)
-        by_mod: dict[str, list[str]] = {}
-        for k in keys:
-            by_mod.setdefault(k.rpartition(".")[0], []).append(k)
-        chosen: set[str] = set()
-        for p in pats:
-            if any(c in p for c in "*?["):
-                rx = re.compile(fnmatch.translate(p))
-                chosen.update(k for k in keys if rx.match(k) or rx.match(k.rpartition(".")[0]))
-                continue
-            if p in m["tensors"]:
-                chosen.add(p)
-            chosen.update(by_mod.get(p, ()))
-            leaf = m["leaves"].get(p)
-            if leaf is not None:
-                chosen.update(leaf["tensors"].values())
-        out = [k for k in keys if k in chosen]
-        if not out:
-            raise ModelNotFoundError(f"{m['name']!r} version {m['version']}: nothing matches "
-                                     f"include={include!r}")
-        return out
 
     def _buffer(self, txn: Any, m: dict[str, Any], key: str) -> tuple[Any, str]:
         """The stored bytes of ``key`` (unverified) and how to name it in errors."""
@@ -594,91 +780,6 @@ class Repository:
     def _read_into(self, txn: Any, m: dict[str, Any], key: str, dst: Any) -> None:
         """Verify ``key``'s stored bytes, then copy them into tensor ``dst``."""
         _copy_into(dst, self._read(txn, m, key), m["tensors"][key]["dtype"])
-
-    def load(self, name: str, version: Optional[int] = None, into: Any = None,
-             include: Any = None, device: Any = None) -> Any:
-        """A version as a state dict of tensors, or copied in place into ``into`` (a
-        module or a state dict of tensors; returned).  ``include``: state-dict name
-        patterns (``"blocks.3.*"``), module paths, or leaf IDs; only the selected
-        tensors' bytes are read."""
-
-        t_start = time.perf_counter()
-        read0 = self._io["bytes_read"]
-        with self._advise("random"):  # manifests, B-tree pages, small tensors
-            return self._load(name, version, into, include, device, t_start, read0)
-
-    def _advise(self, pattern: str) -> Any:
-        import contextlib
-
-        advise = getattr(self.backend, "advise", None)
-        return advise(pattern) if advise is not None else contextlib.nullcontext()
-
-    def _load(self, name: str, version: Optional[int], into: Any, include: Any, device: Any,
-              t_start: float, read0: int) -> Any:
-        import torch
-
-        m = self.manifest(name, version)
-        keys = self._select(m, include)
-        if into is not None:
-            self._check_into(m, keys, into)
-            target = into.state_dict(keep_vars=True) if hasattr(into, "state_dict") else into
-            self._fetch(m, [(k, target[k]) for k in keys])
-            _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0,
-                    len(keys))
-            return into
-        out: dict[str, Any] = {}
-        for k in keys:
-            e = m["tensors"][k]
-            out[k] = t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-            if e["nbytes"] >= 2 * _HUGE:
-                prefer_huge_pages(t.data_ptr(), e["nbytes"])
-        self._fetch(m, list(out.items()), fresh=True)
-        if device is not None:
-            out = {k: t.to(device) for k, t in out.items()}
-        _traced("load", t_start, name, m["version"], self._io["bytes_read"] - read0, len(keys))
-        return out
-
-    def _check_into(self, m: dict[str, Any], keys: list[str], into: Any) -> None:
-        sd = into.state_dict() if hasattr(into, "state_dict") else into
-        problems = []
-        for k in keys:
-            e = m["tensors"][k]
-            if k not in sd:
-                problems.append(f"{k}: stored, not in the module")
-                continue
-            t = sd[k]
-            if list(t.shape) != e["shape"] or _dtype_name(t) != e["dtype"]:
-                problems.append(f"{k}: stored {e['dtype']}{tuple(e['shape'])}, module has "
-                                f"{_dtype_name(t)}{tuple(t.shape)}")
-        if problems:
-            raise ModelMismatchError(f"cannot load {m['name']!r} version {m['version']} into "
-                                     f"{type(into).__name__}: " + "; ".join(problems))
-
-    def load_matching(self, name: str, into: Any, version: Optional[int] = None
-                      ) -> dict[str, Any]:
-        """Fill every leaf layer of ``into`` whose stable structural ID equals a stored
-        leaf's, whatever the layer names (transfer learning).  Returns ``matched``
-        (into's module path, the stored one, the ID), ``unmatched`` (into's leaves with
-        no stored twin) and ``graph`` (how into's edges were found)."""
-        m = self.manifest(name, version)
-        arch = capture(into, self.cache)
-        target = into.state_dict(keep_vars=True)
-        matched, unmatched, keys = [], [], []
-        pairs: list[tuple[str, str]] = []
-        for lf in arch.leaves:
-            st = m["leaves"].get(lf.id)
-            if st is None:
-                unmatched.append(lf.name)
-                continue
-            matched.append({"into": lf.name, "stored": st["name"], "id": lf.id})
-            for rel, key in st["tensors"].items():
-                dst = f"{lf.name}.{rel}" if lf.name else rel
-                if dst in target:
-                    pairs.append((dst, key))
-                    keys.append(key)
-        self._fetch(m, [(key, target[dst]) for dst, key in pairs])
-        return {"matched": matched, "unmatched": unmatched, "graph": arch.source,
-                "tensors": len(pairs)}
 
     # -- housekeeping -------------------------------------------------------------------
     def delete(self, name: str, version: int) -> None:
@@ -729,9 +830,9 @@ class Repository:
         fallback).  Reads the whole store once.  LMDB stores only."""
         from ..progress import as_progress
 
-        locate = getattr(self.backend, "locate", None)
-        if locate is None:
+        if not self.backend.file_locations:
             raise ModelRepositoryError(f"{self.url}: only LMDB stores record locations")
+        locate = self.backend.locate
         with self.backend.read() as txn:
             keys = [k for k, v in txn.items("sizes")
                     if int.from_bytes(bytes(v), "little") >= _LOC_MIN]
@@ -755,11 +856,11 @@ class Repository:
                 m = json.loads(raw)
                 changed = False
                 for e in m["tensors"].values():
-                    off = locs.get(e["hash"].encode())
-                    if off is None:
+                    found = locs.get(e["hash"].encode())
+                    if found is None:
                         changed |= e.pop("loc", None) is not None
-                    elif e.get("loc") != off:
-                        e["loc"], changed = off, True
+                    elif e.get("loc") != found:
+                        e["loc"], changed = found, True
                 if changed:
                     txn.put("versions", k, json.dumps(m).encode())
                     rewritten += 1
@@ -772,21 +873,20 @@ class Repository:
         (:meth:`relocate`).  This store is not changed; readers and writers may go on
         (the copy is one consistent snapshot); swap the directories when nothing uses
         the old one.  Returns ``bytes_before``, ``bytes_after`` and relocate's counts."""
-        copy = getattr(self.backend, "copy_compacted", None)
-        if copy is None:
+        if not self.backend.file_locations or self.backend.data_file is None:
             raise ModelRepositoryError(f"{self.url}: only LMDB stores can be compacted")
         before = os.path.getsize(self.backend.data_file)
-        out = copy(dest)
+        out = self.backend.copy_compacted(dest)
         with Repository(LmdbBackend(out, create=False)) as other:
             moved = other.relocate(progress)
-            after = os.path.getsize(other.backend.data_file)
+            after = os.path.getsize(out / "data.mdb")
         return {"bytes_before": before, "bytes_after": after,
                 **moved}
 
-    def verify(self) -> list[str]:
+    def verify(self) -> builtins.list[str]:
         """Check every stored tensor against its hash and every manifest against the
         store; returns the problems found (empty: intact)."""
-        problems: list[str] = []
+        problems: builtins.list[str] = []
         with self.backend.read() as txn:
             known: dict[bytes, str] = {}
             for k, raw in txn.items("versions"):
@@ -827,7 +927,7 @@ class Repository:
             for _, v in txn.items("sizes"):
                 stored += int.from_bytes(bytes(v), "little")
                 tensors += 1
-        data = getattr(self.backend, "data_file", None)
+        data = self.backend.data_file
         extra = {"file_bytes": os.path.getsize(data)} if data is not None else {}
         return {"models": len(names), "versions": versions, "tensors": tensors,
                 "logical_bytes": logical, "stored_bytes": stored, **extra,
@@ -837,11 +937,38 @@ class Repository:
     def close(self) -> None:
         self.backend.close()
 
-    def __enter__(self) -> "Repository":
-        return self
+    # -- the storage side, served by a provider (forebay models serve) ---------------------
+    def missing(self, hashes: builtins.list[str]) -> builtins.list[str]:
+        """Which of these tensors the store does not hold."""
+        return self._missing(hashes)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def put_tensors(self, blobs: dict[str, Any], *, owned: bool = False) -> tuple[bytes, int]:
+        """Store tensors (hash -> verified bytes) not stored yet, durably, under a
+        pending record; returns its token (for :meth:`commit`) and the bytes written.
+        ``owned``: the buffers are given away (a memory store keeps them)."""
+        return self._store_tensors("", blobs, owned=owned)
+
+    def commit(self, name: str, body: dict[str, Any], token: bytes,
+               parent: Optional[int] = None) -> int:
+        """Publish ``body`` (a manifest body whose tensors were put under ``token``) as
+        the next version of ``name``; file locations are this store's own."""
+        for e in body["tensors"].values():
+            e.pop("loc", None)  # never a client's
+        found = self._add_locations(name, body["tensors"], self._pending_hashes(token))
+        return self._publish(name, body, token, parent, found)
+
+    @contextlib.contextmanager
+    def read_tensors(self, hashes: builtins.list[str]) -> Iterator[builtins.list[Any]]:
+        """The stored bytes of these tensors, valid inside the ``with`` block; a missing
+        one raises :class:`CorruptModelError`."""
+        with self.backend.read() as txn:
+            bufs = []
+            for h in hashes:
+                b = txn.get("tensors", str(h).encode())
+                if b is None:
+                    raise CorruptModelError(f"tensor {str(h)[:16]} is missing from the store")
+                bufs.append(b)
+            yield bufs
 
 
 def _traced(op: str, t0: float, name: str, version: int, nbytes: int, tensors: int) -> None:
