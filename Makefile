@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.forebay-installed
 DEMO   ?= .demo
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test lint venv bench clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,11 @@ $(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	@touch $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -109,6 +109,22 @@ def run_ranks(ranks: int, func, *args, timeout: int = 120, env: dict | None = No
                           timeout=timeout, env=full_env)
 
 
+def run_torchrun(ranks: int, func, *args, timeout: int = 120, env: dict | None = None):
+    """As :func:`run_ranks`, under real ``torchrun --standalone --nproc-per-node ranks``."""
+    import subprocess
+
+    mod = sys.modules[func.__module__]
+    here = Path(__file__).parent
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join([str(here), str(Path(mod.__file__).parent),
+                                              full_env.get("PYTHONPATH", "")])
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
+                           str(ranks), str(here / "rank_main.py"), func.__module__,
+                           func.__name__, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
 def assert_ranks_ok(p, ranks: int) -> None:
     """Every rank of a :func:`run_ranks` run returned from its function."""
     ok = sorted(line for line in p.stdout.splitlines() if line.endswith(" ok")

@@ -26,8 +26,10 @@ def test_every_numeric_dtype_round_trips_bit_exact(tmp_path, dtype):
     samples = []
     for i in range(20):
         raw = rng.integers(0, 256, size=(i % 4 + 1) * 3 * dt.itemsize, dtype=np.uint8)
-        arr = raw.view(dt).reshape(-1, 3) if dt.kind != "b" else (raw % 2).astype(bool).reshape(-1, 3)
-        samples.append({"a": arr, "s": np.array(i, dtype=dt) if dt.kind != "b" else np.bool_(i % 2)})
+        arr = raw.view(dt).reshape(-1, 3) if dt.kind != "b" else \
+            (raw % 2).astype(bool).reshape(-1, 3)
+        samples.append({"a": arr,
+                        "s": np.array(i, dtype=dt) if dt.kind != "b" else np.bool_(i % 2)})
     forebay.write_dataset(tmp_path / "d", samples)
     ds = forebay.open_dataset(tmp_path / "d")
     assert ds.schema["a"].dtype == dt

@@ -52,7 +52,8 @@ def test_graph_collation_offsets_edges_and_builds_batch_vector(molecules):
     np.testing.assert_array_equal(out["ptr"].numpy(), np.concatenate([[0], np.cumsum(nodes)]))
     np.testing.assert_array_equal(out["edge_attr"].numpy(),
                                   np.concatenate([samples[i]["edge_attr"] for i in ids]))
-    np.testing.assert_array_equal(out["pos"].numpy(), np.concatenate([samples[i]["pos"] for i in ids]))
+    np.testing.assert_array_equal(out["pos"].numpy(),
+                                  np.concatenate([samples[i]["pos"] for i in ids]))
     assert out["y"].shape == (3, 1)
     assert int(out["edge_index"].max()) < sum(nodes)
 

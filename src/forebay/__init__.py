@@ -18,6 +18,7 @@ from .errors import ForebayError  # noqa: E402
 from .plan import AccessPlan  # noqa: E402
 
 __all__ = [
-    "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "PackedDataset", "SampleBatch",
+    "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "PackedDataset",
+    "SampleBatch",
     "Schema", "open_dataset", "write_dataset",
 ]

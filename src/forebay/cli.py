@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -14,6 +13,7 @@ import numpy as np
 from . import __version__
 from ._units import human_bytes, parse_size
 from .errors import ChecksumError, ForebayError
+from .world import detect
 
 __all__ = ["main", "parse_size"]
 
@@ -125,7 +125,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from .store._profile import calibrate, dump_profile, load_profile
 
     comm = None
-    if any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+    if detect().is_mpi:
         from mpi4py import MPI   # under mpiexec: also measure gets from a peer's memory
 
         comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() >= 2 else None
@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .synth import KINDS
 
     p = argparse.ArgumentParser(prog="forebay", description="Keep accelerators fed on HPC systems: "
-                                "packed datasets, distributed in-memory stores, clairvoyant caching.")
+                                "packed datasets, distributed in-memory stores, clairvoyant "
+                                "caching.")
     p.add_argument("--version", action="version", version=f"forebay {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -28,6 +28,7 @@ __all__ = [
     "CorruptModelError",
     "ModelMismatchError",
     "RankMismatchError",
+    "LaunchError",
 ]
 
 
@@ -123,3 +124,9 @@ class RankMismatchError(ForebayError, ValueError):
     """The ranks of one job passed different values for something that must be the
     same on every rank (seed, batch size, width, dataset, ...); raised on every rank,
     naming the parameter and each rank's value."""
+
+
+class LaunchError(ForebayError, RuntimeError):
+    """The launcher reports several ranks that forebay's data plane cannot reach (no
+    mpi4py, an mpi4py built for another MPI, torchrun without MPI): raised on every
+    rank instead of running each as a world of one."""

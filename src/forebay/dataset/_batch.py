@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ._schema import Schema
 __all__ = ["FieldBatch", "SampleBatch", "assemble_batch", "gather_ranges", "gather_ranges_numpy"]
 
 try:  # the optional C kernel (setup.py builds it; numpy fallback otherwise)
-    from .. import _native
+    from .. import _native  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - exercised where no compiler was available
     _native = None
 
@@ -56,8 +56,8 @@ def gather_ranges_numpy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray
         out_pos = seg_start + within
         out[out_pos] = src[out_pos + rep_shift]
     else:
-        for s, l, d in zip(starts.tolist(), lengths.tolist(), dst.tolist()):
-            out[d:d + l] = src[s:s + l]
+        for s, n, d in zip(starts.tolist(), lengths.tolist(), dst.tolist()):
+            out[d:d + n] = src[s:s + n]
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class SampleBatch:
 
 
 def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
-                   parts: list[tuple[np.ndarray, np.ndarray, object]],
+                   parts: list[tuple[np.ndarray, np.ndarray, Any]],
                    alloc=None, timings: Optional[list] = None) -> SampleBatch:
     """Build a :class:`SampleBatch` of ``ids`` from record bytes held in memory.
 

@@ -52,7 +52,8 @@ class VerifyReport:
 
     def __repr__(self) -> str:
         return (f"VerifyReport(ok={self.ok}, problems={len(self.problems)}, "
-                f"bad_samples={self.bad_samples[:10]}{'...' if len(self.bad_samples) > 10 else ''})")
+                f"bad_samples={self.bad_samples[:10]}"
+                f"{'...' if len(self.bad_samples) > 10 else ''})")
 
 
 class PackedDataset:
@@ -313,7 +314,7 @@ class PackedDataset:
                                          rows[:, IndexLayout.REC_LEN].tolist(),
                                          rows[:, IndexLayout.REC_SUM].view(np.uint64).tolist()):
             if off < 0 or off + ln > len(src) or \
-                    xxhash.xxh3_64_intdigest(src[off:off + ln]) != want:
+                    xxhash.xxh3_64_intdigest(src[off:off + ln].data) != want:
                 bad.append(i)
         return bad
 

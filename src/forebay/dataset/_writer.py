@@ -6,7 +6,7 @@ import io
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, BinaryIO, Iterable, Mapping, Optional
 
 import numpy as np
 import xxhash
@@ -64,8 +64,8 @@ class DatasetWriter:
         self.schema: Optional[Schema] = None
         self._layout: Optional[IndexLayout] = None
         self._shards: list[ShardInfo] = []
-        self._file: Optional[io.BufferedWriter] = None
-        self._shard_hash = None
+        self._file: Optional[BinaryIO] = None
+        self._shard_hash: Any = None
         self._shard_pos = 0
         self._rows: Optional[np.ndarray] = None
         self._nrows = 0
@@ -111,9 +111,10 @@ class DatasetWriter:
             if off > pos:
                 mv[pos:off] = _ZEROS[: off - pos]
             if a.nbytes:
-                mv[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+                mv[off:off + a.nbytes] = a.reshape(-1).view(np.uint8).data
             pos = off + a.nbytes
         chunk = mv[:need]
+        assert self._file is not None
         self._file.write(chunk)
         self._shard_hash.update(chunk)
         self._shard_pos += need

@@ -75,7 +75,9 @@ class ResponseCache:
         name = self._names[bit]
         if name is None:
             raise KeyError(f"cache bit {bit} is empty")
-        return name, self._params[bit]
+        params = self._params[bit]
+        assert params is not None
+        return name, params
 
     def put(self, name: str, params: Params) -> int:
         """Insert (or refresh) ``name``; evicts the least recently used entry when full."""

@@ -23,6 +23,7 @@ import atexit
 import json
 import logging
 import threading
+from typing import Any
 import time
 import weakref
 from collections import deque
@@ -88,6 +89,7 @@ class Handle:
                                       f"{timeout} s (is every rank submitting it?)")
         if self._error is not None:
             raise self._error
+        assert self._result is not None
         return self._result
 
     def _finish(self, result=None, error: BaseException | None = None) -> None:
@@ -124,7 +126,9 @@ class _MasterTable:
         self.table: dict[str, list] = {}     # name -> [params, ranks set, error or None]
 
     def process(self, messages: list[dict]) -> dict:
-        ready, errors, shutdown, busy = [], [], False, False
+        ready: list[Any] = []
+        errors: list[Any] = []
+        shutdown = busy = False
         for rank, msg in enumerate(messages):
             shutdown |= bool(msg.get("shutdown", False))
             busy |= bool(msg.get("busy", False))
@@ -242,7 +246,7 @@ class Coordinator:
         self._wake = threading.Event()
         self._vec_t = torch.zeros(self.cache.words, dtype=torch.int64)   # reused every cycle
         self._band_opts = dist.AllreduceOptions()
-        self._band_opts.reduceOp = dist.ReduceOp.BAND
+        self._band_opts.reduceOp = dist.ReduceOp.BAND  # type: ignore[assignment]
         self._thread = threading.Thread(target=self._run, name="forebay-reduce", daemon=True)
         _LIVE.add(self)
         if start:
@@ -385,7 +389,7 @@ class Coordinator:
             else:
                 self._not_ready.append(r)
         if self._not_ready:
-            later = []
+            later: list[Any] = []
             for r in self._not_ready:
                 (self._classify if r.event.query() else later.append)(r)
             self._not_ready = later
@@ -526,8 +530,9 @@ class Coordinator:
 
     def _exchange(self, requests: list[_Request], shutdown: bool = False, busy: bool = True):
         """One master-worker round: gather new requests at rank 0, broadcast what is ready."""
-        msg = {"requests": [[r.name, list(r.params.shape), r.params.dtype, r.params.op,
-                             r.params.group] for r in requests]}
+        msg: dict[str, Any] = {"requests": [
+            [r.name, list(r.params.shape), r.params.dtype, r.params.op, r.params.group]
+            for r in requests]}
         if shutdown:
             msg["shutdown"] = True
         if busy:
@@ -554,6 +559,7 @@ class Coordinator:
                 received += n
                 messages.append(self._decode(buf, i))
             self._count_ctrl(0, received, self.world - 1, collectives=0)
+            assert self._master is not None
             response = json.dumps(self._master.process(messages), separators=(",", ":")).encode()
             rsize = torch.tensor([len(response)], dtype=torch.int64)
             self._wait(dist.broadcast(self._hold(rsize), src=self._root, group=self.ctrl_group,
@@ -582,15 +588,15 @@ class Coordinator:
             resp = self._decode(rbuf, 0)
         ready = []
         for name in resp["ready"]:
-            r = self._pending.get(name)
-            if r is None:
+            got = self._pending.get(name)
+            if got is None:
                 raise ReduceError(f"rank 0 declared {name!r} ready but this rank never "
                                   "submitted it (coordination state diverged)")
-            ready.append(r)
+            ready.append(got)
         for name, message in resp["errors"]:
-            r = self._pending.pop(name, None)
-            if r is not None:
-                r.handle._finish(error=ReduceMismatchError(message))
+            failed = self._pending.pop(name, None)
+            if failed is not None:
+                failed.handle._finish(error=ReduceMismatchError(message))
         self._idle_streak = 0 if resp.get("busy", True) else self._idle_streak + 1
         return ready, bool(resp.get("shutdown", False))
 
@@ -659,13 +665,15 @@ class Coordinator:
     def _fuse(self, units: list[list[_Request]]) -> list[list[_Request]]:
         """Greedy fusion of consecutive units of one dtype, device and op up to the threshold;
         a group is never split (unless its tensors differ in dtype or device)."""
-        pieces = []
+        pieces: list[Any] = []
         for unit in units:
             by_key: dict[tuple, list[_Request]] = {}
             for r in unit:
                 by_key.setdefault((r.tensor.dtype, r.tensor.device, r.params.op), []).append(r)
             pieces.extend(by_key.items())
-        buffers, cur, cur_key, cur_bytes = [], [], None, 0
+        buffers: list[Any] = []
+        cur: list[Any] = []
+        cur_key, cur_bytes = None, 0
         for key, reqs in pieces:
             nbytes = sum(r.nbytes for r in reqs)
             if cur and (key != cur_key or cur_bytes + nbytes > self.fusion_threshold):

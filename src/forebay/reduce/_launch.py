@@ -9,23 +9,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..errors import ReduceError
-
-# (rank, size, local rank) variables of common launchers, most specific first
-_LAUNCHERS = [
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),                                   # torchrun
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),                            # MPICH, Intel MPI
-    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),                      # srun
-]
-
+from ..world import detect
 
 def launch_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the launcher's environment; (0, 1, 0) if none."""
-    for r, s, lr in _LAUNCHERS:
-        if r in os.environ and s in os.environ:
-            return int(os.environ[r]), int(os.environ[s]), int(os.environ.get(lr, 0))
-    return 0, 1, 0
+    """(rank, world size, local rank) from the launcher (:func:`forebay.world.detect`);
+    (0, 1, 0) if none."""
+    w = detect()
+    return w.rank, w.size, w.local_rank
 
 
 def init_process_group(backend: str | None = None, *, timeout_s: float = 300.0,
@@ -47,15 +37,16 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 300.0,
         torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
     addr, mport = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if (addr is None or mport is None) and size > 1 and "RANK" not in os.environ:
-        addr, mport = _rendezvous_over_mpi(addr, port)
+        addr, got = _rendezvous_over_mpi(addr, port)
+        mport = str(got)
     addr = addr or "127.0.0.1"
-    mport = int(mport or port or 29500)
+    mport_n = int(mport or port or 29500)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{mport}", rank=rank,
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{mport_n}", rank=rank,
                                 world_size=size, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
         raise ReduceError(f"rank {rank} of {size} could not join the process group at "
-                          f"{addr}:{mport} ({backend}): {exc}") from exc
+                          f"{addr}:{mport_n} ({backend}): {exc}") from exc
     global _OURS
     _OURS = True
     return rank, size

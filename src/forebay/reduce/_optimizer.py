@@ -6,6 +6,7 @@ import contextlib
 from collections import Counter
 import threading
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ class _DistributedOptimizer:
         if self._fb_handles:
             raise ReduceError("optimizer.zero_grad() was called after loss.backward() but "
                               "before optimizer.step() or optimizer.synchronize()")
-        return super().zero_grad(set_to_none=set_to_none)
+        return super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
     def close(self) -> None:
         """Stop the coordinator (on every rank: call it on all of them at the end)."""
@@ -164,7 +165,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     all-reduce per cycle) or ``"master"`` (rank 0 gathers requests every cycle).
     Construction is collective over the default process group.
     """
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    cls: Any = type(optimizer.__class__.__name__,
+                    (_DistributedOptimizer, optimizer.__class__), {})
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)        # shares param_groups, state, hooks
     opt._fb_setup(named_parameters, process_group=process_group, groups=groups,

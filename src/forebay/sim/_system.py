@@ -138,7 +138,7 @@ def load_system(spec: "str | os.PathLike[str]", *, compute_MBps: Optional[float]
     arguments (arguments win)."""
     if str(spec) in PRESETS:
         sysm = PRESETS[str(spec)]()
-        over = {k: v for k, v in (("compute_MBps", compute_MBps),
+        over: dict[str, Any] = {k: v for k, v in (("compute_MBps", compute_MBps),
                                   ("preprocess_MBps", preprocess_MBps),
                                   ("network_MBps", network_MBps),
                                   ("pfs_open_ms", pfs_open_ms)) if v is not None}

@@ -29,9 +29,10 @@ from .._fs import NETWORK_FS, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._batch import assemble_batch, gather_ranges
 from ..dataset._format import ALIGNMENT, IndexLayout
+from ..world import resolve_comm
 from ..errors import ChecksumError
 from ..plan import AccessPlan
-from ._distributed import (StoreError, agree, check_agreement, check_same_dataset, default_comm,
+from ._distributed import (StoreError, agree, check_agreement, check_same_dataset,
                            node_size, rma_get, shared_segment)
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
@@ -63,7 +64,8 @@ class ClairvoyantStore:
     Args:
         dataset: a :class:`~forebay.dataset.PackedDataset` or its path (the PFS tier).
         plan: the run's :class:`~forebay.AccessPlan` (world size = the communicator's).
-        comm: mpi4py communicator (default :func:`default_comm`; None: one rank).
+        comm: mpi4py communicator (default: :func:`forebay.world.resolve_comm`;
+            :data:`forebay.world.LOCAL`: this rank alone).
         ram_bytes: this rank's RAM tier capacity (ranks may differ; exchanged at setup).
         ssd_dir, ssd_bytes: a node-local directory and the capacity of this rank's SSD
             tier (a file there, removed at close).  If the directory is missing, not
@@ -91,12 +93,12 @@ class ClairvoyantStore:
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  model: Any = None, ram_threads: int = 1, ssd_threads: int = 1) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
-        self.comm = default_comm() if comm is None else comm
+        self.comm = resolve_comm(comm)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         self.plan = plan
-        self._win = None
-        self._segment = None
+        self._win: Any = None        # the MPI window (None: one rank, no MPI)
+        self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -136,7 +138,7 @@ class ClairvoyantStore:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
         agree(self.comm, "; ".join(problems) or None)
         ssd_bytes = self._check_ssd(ssd_dir, int(ssd_bytes))
-        self.ssd_dir = Path(ssd_dir) if ssd_bytes else None
+        self.ssd_dir = Path(ssd_dir) if ssd_bytes and ssd_dir is not None else None
         if self.comm is not None:
             rams = np.array(self.comm.allgather(int(ram_bytes)), dtype=np.int64)
             ssds = np.array(self.comm.allgather(ssd_bytes), dtype=np.int64)
@@ -255,7 +257,7 @@ class ClairvoyantStore:
 
             alloc = MPI.Win.Allocate_shared if self.transport == "shm" else MPI.Win.Allocate
             self._win = alloc(size, 1, comm=self.comm)
-            self._raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
+            self._raw = np.frombuffer(memoryview(self._win.tomemory()), dtype=np.uint8)
             self._raw[:8] = 0
         data0 = _HEADER + self._state_len
         shift = data0 + (-(self._raw.ctypes.data + data0)) % ALIGNMENT
@@ -607,8 +609,8 @@ class ClairvoyantStore:
                 self._model_pfs += int(peer.sum())
             peer[:] = False
         pfs = ~local & ~peer
-        parts = []
-        tags = []  # (source, tier) of each part, for tracing
+        parts: list[Any] = []
+        tags: list[tuple[str, Optional[str]]] = []  # (source, tier) of each part, for tracing
         if local.any():
             lp = self.local_pos[ids]
             for buf, tier_mask, tier in ((self._buf, lp < self._R, "ram"),
@@ -635,7 +637,7 @@ class ClairvoyantStore:
                 tags.append(("pfs", "pfs"))
         n_pfs = int(pfs.sum())
         tracer = _trace.active()
-        timings: Optional[list] = [] if tracer is not None else None
+        timings: Optional[list[Any]] = [] if tracer is not None else None
         t0 = time.perf_counter()
         batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
                                timings=timings)
@@ -643,7 +645,7 @@ class ClairvoyantStore:
             self.on_pfs_read(int(rows[pfs, IndexLayout.REC_LEN].sum()), n_pfs,
                              time.perf_counter() - t0)
         if tracer is not None:
-            self._trace_fetch(tracer, ids, rows, parts, tags, timings, t_peer)
+            self._trace_fetch(tracer, ids, rows, parts, tags, timings or [], t_peer)
         with self._lock:
             self._stats["local"] += int(local.sum())
             self._stats["peer"] += int(peer.sum())

@@ -12,7 +12,6 @@ access epoch opened at setup; local samples are copied from memory.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,6 +22,7 @@ from ..dataset._batch import assemble_batch
 from ..dataset._format import ALIGNMENT, IndexLayout
 from ..errors import ChecksumError, ForebayError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
+from ..world import resolve_comm
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from ..trace import _hooks
@@ -38,17 +38,11 @@ class StoreError(ForebayError, RuntimeError):
 
 
 def default_comm() -> Any:
-    """``MPI.COMM_WORLD`` when running under an MPI launcher (or mpi4py is already
-    imported), else None (single process, no MPI initialisation)."""
-    launched = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK",
-                                             "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"))
-    if launched or "mpi4py.MPI" in sys.modules:
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            return None
-        return MPI.COMM_WORLD
-    return None
+    """The communicator of the job (:func:`forebay.world.resolve_comm`): MPI's
+    COMM_WORLD under an MPI launcher (or once mpi4py is initialised), else None (one
+    process).  A launcher reporting ranks MPI cannot see raises
+    :class:`~forebay.errors.LaunchError`."""
+    return resolve_comm(None)
 
 
 def _align(n: np.ndarray | int) -> Any:
@@ -121,7 +115,7 @@ def agree(comm: Any, message: Optional[str], error: type[Exception] = StoreError
 def _rank_list(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
+    for a, b in zip(ranks, ranks[1:] + [-1]):
         if b != a + 1:
             out.append(f"{start}" if start == a else f"{start}-{a}")
             start = b
@@ -264,11 +258,11 @@ class DistributedStore:
         if transport not in ("auto", "shm", "rma"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
-        self.comm = default_comm() if comm is None else comm
+        self.comm = resolve_comm(comm)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
-        self._win = None
-        self._segment = None
+        self._win: Any = None        # the MPI window (None: one rank, no MPI)
+        self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
         self._fetches = {"local": 0, "peer": 0}
         self.on_pfs_read = on_pfs_read
@@ -297,7 +291,8 @@ class DistributedStore:
         if self.comm is None:
             if width not in (None, 1):
                 raise StoreError(f"width={width} needs MPI; without it the world is 1 rank")
-            self.width, self.group, self.member, self.group_comm = 1, 0, 0, None
+            self.width, self.group, self.member = 1, 0, 0
+            self.group_comm: Any = None
             self.group_ranks = np.zeros(1, dtype=np.int64)
             return
         from mpi4py import MPI
@@ -423,8 +418,8 @@ class DistributedStore:
                         t0 = time.perf_counter()
                         while done < length:
                             n = min(_READ_BLOCK, length - done)
-                            got = os.preadv(fd, [memoryview(self._buf[base + done:base + done + n])],
-                                            start + done)
+                            dst = self._buf[base + done:base + done + n]
+                            got = os.preadv(fd, [dst.data], start + done)
                             if got <= 0:
                                 raise StoreError(f"{path}: unexpected end of file at byte "
                                                  f"{start + done} while preloading")
@@ -533,7 +528,7 @@ class DistributedStore:
                     rec.span("memstore", "get", t0, t1, count=len(rlen), nbytes=len(stage),
                              args={"owners": len(np.unique(rmember))})
                 parts.append((stage, stage_pos, remote))
-        timings: Optional[list] = [] if rec is not None else None
+        timings: Optional[list[Any]] = [] if rec is not None else None
         batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
                                timings=timings)
         if rec is not None:
@@ -541,7 +536,7 @@ class DistributedStore:
             src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
             owner = self.group_ranks[member]
             tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, "memory",
-                       owner) for (_, _, sel), (t0, t1) in zip(parts, timings)]
+                       owner) for (_, _, sel), (t0, t1) in zip(parts, timings or [])]
             _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
         return batch
 
@@ -560,7 +555,7 @@ class DistributedStore:
         self._closed = True
         if self._win is not None:
             self._segment = None
-            self._buf = self._raw = None
+            self._buf = self._raw = np.zeros(0, dtype=np.uint8)
             self._win.Unlock_all()
             self._win.Free()
             self._win = None

@@ -92,7 +92,7 @@ def _to_pyg(d: dict[str, Any]) -> Any:
     global _PYG_BATCH
     if _PYG_BATCH is None:
         try:
-            from torch_geometric.data import Batch as _PYG_BATCH  # type: ignore[no-redef]
+            from torch_geometric.data import Batch as _PYG_BATCH
         except ImportError:
             _PYG_BATCH = False
     if _PYG_BATCH is False:

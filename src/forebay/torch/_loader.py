@@ -16,7 +16,8 @@ from .. import trace as _trace
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset._format import IndexLayout
 from ..plan import AccessPlan
-from ..store import ClairvoyantStore, DistributedStore, available_memory, default_comm
+from ..store import ClairvoyantStore, DistributedStore, available_memory
+from ..world import LOCAL, resolve_comm
 from ..store._distributed import check_agreement, check_same_dataset, node_size
 from ._collate import collate_samples, default_collate
 
@@ -64,7 +65,9 @@ class DataLoader:
             batch give the same global batches at any world size).
 
     Where samples come from:
-        comm: mpi4py communicator (default: COMM_WORLD under an MPI launcher, else none).
+        comm: mpi4py communicator (default: COMM_WORLD under an MPI launcher, else one
+            process; a launcher reporting ranks MPI cannot see raises LaunchError;
+            :data:`forebay.world.LOCAL`: this process alone, on purpose).
         mode: ``"preload"`` (default) keeps the dataset in the ranks' memory in a
             :class:`~forebay.store.DistributedStore` (``width`` ranks per replica);
             ``"clairvoyant"`` caches what the access plan says will be needed in a
@@ -153,7 +156,9 @@ class DataLoader:
         if verify_on_read and not self.ds.verify_on_read:   # the caller's object unchanged
             self.ds = open_dataset(self.ds.path, verify_on_read=True,
                                    readahead=self.ds.readahead)
-        self.comm = default_comm() if comm is None else comm
+        self.comm = resolve_comm(comm)
+        # the stores get this process alone as LOCAL (None would mean 'find the job')
+        self._store_comm = LOCAL if self.comm is None else self.comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         # ranks that disagree on what shapes the plan or the store fail here, together
@@ -169,13 +174,13 @@ class DataLoader:
         if mode == "auto":
             mode = self.mode = _choose_mode(self.ds, self.comm, width)
         if mode == "preload":
-            self.store = DistributedStore(self.ds, self.comm, width, node_aware=node_aware,
+            self.store = DistributedStore(self.ds, self._store_comm, width, node_aware=node_aware,
                                           transport=transport, progress=progress,
                                           on_pfs_read=on_pfs_read)
         elif mode == "clairvoyant":
             if ram_bytes is None:
                 ram_bytes = _default_ram_bytes(self.comm)
-            self.store = ClairvoyantStore(self.ds, self.plan, self.comm, ram_bytes=ram_bytes,
+            self.store = ClairvoyantStore(self.ds, self.plan, self._store_comm, ram_bytes=ram_bytes,
                                           ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
                                           transport=transport, on_pfs_read=on_pfs_read,
                                           model=fetch_model, ram_threads=ram_threads or 1,
@@ -352,6 +357,7 @@ class DataLoader:
                     self._staging_peak = max(self._staging_peak, staged[0])
                 if stop.is_set():
                     return
+                item: tuple[int, Any, Optional[BaseException], int]
                 try:
                     item = (step, self._fetch(batches[step], epoch, step), None, need)
                 except BaseException as e:  # handed to the consumer

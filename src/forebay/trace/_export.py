@@ -17,7 +17,7 @@ from ._read import _records, trace_files
 
 __all__ = ["export_chrome"]
 
-_PH = {1: "X", 2: "C", 3: "X", 4: "M"}
+_PH: dict[Any, Any] = {1: "X", 2: "C", 3: "X", 4: "M"}
 
 
 def export_chrome(directory: "str | Path", out: "str | Path") -> dict[str, Any]:
@@ -32,8 +32,11 @@ def export_chrome(directory: "str | Path", out: "str | Path") -> dict[str, Any]:
         if path.resolve() == Path(out).resolve():
             continue
         for e in _records(path, skipped):
-            args = e.get("args") if isinstance(e.get("args"), dict) else {}
-            ph = _PH.get(e.get("ph"), e.get("ph"))  # integers -> letters; letters kept
+            raw_args = e.get("args")
+            args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
+            raw_ph = e.get("ph")
+            # integers -> letters; letters kept; anything else (a list...) is no phase
+            ph = _PH.get(raw_ph, raw_ph) if isinstance(raw_ph, (int, str)) else None
             pid = e.get("pid", 0)
             if e.get("name") == "start" and args.get("rank") is not None:
                 ranks[(args.get("hhash"), pid)] = int(args["rank"])

@@ -92,8 +92,8 @@ def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iter
             text = "".join(ln for _, ln in _lines(path, skipped))
             try:
                 doc = json.loads(text)
-            except ValueError as e:
-                skipped.append(f"{path.name}: not valid JSON ({e})")
+            except ValueError as err:
+                skipped.append(f"{path.name}: not valid JSON ({err})")
                 return
             other = doc.get("otherData") if isinstance(doc, dict) else None
             if skip_exports and isinstance(other, dict) and \
@@ -101,7 +101,11 @@ def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iter
                 skipped.append(f"{path.name}: an export of the traces beside it, not read "
                                f"twice")
                 return
-            yield from (e for e in doc.get("traceEvents", []) if isinstance(e, dict))
+            events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
+            if not isinstance(events, list):
+                skipped.append(f"{path.name}: traceEvents is not a list of events")
+                return
+            yield from (e for e in events if isinstance(e, dict))
             return
         first = False
         if not s or s in ("[", "]"):
@@ -151,7 +155,8 @@ def read_traces(directory: "str | Path") -> Events:
     no_dur = no_ts = 0
     for path in files:
         for e in _records(path, skipped, skip_exports=len(files) > 1):
-            args = e.get("args") if isinstance(e.get("args"), dict) else {}
+            raw_args = e.get("args")
+            args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
             ph = e.get("ph")
             key = (str(args.get("hhash", "")), e.get("pid"))
             p = proc_of.get(key)

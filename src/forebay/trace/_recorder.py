@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..world import detect
+
 __all__ = ["Recorder", "EVENT", "NCOLS", "SOURCES", "TIERS", "K_SPAN", "K_ITEM", "K_FILE", "K_META"]
 
 #: one recorded event: a row of 12 int64 (kind, name, cat, tid, ts, dur, a0..a5); ts and
@@ -281,11 +283,7 @@ def _detect_rank() -> int:
                 return mpi.COMM_WORLD.Get_rank()
         except Exception:  # pragma: no cover - an MPI without these calls
             pass
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"):
-        v = os.environ.get(var)
-        if v is not None and v.isdigit():
-            return int(v)
-    return 0
+    return detect().rank
 
 
 class Region(ContextDecorator):

@@ -29,6 +29,9 @@ class Source:
     """
 
     kind: ClassVar[str] = ""
+
+    def __init__(self, root: "str | os.PathLike[str]", **options: Any) -> None:
+        raise NotImplementedError
     #: what a unit is, for the progress bar
     unit_name: ClassVar[str] = "file"
 

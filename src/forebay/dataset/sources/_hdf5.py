@@ -108,7 +108,8 @@ class Hdf5Source(Source):
             off_name = offsets_of.get(name)
             if off_name is not None:
                 if off_name not in f:
-                    raise SourceError(f"{path}: offsets dataset {off_name!r} for {name!r} is missing")
+                    raise SourceError(f"{path}: offsets dataset {off_name!r} for {name!r} "
+                                      f"is missing")
                 off = f[off_name]
                 axis = int(off.attrs.get("axis", 0))
                 axis = axis + ds.ndim if axis < 0 else axis
@@ -165,7 +166,8 @@ class Hdf5Source(Source):
                 off = f[fp.offsets][a:b + 1].astype(np.int64)
                 if (np.diff(off) < 0).any():
                     bad = a + int(np.argmax(np.diff(off) < 0))
-                    raise SourceError(f"{plan.path}: offsets {fp.offsets!r} decrease at sample {bad}")
+                    raise SourceError(f"{plan.path}: offsets {fp.offsets!r} decrease at "
+                                      f"sample {bad}")
                 sl = [slice(None)] * ds.ndim
                 sl[fp.axis] = slice(int(off[0]), int(off[-1]))
                 flat = ds[tuple(sl)]

@@ -1,0 +1,165 @@
+"""Who this process is in the job, and which launcher started it: found in one place.
+
+Every package asks :func:`detect` (rank, size, local rank, node, launcher) and
+:func:`resolve_comm` (the communicator forebay's data plane uses).  A job whose
+launcher says it has several ranks but whose data plane cannot see them fails at once
+on every rank with :class:`~forebay.errors.LaunchError`; it never runs as a world of 1
+(every rank would read the whole dataset in the same order).
+
+Launchers, in the order they are recognised (the first whose variables are set wins;
+torchrun comes before Slurm because torchrun under srun sets both, and Slurm's are
+then the node's task, not the rank):
+
+============ ======================================================================
+openmpi      ``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``
+pmi          ``PMI_RANK``/``PMI_SIZE`` (MPICH's hydra, Intel MPI, Cray PMI, srun --mpi=pmi2);
+             local rank ``MPI_LOCALRANKID``, local size ``MPI_LOCALNRANKS``
+pmix         ``PMIX_RANK`` (size from ``OMPI_COMM_WORLD_SIZE`` or MPI itself)
+torchrun     ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, or
+             any launcher that sets torch.distributed's variables)
+slurm        ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` (srun)
+none         a single process
+============ ======================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from .errors import LaunchError
+
+__all__ = ["World", "detect", "resolve_comm", "LOCAL", "MPI_LAUNCHERS"]
+
+#: launchers that start MPI processes (mpi4py's COMM_WORLD spans the job)
+MPI_LAUNCHERS = ("openmpi", "pmi", "pmix")
+
+
+class _Local:
+    """``comm=LOCAL``: this process alone, whatever the launcher says (each rank reads
+    the whole dataset on its own; for evaluation or tools, never for training)."""
+
+    def __repr__(self) -> str:
+        return "forebay.world.LOCAL"
+
+
+LOCAL: Any = _Local()
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job, as its launcher tells it."""
+
+    rank: int
+    size: int
+    local_rank: int
+    #: ranks on this node (None when the launcher does not say)
+    local_size: Optional[int]
+    #: openmpi, pmi, pmix, torchrun, slurm or none
+    launcher: str
+    node: str
+
+    @property
+    def is_mpi(self) -> bool:
+        """Started by an MPI launcher (mpiexec, mpirun, srun with an MPI plug-in)."""
+        return self.launcher in MPI_LAUNCHERS
+
+    def describe(self) -> str:
+        return f"rank {self.rank} of {self.size} ({self.launcher}, node {self.node})"
+
+
+def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> Optional[int]:
+    v = env.get(name)
+    if v is None or not v.strip().lstrip("-").isdigit():
+        return default
+    return int(v)
+
+
+# launcher -> (rank, size, local rank, local size) variables
+_VARS = [
+    ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE")),
+    ("pmi", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+    ("pmix", ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE")),
+    ("torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")),
+    ("slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None)),
+]
+
+
+def detect(environ: Optional[Mapping[str, str]] = None) -> World:
+    """This process's :class:`World` from the launcher's environment variables (or
+    ``environ``); a single process when no launcher is recognised."""
+    env = os.environ if environ is None else environ
+    node = socket.gethostname()
+    for launcher, (r, s, lr, ls) in _VARS:
+        rank = _int(env, r)
+        if rank is None:
+            continue
+        size = _int(env, s)
+        if size is None and launcher == "pmix":
+            size = _mpi_size()
+        if size is None:
+            continue
+        local_size = _int(env, ls) if ls else None
+        return World(rank=rank, size=size, local_rank=_int(env, lr, 0) or 0,
+                     local_size=local_size, launcher=launcher, node=node)
+    return World(rank=0, size=1, local_rank=0, local_size=1, launcher="none", node=node)
+
+
+def _mpi_size() -> Optional[int]:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD.Get_size()
+
+
+def resolve_comm(comm: Any = None) -> Any:
+    """The mpi4py communicator the data plane uses, or None for a single process.
+
+    ``comm`` given: that communicator (:data:`LOCAL`: None).  Otherwise MPI's
+    COMM_WORLD under an MPI launcher, or when mpi4py is already initialised; under
+    another launcher of several ranks, COMM_WORLD if it spans them all.  A launcher
+    that reports several ranks which MPI cannot see raises :class:`LaunchError` on
+    every rank, naming the launcher and the fix, instead of running as one rank.
+    """
+    if comm is LOCAL:
+        return None
+    if comm is not None:
+        return comm
+    world = detect()
+    mpi_loaded = "mpi4py.MPI" in sys.modules
+    if world.size <= 1 and not world.is_mpi and not mpi_loaded:
+        return None
+    if world.launcher == "torchrun" and not mpi_loaded:
+        raise LaunchError(_mismatch(world, 1))
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        if world.size <= 1:
+            return None
+        raise LaunchError(
+            f"{world.describe()}: the launcher started {world.size} ranks but mpi4py is "
+            f"not installed, so forebay cannot reach the other ranks; pip install "
+            f"'forebay[mpi]' (or mpi4py built against your MPI)") from None
+    size = MPI.COMM_WORLD.Get_size()
+    if size == world.size or world.size <= 1:
+        return MPI.COMM_WORLD
+    raise LaunchError(_mismatch(world, size))
+
+
+def _mismatch(world: World, mpi_size: int) -> str:
+    if world.launcher == "torchrun":
+        fix = ("Launch with mpiexec or srun instead, or pass comm=forebay.world.LOCAL to read "
+               "the whole dataset on every rank on purpose (a torch.distributed data plane "
+               "is planned)")
+    else:
+        fix = (f"MPI sees a world of {mpi_size}: mpi4py is probably built against another "
+               f"MPI than the launcher's (compare `python -c \"import mpi4py; "
+               f"print(mpi4py.get_config())\"` with `which mpiexec`)")
+    return (f"{world.describe()}: the launcher reports {world.size} ranks but forebay's data "
+            f"plane (MPI) sees {mpi_size}, so every rank would read the whole dataset in the "
+            f"same order. {fix}")
