@@ -9,8 +9,7 @@ Quick start::
     ds.get_many([3, 1, 4])                         # batched gather, one buffer per field
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from . import errors  # noqa: E402
 from .dataset import (DatasetWriter, PackedDataset, SampleBatch, Schema,  # noqa: E402
                       open_dataset, write_dataset)

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import __version__
+from ._version import __version__
 from ._units import human_bytes, parse_size
 from .errors import ChecksumError, ForebayError
 from .world import detect
@@ -64,10 +64,10 @@ def dataset_info(path: str) -> dict:
     from .dataset import open_dataset
 
     ds = open_dataset(path)
-    lay = ds._layout
+    lay = ds.layout
     fields = []
     for f in ds.schema.fields:
-        shapes = ds._index[:, lay.shape[f.name]]
+        shapes = ds.index[:, lay.shape[f.name]]
         fields.append({**f.to_dict(),
                        "shape_min": shapes.min(axis=0).tolist() if len(ds) else [],
                        "shape_max": shapes.max(axis=0).tolist() if len(ds) else []})
@@ -122,7 +122,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from .store._profile import calibrate, dump_profile, load_profile
+    from .store import calibrate, dump_profile, load_profile
 
     comm = None
     if detect().is_mpi:
@@ -172,7 +172,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .sim import POLICIES, load_system, simulate, sweep
-    from .sim._report import format_sweep, format_table, plot_policies, plot_sweep
+    from .sim import format_sweep, format_table, plot_policies, plot_sweep
 
     sysm = load_system(a.system, compute_MBps=a.compute_MBps,
                        preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps,
@@ -206,8 +206,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 def cmd_analyze(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .trace._analyze import analyze, format_summary
-    from .trace._read import read_traces
+    from .trace import analyze, format_summary
+    from .trace import read_traces
 
     ev = read_traces(a.trace_dir)
     res = analyze(a.trace_dir, events=ev)
@@ -218,7 +218,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         print(f"wrote {a.json}")
     pngs = []
     if a.plots or a.html:
-        from .trace._plots import plot_all, write_html
+        from .trace import plot_all, write_html
 
         pngs = plot_all(ev, res, a.plots or Path(a.html).with_suffix("").as_posix() + "_plots")
         print("wrote " + ", ".join(str(p) for p in pngs))
@@ -229,7 +229,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 
 
 def cmd_trace_export(a: argparse.Namespace) -> int:
-    from .trace._export import export_chrome
+    from .trace import export_chrome
 
     r = export_chrome(a.trace_dir, a.out)
     for s in r["skipped"]:
@@ -242,7 +242,7 @@ def cmd_trace_export(a: argparse.Namespace) -> int:
 def cmd_models_serve(a: argparse.Namespace) -> int:
     import logging
 
-    from .models._remote import serve, token_from_file
+    from .models import serve, token_from_file
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     token = token_from_file(a.token_file)
@@ -261,7 +261,7 @@ def cmd_models_serve(a: argparse.Namespace) -> int:
 
 def cmd_models(a: argparse.Namespace) -> int:
     from .models import open_repository
-    from .models._remote import token_from_file
+    from .models import token_from_file
 
     repo = open_repository(a.url, token_from_file(getattr(a, "token_file", None)),
                            create=False)

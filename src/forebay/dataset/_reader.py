@@ -131,6 +131,68 @@ class PackedDataset:
                                       f"{self.manifest.shards[self._shard_of[bad]].data}")
         self.sample_nbytes: np.ndarray = self._index[:, self._layout.nbytes_cols].sum(axis=1)
         self.sample_nbytes.setflags(write=False)
+        self._index.setflags(write=False)
+        self._shard_of.setflags(write=False)
+        self._shard_paths = [str(self.path / s.data) for s in self.manifest.shards]
+
+    # -- the record API: what stores, tracing and tools read (docs/format.md) -------------
+    @property
+    def layout(self) -> IndexLayout:
+        """Columns of the index rows (:class:`~forebay.dataset.IndexLayout`)."""
+        return self._layout
+
+    @property
+    def index(self) -> np.ndarray:
+        """Every sample's index row (read-only int64, ``len(ds)`` x ``layout.ncols``):
+        record offset, length and checksum in its shard, then each field's offset,
+        byte count and shape."""
+        return self._index
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Index rows of samples ``ids`` (a copy)."""
+        return self._index[ids]
+
+    @property
+    def record_nbytes(self) -> np.ndarray:
+        """Bytes of each sample's record in its shard (fields and the padding between
+        them: what a store copies), read-only."""
+        return self._index[:, IndexLayout.REC_LEN]
+
+    @property
+    def shard_of(self) -> np.ndarray:
+        """The shard holding each sample (read-only int32)."""
+        return self._shard_of
+
+    def shard_path(self, k: int) -> str:
+        """Path of shard ``k``'s data file."""
+        return self._shard_paths[k]
+
+    def shard_buffer(self, k: int) -> np.ndarray:
+        """Shard ``k``'s data file as a read-only uint8 array (memory-mapped once)."""
+        return self._map(k)
+
+    def advise(self, k: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Ask the kernel to read byte ranges ``[starts, ends)`` of shard ``k`` now, in
+        parallel (madvise WILLNEED), before a copy faults on them page by page; a no-op
+        with ``readahead="os"`` or where madvise is missing."""
+        if self.readahead == "record" and _HAVE_MADVISE:
+            self._map(k)
+            self._prefetch(k, starts, ends)
+
+    def record_parts(self, ids: np.ndarray, rows: np.ndarray
+                     ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
+        """``(shard buffer, record starts, selector)`` per shard among samples ``ids``
+        (rows ``rows``), advised for reading: the parts :func:`assemble_batch` and
+        :func:`gather_ranges` take to read those records from the files."""
+        shard = self._shard_of[ids]
+        rec = rows[:, IndexLayout.REC_OFF]
+        shards = np.unique(shard)
+        parts = []
+        for s in shards.tolist():
+            sel: Any = shard == s if len(shards) > 1 else slice(None)
+            self.advise(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
+            parts.append((self._map(s), rec[sel], sel))
+        return parts
 
     # -- mapping ----------------------------------------------------------------
     def _map(self, k: int) -> np.ndarray:
@@ -271,17 +333,8 @@ class PackedDataset:
         if self.verify_on_read:
             self.check_records(ids)
         rows = self._index[ids]
-        shard = self._shard_of[ids]
-        shards = np.unique(shard)
-        rec = rows[:, IndexLayout.REC_OFF]
-        parts = []
-        for s in shards.tolist():
-            sel = shard == s if len(shards) > 1 else slice(None)
-            src = self._map(s)
-            if self.readahead == "record" and _HAVE_MADVISE:
-                self._prefetch(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
-            parts.append((src, rec[sel], sel))
-        return assemble_batch(ids, rows, self.schema, self._layout, parts, alloc)
+        return assemble_batch(ids, rows, self.schema, self._layout,
+                              self.record_parts(ids, rows), alloc)
 
     # -- integrity ----------------------------------------------------------------
     def check_records(self, ids: np.ndarray, buf: Optional[np.ndarray] = None,

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Iterable, Mapping, Optional
 import numpy as np
 import xxhash
 
-from .. import __version__
+from .._version import __version__
 from ..errors import EmptySourceError, SchemaError
 from ..progress import Progress, as_progress
 from .._fs import check_target, commit_dir, tmp_sibling

@@ -12,7 +12,8 @@ those bytes; a version is visible only after all its tensors are durable.
 """
 
 from ._arch import Architecture, IdCache, Leaf, capture, stable_ids
+from ._remote import RemoteRepository, serve, token_from_file
 from ._repo import ModelStore, Repository, open_repository, tensor_hash
 
 __all__ = ["open_repository", "ModelStore", "Repository", "capture", "Architecture", "Leaf",
-           "IdCache", "stable_ids", "tensor_hash"]
+           "IdCache", "RemoteRepository", "serve", "stable_ids", "tensor_hash", "token_from_file"]

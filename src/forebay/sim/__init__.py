@@ -16,11 +16,13 @@ from ..plan import AccessPlan
 from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
 from ._engine import SOURCES, timeline
 from ._policies import POLICIES, Workload, simulate_policy
+from ._report import format_sweep, format_table, plot_policies, plot_sweep
 from ._system import System, lassen, load_system, system_from_profile
 
 __all__ = ["simulate", "sweep", "System", "lassen", "load_system", "system_from_profile",
            "POLICIES", "SCENARIOS", "SOURCES", "DatasetSpec", "Workload", "dataset_sizes",
-           "simulate_policy", "timeline"]
+           "simulate_policy", "timeline",
+           "format_sweep", "format_table", "plot_policies", "plot_sweep"]
 
 
 def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,

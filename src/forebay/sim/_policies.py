@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..plan import AccessPlan, permutation
-from ..store._placement import NONE, compute_coverage, compute_placement, fill_tiers
-from ..store._placement import RAM as P_RAM
-from ..store._placement import SSD as P_SSD
+from ..store import NONE, compute_coverage, compute_placement, fill_tiers
+from ..store import RAM as P_RAM
+from ..store import SSD as P_SSD
 from ._engine import PEER_RAM, PEER_SSD, PFS, RAM, SOURCES, SSD, Timeline, timeline
 from ._system import System
 
@@ -212,7 +212,7 @@ def parallel_staging(w: Workload) -> dict[str, Any]:
     PFS into its RAM, then SSD; every epoch it reads only its own shard, shuffled
     locally (the global access order changes); shard bytes that fit nowhere stay on
     the PFS."""
-    from ..store._distributed import chunk_members
+    from ..store import chunk_members
 
     run = _prefetching(w)
     sysm = w.system
@@ -409,7 +409,7 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
     the dataset is loaded into the workers' RAM as one replica striped in contiguous
     chunks over all of them; every read is from the own memory or a peer's over RMA.
     Fails when the dataset exceeds the workers' aggregate RAM."""
-    from ..store._distributed import chunk_members
+    from ..store import chunk_members
 
     sysm = w.system
     width = w.n

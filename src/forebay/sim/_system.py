@@ -17,8 +17,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
-from ..store._model import interpolate
-from ..store._profile import ProfileError, load_profile
+from ..store import ProfileError, interpolate, load_profile
 
 __all__ = ["System", "lassen", "load_system"]
 

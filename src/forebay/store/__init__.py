@@ -1,11 +1,17 @@
 """Where samples live: the distributed in-memory store (DDStore) and its layout."""
 
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
-from ._distributed import DistributedStore, StoreError, StoreLayout, default_comm
-from ._memory import available_memory
-from ._placement import Placement, compute_placement
+from ._distributed import (DistributedStore, StoreError, StoreLayout, check_agreement,
+                           check_same_dataset, chunk_members, default_comm, node_size)
+from ._memory import MEMORY_HEADROOM, available_memory
+from ._model import FetchModel, interpolate
+from ._placement import (NONE, RAM, SSD, Placement, compute_coverage, compute_placement,
+                         fill_tiers)
 from ._profile import ProfileError, calibrate, dump_profile, load_profile
 
-__all__ = ["ClairvoyantStore", "DistributedStore", "Placement", "ProfileError", "StoreError",
-           "StoreLayout", "available_memory", "calibrate", "compute_placement", "default_comm",
-           "dump_profile", "load_profile", "tier_nbytes"]
+__all__ = ["ClairvoyantStore", "DistributedStore", "FetchModel", "Placement", "ProfileError",
+           "StoreError", "StoreLayout", "MEMORY_HEADROOM", "NONE", "RAM", "SSD",
+           "available_memory", "calibrate", "check_agreement", "check_same_dataset",
+           "chunk_members", "compute_coverage", "compute_placement", "default_comm",
+           "dump_profile", "fill_tiers", "interpolate", "load_profile", "node_size",
+           "tier_nbytes"]

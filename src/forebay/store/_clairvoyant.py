@@ -27,8 +27,7 @@ import numpy as np
 
 from .._fs import NETWORK_FS, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..dataset._batch import assemble_batch, gather_ranges
-from ..dataset._format import ALIGNMENT, IndexLayout
+from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..world import resolve_comm
 from ..errors import ChecksumError
 from ..plan import AccessPlan
@@ -36,7 +35,7 @@ from ._distributed import (StoreError, agree, check_agreement, check_same_datase
                            node_size, rma_get, shared_segment)
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
-from ..trace import _hooks
+from . import _tracing as _hooks
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
 
@@ -55,7 +54,7 @@ def _align(n):
 def tier_nbytes(ds: PackedDataset) -> np.ndarray:
     """Bytes each sample takes in a tier (its record, 64-byte aligned); their sum is
     what the ranks' tiers need together to hold the whole dataset."""
-    return _align(ds._index[:, IndexLayout.REC_LEN])
+    return _align(ds.record_nbytes)
 
 
 class ClairvoyantStore:
@@ -325,15 +324,7 @@ class ClairvoyantStore:
     # -- filling ----------------------------------------------------------------------------
     def _record_parts(self, ids: np.ndarray, rows: np.ndarray):
         """Parts for assemble_batch / gathers that read records from the dataset."""
-        shard = self.ds._shard_of[ids]
-        rec = rows[:, IndexLayout.REC_OFF]
-        parts = []
-        for s in np.unique(shard).tolist():
-            sel = shard == s
-            src = self.ds._map(s)
-            self.ds._prefetch(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
-            parts.append((src, rec[sel], sel))
-        return parts
+        return self.ds.record_parts(ids, rows)
 
     def _done_at(self, lpos: np.ndarray) -> np.ndarray:
         if len(self._state) == 0:
@@ -375,7 +366,7 @@ class ClairvoyantStore:
         mark them done.  Extra copies come from their owner's tier when it has them
         (waiting up to ``wait`` s for an owner still filling), so the PFS serves each
         sample once; everything else is read from the dataset files."""
-        rows = self.ds._index[ids]
+        rows = self.ds.rows(ids)
         extra = self._is_extra[pos]
         from_peer = np.zeros(len(ids), dtype=bool)
         if extra.any():
@@ -584,7 +575,7 @@ class ClairvoyantStore:
                 raise ChecksumError(f"the fill thread found damaged data: {err}") from err
             raise StoreError(f"the fill thread failed: {err}") from err
         ids = self.ds.normalize_ids(ids)
-        rows = self.ds._index[ids]
+        rows = self.ds.rows(ids)
         lpos = self.local_pos[ids]
         mine = lpos >= 0
         local = mine & ((lpos < self._filled) | self._done_at(lpos))
@@ -639,7 +630,7 @@ class ClairvoyantStore:
         tracer = _trace.active()
         timings: Optional[list[Any]] = [] if tracer is not None else None
         t0 = time.perf_counter()
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                timings=timings)
         if n_pfs and self.on_pfs_read is not None:
             self.on_pfs_read(int(rows[pfs, IndexLayout.REC_LEN].sum()), n_pfs,

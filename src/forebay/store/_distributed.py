@@ -18,14 +18,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..dataset._batch import assemble_batch
-from ..dataset._format import ALIGNMENT, IndexLayout
+from ..dataset import ALIGNMENT, IndexLayout, assemble_batch
 from ..errors import ChecksumError, ForebayError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..world import resolve_comm
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
-from ..trace import _hooks
+from . import _tracing as _hooks
 
 __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
            "check_same_dataset", "check_agreement", "node_size"]
@@ -72,11 +71,11 @@ class StoreLayout:
     """
 
     def __init__(self, ds: PackedDataset, width: int) -> None:
-        idx = ds._index
+        idx = ds.index
         n = len(ds)
         rec_off = idx[:, IndexLayout.REC_OFF]
         rec_len = idx[:, IndexLayout.REC_LEN]
-        shard = ds._shard_of.astype(np.int64)
+        shard = ds.shard_of.astype(np.int64)
         span = _align(rec_len)
         self.width = width
         self.bounds, self.member = chunk_members(span, width)
@@ -129,7 +128,7 @@ def check_agreement(comm: Any, what: str, params: dict[str, Any]) -> None:
     set-up, so ranks that disagree fail before they wait in different collectives."""
     if comm is None:
         return
-    from .. import __version__
+    from .._version import __version__
 
     mine = {"forebay version": __version__, **params}
     every = comm.allgather(mine)
@@ -491,7 +490,7 @@ class DistributedStore:
         if self._closed:
             raise StoreError("the store is closed")
         ids = self.ds.normalize_ids(ids)
-        rows = self.ds._index[ids]
+        rows = self.ds.rows(ids)
         member = self.layout.member[ids]
         local = member == self.member
         nlocal = int(local.sum())
@@ -529,7 +528,7 @@ class DistributedStore:
                              args={"owners": len(np.unique(rmember))})
                 parts.append((stage, stage_pos, remote))
         timings: Optional[list[Any]] = [] if rec is not None else None
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds._layout, parts, alloc,
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                timings=timings)
         if rec is not None:
             # one data/item per sample; a peer part's time includes its MPI_Get
@@ -545,7 +544,7 @@ class DistributedStore:
         ``pfs_bytes``: what this rank read from the dataset files (its preload)."""
         mine = self.layout.member == self.member
         return {"fetches_by_source": dict(self._fetches), "pfs_reads": int(mine.sum()),
-                "pfs_bytes": int(self.ds._index[mine, IndexLayout.REC_LEN].sum()),
+                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()),
                 "preload_seconds": self.preload_seconds}
 
     def close(self) -> None:

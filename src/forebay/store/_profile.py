@@ -150,7 +150,7 @@ def _threaded(fn, threads: int) -> float:
 
 
 def _ram(threads: list[int], nbytes: int) -> dict[int, float]:
-    from ..dataset._batch import gather_ranges
+    from ..dataset import gather_ranges
 
     src = np.ones(nbytes, dtype=np.uint8)
     out = {}

@@ -8,8 +8,7 @@ import numpy as np
 import torch
 
 from ..dataset import SampleBatch
-from ..dataset._batch import gather_ranges
-from ..dataset._schema import KIND_BYTES
+from ..dataset import KIND_BYTES, gather_ranges
 
 __all__ = ["default_collate", "collate_graphs", "is_graph_batch", "NODE_FIELDS"]
 

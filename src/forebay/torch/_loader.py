@@ -13,12 +13,11 @@ import numpy as np
 import torch
 
 from .. import trace as _trace
-from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..dataset._format import IndexLayout
+from ..dataset import IndexLayout, PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
 from ..store import ClairvoyantStore, DistributedStore, available_memory
 from ..world import LOCAL, resolve_comm
-from ..store._distributed import check_agreement, check_same_dataset, node_size
+from ..store import check_agreement, check_same_dataset, node_size
 from ._collate import collate_samples, default_collate
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
@@ -30,7 +29,7 @@ def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
     """``preload`` if every rank's chunk fits its share of the node's memory (decided
     together: all ranks pick the same), else ``clairvoyant``."""
     from ..store import tier_nbytes
-    from ..store._memory import MEMORY_HEADROOM
+    from ..store import MEMORY_HEADROOM
 
     world = comm.Get_size() if comm is not None else 1
     w = world if width is None else width
@@ -135,8 +134,7 @@ class DataLoader:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
         if system is not None:  # a system file's [tiers]; explicit arguments win
-            from ..store._model import FetchModel
-            from ..store._profile import load_profile
+            from ..store import FetchModel, load_profile
 
             profile = load_profile(system)
             tiers = profile.get("tiers", {})
@@ -214,7 +212,7 @@ class DataLoader:
         rec = _trace.active()
         if rec is not None:
             rec.world = self.world
-            records = int(self.ds._index[:, IndexLayout.REC_LEN].sum())
+            records = int(self.ds.record_nbytes.sum())
             rec.meta("dataset", {"path": str(self.ds.path), "samples": len(self.ds),
                                  "bytes": int(self.ds.sample_nbytes.sum()),
                                  "record_bytes": records,
@@ -286,9 +284,9 @@ class DataLoader:
     def _trace_fetch(self, rec: Any, ids: np.ndarray, t0: float) -> None:
         t1 = time.perf_counter()
         if self.store is None:  # direct: every sample read from the dataset files
-            from ..trace import _hooks
+            from ..store import _tracing as _hooks
 
-            rows = self.ds._index[ids]
+            rows = self.ds.rows(ids)
             _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN],
                                 [(slice(None), t0, t1, "pfs", "pfs", -1)])
             _hooks.record_pfs(rec, self.ds, ids, rows, t0, t1)

@@ -20,9 +20,14 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from ._analyze import analyze, format_summary
+from ._export import export_chrome
+from ._plots import plot_all, write_html
+from ._read import read_traces
 from ._recorder import SOURCES, TIERS, Recorder, Region
 
-__all__ = ["enable", "disable", "active", "region", "Recorder", "SOURCES", "TIERS"]
+__all__ = ["enable", "disable", "active", "region", "Recorder", "SOURCES", "TIERS", "analyze",
+           "format_summary", "export_chrome", "plot_all", "write_html", "read_traces"]
 
 _active: Optional[Recorder] = None
 _env_checked = False

@@ -34,7 +34,7 @@ def name_hash(s: str) -> str:
 
 
 def _lines(rec: "Recorder", events: np.ndarray, end: float) -> Iterator[str]:
-    from .. import __version__
+    from .._version import __version__
 
     hh = name_hash(rec.host)
     pid, t_start = rec.pid, rec.start_us

@@ -1,4 +1,5 @@
-"""What forebay's own code calls to record fetches and file reads (batch-granular).
+"""What the stores and the loader call to record fetches and file reads in the active
+trace (batch-granular; the trace package itself knows nothing of datasets).
 
 A batch is gathered in a few parts (own memory, a peer's, each dataset file); each part's
 time is measured and shared among its samples in proportion to their bytes, so every
@@ -11,8 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..dataset._format import IndexLayout
-from ._recorder import SOURCES, TIERS, Recorder
+from ..dataset import IndexLayout
+from ..trace import SOURCES, TIERS, Recorder
 
 __all__ = ["amortize", "record_parts", "record_pfs", "SRC", "TIER"]
 
@@ -85,17 +86,9 @@ def record_pfs(rec: Recorder, ds: Any, ids: np.ndarray, rows: np.ndarray, t0: fl
         return
     sizes = rows[:, IndexLayout.REC_LEN]
     starts, dur = amortize(t0, t1, sizes)
-    shard = ds._shard_of[ids]
+    shard = ds.shard_of[ids]
     lo, hi = int(shard.min()), int(shard.max())
     for s in ([lo] if lo == hi else np.unique(shard).tolist()):
         m = slice(None) if lo == hi else shard == s
-        rec.file_reads(_shard_path(ds, s), rows[m, IndexLayout.REC_OFF], sizes[m], starts[m],
+        rec.file_reads(ds.shard_path(s), rows[m, IndexLayout.REC_OFF], sizes[m], starts[m],
                        dur[m])
-
-
-def _shard_path(ds: Any, s: int) -> str:
-    cache = ds.__dict__.setdefault("_trace_paths", {})
-    p = cache.get(s)
-    if p is None:
-        p = cache[s] = str(ds.path / ds.manifest.shards[s].data)
-    return p
