@@ -14,6 +14,7 @@ from ._version import __version__
 from ._units import human_bytes, parse_size
 from .errors import ChecksumError, ForebayError
 from .world import detect
+from .errors import InvalidArgumentError
 
 __all__ = ["main", "parse_size"]
 
@@ -45,7 +46,7 @@ def cmd_ingest(a: argparse.Namespace) -> int:
     for spec in a.ragged or []:
         name, sep, off = spec.partition("=")
         if not sep or not name or not off:
-            raise ValueError(f"--ragged takes NAME=OFFSETS_DATASET, got {spec!r}")
+            raise InvalidArgumentError(f"--ragged takes NAME=OFFSETS_DATASET, got {spec!r}")
         ragged[name] = off
     keys = [k for k in a.keys.split(",") if k] if a.keys else None
     source = get_source(a.from_, a.src, keys=keys, layout=a.layout, trust_pickle=a.trust_pickle,
@@ -181,7 +182,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
               layout=a.layout)
     if a.mode == "sweep":
         if not a.ram or not a.ssd:
-            raise ValueError("simulate sweep needs --ram and --ssd lists, e.g. "
+            raise InvalidArgumentError("simulate sweep needs --ram and --ssd lists, e.g. "
                              "--ram 0,60GB,120GB --ssd 0,450GB,900GB")
         policy = (a.policies or "forebay-clairvoyant").split(",")[0]
         res = sweep(sysm, a.dataset, ram_bytes=_sizes_list(a.ram), ssd_bytes=_sizes_list(a.ssd),
@@ -503,7 +504,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChecksumError as e:
         print(f"forebay: CORRUPT: {e}", file=sys.stderr)
         return 1
-    except (ForebayError, ValueError, OSError) as e:
+    except (ForebayError, OSError) as e:
+        # what the user can fix (a bad argument, a missing file, a refused path): one
+        # line; anything else is a bug in forebay and shows its traceback
         print(f"forebay {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

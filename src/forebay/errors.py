@@ -10,6 +10,12 @@ from __future__ import annotations
 
 __all__ = [
     "ForebayError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UsageError",
+    "MissingDependencyError",
+    "NameNotFoundError",
+    "ConnectionClosedError",
     "CorruptDatasetError",
     "ChecksumError",
     "TruncatedShardError",
@@ -34,6 +40,32 @@ __all__ = [
 
 class ForebayError(Exception):
     """Base class of every error forebay raises on purpose."""
+
+
+class InvalidArgumentError(ForebayError, ValueError):
+    """An argument is out of range or contradicts another (a negative size, an unknown
+    mode, a width that does not divide the world...)."""
+
+
+class ArgumentTypeError(ForebayError, TypeError):
+    """An argument has the wrong type (a float sample id, a list where a module goes)."""
+
+
+class UsageError(ForebayError, RuntimeError):
+    """A call in the wrong state (a closed writer)."""
+
+
+class MissingDependencyError(ForebayError, ImportError):
+    """An optional dependency a feature needs is not installed; the message names the
+    pip extra."""
+
+
+class NameNotFoundError(ForebayError, KeyError):
+    """A field or entry name that does not exist."""
+
+
+class ConnectionClosedError(ForebayError, ConnectionError):
+    """The other end of a connection closed it in the middle of a message."""
 
 
 class CorruptDatasetError(ForebayError, ValueError):

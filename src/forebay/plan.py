@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
+from .errors import InvalidArgumentError
 
 __all__ = ["AccessPlan", "frequency_tail", "frequency_tail_monte_carlo", "permutation",
            "positions"]
@@ -147,14 +148,15 @@ class AccessPlan:
         for name in ("num_samples", "world_size", "batch_size", "epochs"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
         if self.batch_size > self.num_samples:
-            raise ValueError(f"batch_size {self.batch_size} is larger than the dataset "
+            raise InvalidArgumentError(f"batch_size {self.batch_size} is larger than the dataset "
                              f"({self.num_samples} samples)")
         if self.drop_last and self.global_batch > self.num_samples:
-            raise ValueError(f"the global batch ({self.batch_size} x {self.world_size} ranks = "
-                             f"{self.global_batch}) is larger than the dataset "
-                             f"({self.num_samples} samples): with drop_last no step is left")
+            raise InvalidArgumentError(
+                f"the global batch ({self.batch_size} x {self.world_size} ranks = "
+                f"{self.global_batch}) is larger than the dataset "
+                f"({self.num_samples} samples): with drop_last no step is left")
 
     # -- shape of an epoch ------------------------------------------------------------
     @property
@@ -173,9 +175,9 @@ class AccessPlan:
 
     def _check(self, rank: Optional[int], epoch: int) -> None:
         if rank is not None and not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+            raise InvalidArgumentError(f"rank {rank} out of range for world size {self.world_size}")
         if not 0 <= epoch < self.epochs:
-            raise ValueError(f"epoch {epoch} out of range for {self.epochs} epochs")
+            raise InvalidArgumentError(f"epoch {epoch} out of range for {self.epochs} epochs")
 
     # -- streams --------------------------------------------------------------------
     def _ids_at(self, epoch: int, pos: np.ndarray) -> np.ndarray:
@@ -255,7 +257,7 @@ def frequency_tail(num_samples: int, world_size: int, epochs: int, delta: float)
     ImageNet-1k (F=1,281,167, N=16, E=90, delta=0.8) gives about 31,635.
     """
     if world_size <= 0 or epochs <= 0 or num_samples < 0:
-        raise ValueError("num_samples, world_size and epochs must be positive")
+        raise InvalidArgumentError("num_samples, world_size and epochs must be positive")
     p = 1.0 / world_size
     k0 = math.ceil((1 + delta) * epochs / world_size)
     tail = 0.0

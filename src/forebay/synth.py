@@ -29,6 +29,7 @@ import numpy as np
 
 from ._fs import check_target, commit_dir, tmp_sibling
 from .progress import Progress, as_progress
+from .errors import InvalidArgumentError
 
 __all__ = ["KINDS", "synthesize", "ising_samples", "molecule_samples", "ISING_RAGGED",
            "MOLECULE_RAGGED", "MUMMI_FEATURES"]
@@ -147,8 +148,9 @@ def _graph_writer(gen: Callable[..., Iterator[dict]], prefix: str, ragged: dict[
         elif format == "cff":
             _write_cff(out, prefix, samples, n, ragged, prog)
         else:
-            raise ValueError(f"format must be 'pff' (pickle per sample) or 'cff' (one HDF5), "
-                             f"got {format!r}")
+            raise InvalidArgumentError(
+                f"format must be 'pff' (pickle per sample) or 'cff' (one HDF5), "
+                f"got {format!r}")
     return write
 
 
@@ -231,9 +233,10 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
     directory.
     """
     if kind not in KINDS:
-        raise ValueError(f"unknown synthetic kind {kind!r}; choose one of {', '.join(KINDS)}")
+        raise InvalidArgumentError(
+            f"unknown synthetic kind {kind!r}; choose one of {', '.join(KINDS)}")
     if samples <= 0:
-        raise ValueError(f"samples must be positive, got {samples}")
+        raise InvalidArgumentError(f"samples must be positive, got {samples}")
     out = Path(out)
     check_target(out, overwrite, _replace_problem)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import SchemaError
 from ._schema import Schema
+from ..errors import InvalidArgumentError
 
 __all__ = ["FieldBatch", "SampleBatch", "assemble_batch", "gather_ranges", "gather_ranges_numpy"]
 
@@ -48,7 +49,7 @@ def gather_ranges_numpy(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray
         return
     if (starts < 0).any() or (dst < 0).any() or (starts + lengths > len(src)).any() or \
             (dst + lengths > len(out)).any():
-        raise ValueError("gather: a range is out of bounds")
+        raise InvalidArgumentError("gather: a range is out of bounds")
     if total <= _VECTOR_GATHER_MAX_MEAN * n:
         rep_shift = np.repeat(starts - dst, lengths)
         seg_start = np.repeat(dst, lengths)

@@ -12,6 +12,7 @@ import xxhash
 
 from ..errors import DatasetNotFoundError, FormatVersionError, ManifestError
 from ._schema import Schema
+from ..errors import InvalidArgumentError
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
@@ -130,9 +131,9 @@ class Manifest:
                                      f"(this forebay reads version {FORMAT_VERSION})")
         try:
             if doc.get("alignment", ALIGNMENT) != ALIGNMENT:
-                raise ValueError(f"alignment {doc['alignment']} (expected {ALIGNMENT})")
+                raise InvalidArgumentError(f"alignment {doc['alignment']} (expected {ALIGNMENT})")
             if doc.get("checksum_algorithm", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:
-                raise ValueError(f"checksum algorithm {doc['checksum_algorithm']!r}")
+                raise InvalidArgumentError(f"checksum algorithm {doc['checksum_algorithm']!r}")
             schema = Schema.from_dict(doc["schema"])
             shards = tuple(ShardInfo.from_dict(s) for s in doc["shards"])
             m = cls(num_samples=int(doc["num_samples"]), schema=schema, shards=shards,
@@ -140,7 +141,7 @@ class Manifest:
                     metadata=dict(doc.get("metadata") or {}),
                     created_by=str(doc.get("created_by", "")), fingerprint=checksum(raw))
             if list(doc.get("index_columns", [])) != IndexLayout(schema).columns:
-                raise ValueError("index_columns do not match the schema")
+                raise InvalidArgumentError("index_columns do not match the schema")
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ManifestError(f"{mpath}: malformed manifest: {what}") from None

@@ -18,6 +18,7 @@ from ..errors import TruncatedShardError
 from ..progress import Progress, as_progress
 from ._batch import SampleBatch, _native, assemble_batch
 from ._format import IndexLayout, Manifest, checksum
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
 
@@ -79,7 +80,7 @@ class PackedDataset:
     def __init__(self, path: "str | os.PathLike[str]", *, verify_on_read: bool = False,
                  readahead: str = "record") -> None:
         if readahead not in READAHEAD:
-            raise ValueError(f"readahead must be one of {READAHEAD}, got {readahead!r}")
+            raise InvalidArgumentError(f"readahead must be one of {READAHEAD}, got {readahead!r}")
         self.path = Path(path)
         self.verify_on_read = verify_on_read
         self.readahead = readahead
@@ -269,7 +270,7 @@ class PackedDataset:
 
     def _norm_index(self, i: Any) -> int:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"sample index must be an integer, got {type(i).__name__}")
+            raise ArgumentTypeError(f"sample index must be an integer, got {type(i).__name__}")
         n = len(self)
         j = int(i) + n if i < 0 else int(i)
         if not 0 <= j < n:
@@ -310,7 +311,7 @@ class PackedDataset:
         :class:`SampleIndexError` naming the first id out of range."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu" and not (ids.size == 0):
-            raise TypeError(f"sample ids must be integers, got dtype {ids.dtype}")
+            raise ArgumentTypeError(f"sample ids must be integers, got dtype {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).reshape(-1)
         n = len(self)
         ids = np.where(ids < 0, ids + n, ids)

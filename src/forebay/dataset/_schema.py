@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import SchemaError, UnsupportedDtypeError
+from ..errors import InvalidArgumentError, NameNotFoundError
 
 __all__ = ["Field", "Schema", "as_field_array"]
 
@@ -41,7 +42,7 @@ class Field:
     def from_dict(cls, d: Mapping[str, Any]) -> "Field":
         kind = d.get("kind", KIND_ARRAY)
         if kind not in (KIND_ARRAY, KIND_BYTES):
-            raise ValueError(f"unknown field kind {kind!r}")
+            raise InvalidArgumentError(f"unknown field kind {kind!r}")
         return cls(name=str(d["name"]), dtype=np.dtype(d["dtype"]), ndim=int(d["ndim"]), kind=kind)
 
 
@@ -59,7 +60,7 @@ class Schema:
         for f in self.fields:
             if f.name == name:
                 return f
-        raise KeyError(name)
+        raise NameNotFoundError(name)
 
     def __contains__(self, name: object) -> bool:
         return any(f.name == name for f in self.fields)

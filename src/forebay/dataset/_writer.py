@@ -18,6 +18,7 @@ from .._fs import check_target, commit_dir, tmp_sibling
 from ._format import ALIGNMENT, MANIFEST_NAME, IndexLayout, Manifest, ShardInfo, checksum
 from ._format import replace_problem
 from ._schema import Schema, as_field_array
+from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DatasetWriter", "write_dataset", "DEFAULT_SHARD_BYTES"]
 
@@ -52,7 +53,7 @@ class DatasetWriter:
                  progress: "Progress | bool | None" = None) -> None:
         self.path = Path(path)
         if shard_bytes <= 0:
-            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+            raise InvalidArgumentError(f"shard_bytes must be positive, got {shard_bytes}")
         self.shard_bytes = int(shard_bytes)
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
@@ -78,7 +79,7 @@ class DatasetWriter:
     def add(self, sample: Mapping[str, Any]) -> None:
         """Append one sample (a mapping of field name to array or bytes)."""
         if self._closed:
-            raise RuntimeError("writer is closed")
+            raise UsageError("writer is closed")
         where = f"sample {self._count}"
         if self.schema is None:
             self.schema = Schema.infer(sample, where)
@@ -138,7 +139,7 @@ class DatasetWriter:
     def close(self) -> Manifest:
         """Finish the last shard, write the manifest and move the dataset into place."""
         if self._closed:
-            raise RuntimeError("writer is closed")
+            raise UsageError("writer is closed")
         try:
             if self._count == 0:
                 raise EmptySourceError(f"no samples were written to {self.path}")

@@ -31,7 +31,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CorruptModelError, ModelNotFoundError, ModelRepositoryError
+from ..errors import (ConnectionClosedError, CorruptModelError, ModelNotFoundError,
+                      ModelRepositoryError)
 from ._repo import ModelStore, Repository, _copy_into, tensor_hash
 
 __all__ = ["serve", "RemoteRepository", "Provider", "HEADER", "parse_addresses"]
@@ -70,7 +71,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
+            raise ConnectionClosedError(f"connection closed after {got} of {len(view)} bytes")
         got += n
 
 

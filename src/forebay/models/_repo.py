@@ -23,6 +23,7 @@ from ..errors import (CorruptModelError, ModelMismatchError, ModelNotFoundError,
                       ModelRepositoryError)
 from ._arch import Architecture, IdCache, capture
 from ._backend import _HUGE, Backend, LmdbBackend, MemoryBackend, prefer_huge_pages
+from ..errors import ArgumentTypeError
 
 __all__ = ["ModelStore", "Repository", "open_repository", "tensor_hash"]
 
@@ -258,7 +259,7 @@ class ModelStore(abc.ABC):
         elif isinstance(model, dict):
             sd = model
         else:
-            raise TypeError(f"save() takes an nn.Module or a state dict, got "
+            raise ArgumentTypeError(f"save() takes an nn.Module or a state dict, got "
                             f"{type(model).__name__}")
         leaf_of: dict[str, tuple[str, str]] = {}  # state key -> (leaf id, tensor name)
         leaves: dict[str, dict[str, Any]] = {}

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
+from ..errors import InvalidArgumentError, NameNotFoundError
 
 SHUTDOWN, UNCACHED, INVALID, BUSY = 1, 2, 4, 8        # masks of the status word
 STATUS_BITS = 4
@@ -45,7 +46,7 @@ class ResponseCache:
 
     def __init__(self, capacity: int = 1024):
         if capacity < 1:
-            raise ValueError(f"cache capacity must be at least 1, got {capacity}")
+            raise InvalidArgumentError(f"cache capacity must be at least 1, got {capacity}")
         self.capacity = int(capacity)
         self._lru: OrderedDict[str, int] = OrderedDict()   # name -> bit, oldest first
         self._params: list[Params | None] = [None] * self.capacity
@@ -74,7 +75,7 @@ class ResponseCache:
     def entry(self, bit: int) -> tuple[str, Params]:
         name = self._names[bit]
         if name is None:
-            raise KeyError(f"cache bit {bit} is empty")
+            raise NameNotFoundError(f"cache bit {bit} is empty")
         params = self._params[bit]
         assert params is not None
         return name, params

@@ -37,6 +37,7 @@ from .. import trace
 from ..errors import ReduceError, ReduceMismatchError
 from ._cache import (BUSY, HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
                      bits_of, invert_request_bits, new_vector, set_bits, status_of)
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 log = logging.getLogger("forebay.reduce")
 
@@ -190,9 +191,10 @@ class Coordinator:
                               "forebay.reduce.init_process_group() (or "
                               "torch.distributed.init_process_group) first")
         if coordination not in COORDINATIONS:
-            raise ValueError(f"coordination must be one of {COORDINATIONS}, got {coordination!r}")
+            raise InvalidArgumentError(
+                f"coordination must be one of {COORDINATIONS}, got {coordination!r}")
         if cycle_time_ms < 0 or fusion_threshold_bytes < 0:
-            raise ValueError("cycle_time_ms and fusion_threshold_bytes must be >= 0")
+            raise InvalidArgumentError("cycle_time_ms and fusion_threshold_bytes must be >= 0")
         self.coordination = coordination
         self.cycle_s = cycle_time_ms / 1000.0
         self.fusion_threshold = int(fusion_threshold_bytes)
@@ -275,9 +277,9 @@ class Coordinator:
         same tensor every step) skips validating op and dtype again."""
         if params is None:
             if op not in OPS:
-                raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+                raise InvalidArgumentError(f"op must be one of {sorted(OPS)}, got {op!r}")
             if op == "average" and not (tensor.is_floating_point() or tensor.is_complex()):
-                raise TypeError(f"op 'average' needs a floating point tensor; {name!r} is "
+                raise ArgumentTypeError(f"op 'average' needs a floating point tensor; {name!r} is "
                                 f"{tensor.dtype} (use op='sum')")
             params = Params(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), op,
                             group)
@@ -605,7 +607,7 @@ class Coordinator:
         try:
             msg = json.loads(buf.numpy().tobytes())
             if not isinstance(msg, dict):
-                raise ValueError("not an object")
+                raise InvalidArgumentError("not an object")
             return msg
         except ValueError as exc:
             raise ReduceError(f"malformed coordination message from rank {rank}: {exc}") from None

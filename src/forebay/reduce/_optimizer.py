@@ -15,6 +15,7 @@ from .. import trace
 from ..errors import ReduceError
 from ._cache import Params
 from ._coordinator import Coordinator, Handle
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 
 class _DistributedOptimizer:
@@ -29,11 +30,11 @@ class _DistributedOptimizer:
         self._fb_params = [p for _, p in named if p.requires_grad]
         self._fb_passes = int(backward_passes_per_step)
         if self._fb_passes < 1:
-            raise ValueError("backward_passes_per_step must be at least 1")
+            raise InvalidArgumentError("backward_passes_per_step must be at least 1")
         self._fb_op = op
         self._fb_timeout = float(timeout_s)
         if op == "average" and any(not p.is_floating_point() for p in self._fb_params):
-            raise TypeError("op 'average' needs floating point parameters")
+            raise ArgumentTypeError("op 'average' needs floating point parameters")
         group_of = _group_ids(groups, named)
         self._fb_coord = Coordinator(process_group=process_group, coordination=coordination,
                                      cycle_time_ms=cycle_time_ms,
@@ -184,11 +185,11 @@ def _named_parameters(opt, named_parameters) -> list[tuple[str, torch.Tensor]]:
     names = [n for n, _ in named]
     dup = sorted(n for n, k in Counter(names).items() if k > 1)
     if dup:
-        raise ValueError(f"named_parameters has duplicate names: {dup[:5]}")
+        raise InvalidArgumentError(f"named_parameters has duplicate names: {dup[:5]}")
     known = {id(p) for _, p in named}
     missing = [i for i, p in enumerate(params) if id(p) not in known]
     if missing:
-        raise ValueError(f"{len(missing)} of the optimizer's parameters are not in "
+        raise InvalidArgumentError(f"{len(missing)} of the optimizer's parameters are not in "
                          "named_parameters (pass model.named_parameters() of the model whose "
                          "parameters the optimizer updates)")
     mine = {id(p) for p in params}
@@ -201,7 +202,8 @@ def _group_ids(groups, named) -> dict:
     trainable = [p for _, p in named if p.requires_grad]
     if isinstance(groups, int):
         if groups < 1:
-            raise ValueError(f"groups must be a positive int or a list of lists, got {groups}")
+            raise InvalidArgumentError(
+                f"groups must be a positive int or a list of lists, got {groups}")
         k = min(groups, len(trainable)) or 1
         size = -(-len(trainable) // k)
         return {p: i // size for i, p in enumerate(trainable)}
@@ -209,12 +211,13 @@ def _group_ids(groups, named) -> dict:
     for g, members in enumerate(groups):
         for p in members:
             if p in out:
-                raise ValueError("a parameter appears in two groups")
+                raise InvalidArgumentError("a parameter appears in two groups")
             out[p] = g
     unknown = [p for p in out if not any(p is q for q in trainable)]
     if unknown:
-        raise ValueError(f"{len(unknown)} grouped tensors are not trainable parameters of "
-                         "this optimizer")
+        raise InvalidArgumentError(
+            f"{len(unknown)} grouped tensors are not trainable parameters of "
+            "this optimizer")
     return out
 
 

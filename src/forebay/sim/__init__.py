@@ -18,6 +18,7 @@ from ._engine import SOURCES, timeline
 from ._policies import POLICIES, Workload, simulate_policy
 from ._report import format_sweep, format_table, plot_policies, plot_sweep
 from ._system import System, lassen, load_system, system_from_profile
+from ..errors import InvalidArgumentError
 
 __all__ = ["simulate", "sweep", "System", "lassen", "load_system", "system_from_profile",
            "POLICIES", "SCENARIOS", "SOURCES", "DatasetSpec", "Workload", "dataset_sizes",
@@ -52,10 +53,10 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     if scale < 1:
         sysm = sysm.scaled(scale)
     if batch is not None and batch <= 0:
-        raise ValueError(f"batch must be a positive integer, got {batch}")
+        raise InvalidArgumentError(f"batch must be a positive integer, got {batch}")
     batch = min(batch or (spec.batch if spec else 32), len(sizes))
     if layout not in (None, "files", "packed"):
-        raise ValueError(f"layout must be 'files' or 'packed', got {layout!r}")
+        raise InvalidArgumentError(f"layout must be 'files' or 'packed', got {layout!r}")
     layout = layout or ("files" if spec else "packed")
     plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
                       epochs=epochs, seed=seed)
@@ -70,7 +71,7 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     names = list(policies) if policies else list(POLICIES)
     for name in names:
         if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+            raise InvalidArgumentError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     out: dict[str, Any] = {}
     prog = as_progress(progress)
     prog.start(len(names), desc="simulate", unit="policy")

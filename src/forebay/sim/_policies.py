@@ -22,6 +22,7 @@ from ..store import RAM as P_RAM
 from ..store import SSD as P_SSD
 from ._engine import PEER_RAM, PEER_SSD, PFS, RAM, SOURCES, SSD, Timeline, timeline
 from ._system import System
+from ..errors import InvalidArgumentError
 
 __all__ = ["POLICIES", "Workload", "simulate_policy"]
 
@@ -41,7 +42,7 @@ class Workload:
     def __post_init__(self) -> None:
         self.sizes = np.asarray(self.sizes, dtype=np.int64)
         if len(self.sizes) != self.plan.num_samples:
-            raise ValueError("one size per sample of the plan")
+            raise InvalidArgumentError("one size per sample of the plan")
         self.mb = self.sizes / 1e6
         self.open_s = self.system.pfs_open_ms / 1e3 if self.per_file else 0.0
 
@@ -446,5 +447,6 @@ def simulate_policy(name: str, w: Workload) -> dict[str, Any]:
     try:
         fn = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
+        raise InvalidArgumentError(
+            f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
     return fn(w)

@@ -1,5 +1,6 @@
 """Where samples live: the distributed in-memory store (DDStore) and its layout."""
 
+from ._base import STATS_KEYS, DirectStore, SampleStore
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
 from ._distributed import (DistributedStore, StoreError, StoreLayout, check_agreement,
                            check_same_dataset, chunk_members, default_comm, node_size)
@@ -9,7 +10,8 @@ from ._placement import (NONE, RAM, SSD, Placement, compute_coverage, compute_pl
                          fill_tiers)
 from ._profile import ProfileError, calibrate, dump_profile, load_profile
 
-__all__ = ["ClairvoyantStore", "DistributedStore", "FetchModel", "Placement", "ProfileError",
+__all__ = ["SampleStore", "DirectStore", "STATS_KEYS", "ClairvoyantStore", "DistributedStore",
+           "FetchModel", "Placement", "ProfileError",
            "StoreError", "StoreLayout", "MEMORY_HEADROOM", "NONE", "RAM", "SSD",
            "available_memory", "calibrate", "check_agreement", "check_same_dataset",
            "chunk_members", "compute_coverage", "compute_placement", "default_comm",

@@ -33,9 +33,11 @@ from ..errors import ChecksumError
 from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_agreement, check_same_dataset,
                            node_size, rma_get, shared_segment)
+from ._base import SampleStore
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
 from . import _tracing as _hooks
+from ..errors import InvalidArgumentError
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
 
@@ -57,7 +59,7 @@ def tier_nbytes(ds: PackedDataset) -> np.ndarray:
     return _align(ds.record_nbytes)
 
 
-class ClairvoyantStore:
+class ClairvoyantStore(SampleStore):
     """A RAM tier per rank, filled ahead of need in the order the access plan dictates.
 
     Args:
@@ -85,6 +87,8 @@ class ClairvoyantStore:
     Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
     """
 
+    capabilities = frozenset({"shared", "background_fill"})
+
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", plan: AccessPlan,
                  comm: Any = None, *, ram_bytes: int, transport: str = "auto",
                  ssd_dir: "str | os.PathLike[str] | None" = None, ssd_bytes: int = 0,
@@ -101,6 +105,7 @@ class ClairvoyantStore:
         self._closed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._fill_error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._cursor: dict[str, int] = {}
@@ -236,7 +241,7 @@ class ClairvoyantStore:
 
     def _choose_transport(self, asked: str) -> None:
         if asked not in ("auto", "shm", "rma"):
-            raise ValueError(f"transport must be 'auto', 'shm' or 'rma', got {asked!r}")
+            raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'rma', got {asked!r}")
         if self.comm is None or self.world == 1:
             self.transport = "local"
             return
@@ -484,13 +489,24 @@ class ClairvoyantStore:
         return self._filled
 
     def wait_filled(self, timeout: Optional[float] = None) -> bool:
-        """Block until this rank's tiers are full (True) or ``timeout`` passes."""
+        """Block until this rank's tiers are full (True) or ``timeout`` passes (False);
+        a fill thread that died raises :class:`StoreError` naming its error."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._raise_fill_error()
         if any(t.is_alive() for t in self._threads):
             return False
         return self._filled == len(self.fill_order) or bool(self._threads)
+
+    def _raise_fill_error(self) -> None:
+        err = self._fill_error
+        if err is None:
+            return
+        if isinstance(err, ChecksumError):
+            raise ChecksumError(f"the fill thread found damaged data: {err}") from err
+        raise StoreError(f"the fill thread failed after filling {self._filled} of "
+                         f"{len(self.fill_order)} samples: {type(err).__name__}: {err}") from err
 
     def _peer_parts(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
         """[(src, record starts, mask)]: where the selected samples' records are in
@@ -569,11 +585,7 @@ class ClairvoyantStore:
         holds them now; bit-exact to the dataset's ``get_many``."""
         if self._closed:
             raise StoreError("the store is closed")
-        err = getattr(self, "_fill_error", None)
-        if err is not None:
-            if isinstance(err, ChecksumError):
-                raise ChecksumError(f"the fill thread found damaged data: {err}") from err
-            raise StoreError(f"the fill thread failed: {err}") from err
+        self._raise_fill_error()
         ids = self.ds.normalize_ids(ids)
         rows = self.ds.rows(ids)
         lpos = self.local_pos[ids]
@@ -684,9 +696,6 @@ class ClairvoyantStore:
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
                     "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs}
 
-    def __len__(self) -> int:
-        return len(self.ds)
-
     def close(self) -> None:
         """Stop filling and free the window (collective)."""
         if self._closed:
@@ -712,8 +721,3 @@ class ClairvoyantStore:
             self._win.Free()
             self._win = None
 
-    def __enter__(self) -> "ClairvoyantStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -19,21 +19,19 @@ import numpy as np
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch
-from ..errors import ChecksumError, ForebayError, RankMismatchError
+from ..errors import ChecksumError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..world import resolve_comm
+from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from . import _tracing as _hooks
+from ..errors import InvalidArgumentError
 
 __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
            "check_same_dataset", "check_agreement", "node_size"]
 
 _READ_BLOCK = 64 << 20
-
-
-class StoreError(ForebayError, RuntimeError):
-    """The store cannot be set up as asked (ranks disagree, memory does not fit...)."""
 
 
 def default_comm() -> Any:
@@ -223,7 +221,7 @@ def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
             dtype.Free()
 
 
-class DistributedStore:
+class DistributedStore(SampleStore):
     """The dataset striped over ranks' memory, read through MPI windows (shared memory
     within a node, one-sided RMA across nodes).
 
@@ -250,12 +248,15 @@ class DistributedStore:
     :class:`StoreError` on every rank.  :meth:`close` is collective too.
     """
 
+    capabilities = frozenset({"shared"})
+
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", comm: Any = None,
                  width: Optional[int] = None, *, node_aware: bool = False,
                  transport: str = "auto", progress: "Progress | bool | None" = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
         if transport not in ("auto", "shm", "rma"):
-            raise ValueError(f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
+            raise InvalidArgumentError(
+                f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = resolve_comm(comm)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
@@ -467,13 +468,6 @@ class DistributedStore:
         agree(self.comm, msg, ChecksumError)
 
     # -- access -----------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    @property
-    def schema(self):
-        return self.ds.schema
-
     @property
     def nbytes(self) -> int:
         """Bytes of dataset held by this rank."""
@@ -561,12 +555,6 @@ class DistributedStore:
         if self.group_comm is not None:
             self.group_comm.Free()
             self.group_comm = None
-
-    def __enter__(self) -> "DistributedStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"DistributedStore({self.ds.path}, rank={self.rank}/{self.world}, "

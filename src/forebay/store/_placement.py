@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plan import AccessPlan
+from ..errors import InvalidArgumentError
 
 __all__ = ["Coverage", "Placement", "compute_coverage", "compute_placement", "fill_tiers",
            "RAM", "SSD", "NONE"]
@@ -139,9 +140,9 @@ def compute_coverage(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray
     ram = np.asarray(ram_bytes, dtype=np.int64)
     ssd = np.asarray(ssd_bytes, dtype=np.int64)
     if len(sizes) != f or len(ram) != n_ranks or len(ssd) != n_ranks:
-        raise ValueError("sizes must have one entry per sample, capacities one per rank")
+        raise InvalidArgumentError("sizes must have one entry per sample, capacities one per rank")
     if (ram < 0).any() or (ssd < 0).any() or (sizes < 0).any():
-        raise ValueError("sizes and capacities must be non-negative")
+        raise InvalidArgumentError("sizes and capacities must be non-negative")
     first, reader = _first_need(plan)
     owner = np.full(f, -1, dtype=np.int32)
     tier = np.full(f, NONE, dtype=np.int8)

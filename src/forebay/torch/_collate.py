@@ -9,6 +9,7 @@ import torch
 
 from ..dataset import SampleBatch
 from ..dataset import KIND_BYTES, gather_ranges
+from ..errors import InvalidArgumentError
 
 __all__ = ["default_collate", "collate_graphs", "is_graph_batch", "NODE_FIELDS"]
 
@@ -42,7 +43,7 @@ def collate_graphs(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
     nodes = batch.field(node_field).shapes[:, 0]
     ei = batch.field("edge_index")
     if len(ei) and (ei.shapes[:, 0] != 2).any():
-        raise ValueError("edge_index must have shape (2, E) in every sample")
+        raise InvalidArgumentError("edge_index must have shape (2, E) in every sample")
     edges = ei.shapes[:, 1] if len(ei) else np.zeros(0, np.int64)
     n = len(nodes)
     ptr = np.zeros(n + 1, dtype=np.int64)

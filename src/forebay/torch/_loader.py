@@ -15,10 +15,12 @@ import torch
 from .. import trace as _trace
 from ..dataset import IndexLayout, PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
-from ..store import ClairvoyantStore, DistributedStore, available_memory
+from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
+                     available_memory)
 from ..world import LOCAL, resolve_comm
 from ..store import check_agreement, check_same_dataset, node_size
 from ._collate import collate_samples, default_collate
+from ..errors import InvalidArgumentError
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
 
@@ -131,7 +133,7 @@ class DataLoader:
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
         if system is not None:  # a system file's [tiers]; explicit arguments win
             from ..store import FetchModel, load_profile
@@ -168,7 +170,7 @@ class DataLoader:
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
-        self.store: Any = None
+        self.store: SampleStore
         if mode == "auto":
             mode = self.mode = _choose_mode(self.ds, self.comm, width)
         if mode == "preload":
@@ -183,6 +185,8 @@ class DataLoader:
                                           transport=transport, on_pfs_read=on_pfs_read,
                                           model=fetch_model, ram_threads=ram_threads or 1,
                                           ssd_threads=ssd_threads or 1)
+        else:
+            self.store = DirectStore(self.ds)
         self.collate_fn = collate_fn
         self.transform = transform
         self.prefetch = max(0, int(prefetch))
@@ -203,11 +207,9 @@ class DataLoader:
         self._step = 0  # batches handed out in the current epoch
         self._stall = 0.0  # seconds the iterating thread waited for a batch
         if staging_bytes is not None and staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+            raise InvalidArgumentError(f"staging_bytes must be positive, got {staging_bytes}")
         self.staging_bytes = staging_bytes
         self._staging_peak = 0
-        self._direct_stats: dict[str, Any] = {"fetches_by_source": {}, "pfs_reads": 0,
-                                              "pfs_bytes": 0}
         self._train_t0: Optional[float] = None
         rec = _trace.active()
         if rec is not None:
@@ -232,7 +234,8 @@ class DataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch (as ``DistributedSampler.set_epoch``)."""
         if not 0 <= epoch < self.plan.epochs:
-            raise ValueError(f"epoch {epoch} out of range for a {self.plan.epochs}-epoch plan")
+            raise InvalidArgumentError(
+                f"epoch {epoch} out of range for a {self.plan.epochs}-epoch plan")
         if epoch != self.epoch:
             self._step = 0
         self.epoch = epoch
@@ -249,28 +252,23 @@ class DataLoader:
         mine = self.state_dict()
         for key in ("seed", "num_samples", "global_batch", "drop_last", "shuffle"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"cannot resume: saved {key}={state.get(key)!r} but this "
-                                 f"loader has {key}={mine[key]!r} (global batch = batch_size x "
-                                 f"world size must match)")
+                raise InvalidArgumentError(
+                    f"cannot resume: saved {key}={state.get(key)!r} but this "
+                    f"loader has {key}={mine[key]!r} (global batch = batch_size x "
+                    f"world size must match)")
         epoch, step = int(state["epoch"]), int(state["step"])
         if not 0 <= epoch < self.plan.epochs or not 0 <= step <= len(self):
-            raise ValueError(f"cannot resume at epoch {epoch} step {step}")
+            raise InvalidArgumentError(f"cannot resume at epoch {epoch} step {step}")
         self.epoch, self._step = epoch, step
 
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
         alloc = _pinned_alloc if self.pin_memory else None
-        src = self.store if self.store is not None else self.ds
         rec = _trace.active()
         if rec is not None:
             rec.context.epoch, rec.context.step = epoch, step
         t0 = time.perf_counter()
-        batch: SampleBatch = src.get_many(ids, alloc=alloc)
-        if self.store is None:
-            d = self._direct_stats
-            d["pfs_reads"] += len(ids)
-            d["pfs_bytes"] += int(self.ds.sample_nbytes[ids].sum())
-            d["fetches_by_source"]["pfs"] = d["fetches_by_source"].get("pfs", 0) + len(ids)
+        batch: SampleBatch = self.store.get_many(ids, alloc=alloc)
         if self.transform is not None:
             out = collate_samples([self.transform(s) for s in batch], self.collate_fn)
         elif self.collate_fn is not None:
@@ -283,7 +281,7 @@ class DataLoader:
 
     def _trace_fetch(self, rec: Any, ids: np.ndarray, t0: float) -> None:
         t1 = time.perf_counter()
-        if self.store is None:  # direct: every sample read from the dataset files
+        if isinstance(self.store, DirectStore):  # every sample read from the files
             from ..store import _tracing as _hooks
 
             rows = self.ds.rows(ids)
@@ -308,7 +306,7 @@ class DataLoader:
         epoch, start = self.epoch, self._step
         if start >= len(self):  # a finished epoch: go on with the next one
             if epoch + 1 >= self.plan.epochs:
-                raise ValueError(f"all {self.plan.epochs} epochs of the plan are done")
+                raise InvalidArgumentError(f"all {self.plan.epochs} epochs of the plan are done")
             epoch, start = epoch + 1, 0
             self.epoch, self._step = epoch, 0
         batches = self.plan.batches(self.rank, epoch)
@@ -394,11 +392,7 @@ class DataLoader:
         """Where batches came from and what waiting cost: ``stall_seconds`` (time the
         iterating thread waited for data), ``fetches_by_source``, ``pfs_reads`` and
         ``pfs_bytes`` (samples and bytes this rank read from the dataset files)."""
-        base: dict[str, Any] = {"fetches_by_source": {}, "pfs_reads": 0, "pfs_bytes": 0}
-        if self.store is not None:
-            base.update(self.store.stats())
-        else:
-            base.update(self._direct_stats)
+        base = dict(self.store.stats())
         base["stall_seconds"] = self._stall
         base["staging_peak_bytes"] = self._staging_peak
         base["mode"] = self.mode
@@ -410,9 +404,7 @@ class DataLoader:
         if rec is not None and self._train_t0 is not None:
             rec.span("pipeline", "train", self._train_t0, time.perf_counter())
             self._train_t0 = None
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        self.store.close()
 
     def __enter__(self) -> "DataLoader":
         return self

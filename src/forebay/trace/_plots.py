@@ -12,6 +12,7 @@ import numpy as np
 
 from ._analyze import classify
 from ._read import Events
+from ..errors import MissingDependencyError
 
 __all__ = ["plot_all", "write_html"]
 
@@ -26,7 +27,7 @@ def _plt():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - matplotlib is in the plots extra
-        raise RuntimeError("plots need matplotlib: pip install 'forebay[plots]'") from e
+        raise MissingDependencyError("plots need matplotlib: pip install 'forebay[plots]'") from e
     return plt
 
 

@@ -14,6 +14,7 @@ from ...errors import DatasetNotFoundError, EmptySourceError, SourceError
 from ...progress import Progress, as_progress
 from .._format import Manifest
 from .._writer import DEFAULT_SHARD_BYTES, DatasetWriter
+from ...errors import InvalidArgumentError
 
 __all__ = ["Source", "SOURCES", "register_source", "get_source", "ingest", "list_files",
            "units_per_task"]
@@ -59,7 +60,7 @@ def get_source(kind: str, root: "str | os.PathLike[str]", **options: Any) -> Sou
     try:
         cls = SOURCES[kind]
     except KeyError:
-        raise ValueError(f"unknown source kind {kind!r}; choose one of "
+        raise InvalidArgumentError(f"unknown source kind {kind!r}; choose one of "
                          f"{', '.join(sorted(SOURCES))}") from None
     return cls(root, **options)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import SourceError, UnsupportedDtypeError
 from ._base import Source, check_keys, list_files, register_source
+from ...errors import InvalidArgumentError
 
 __all__ = ["Hdf5Source", "OFFSETS_SUFFIX"]
 
@@ -66,7 +67,7 @@ class Hdf5Source(Source):
         import h5py
 
         if layout not in (None, "stacked", "per-file"):
-            raise ValueError(f"layout must be 'stacked' or 'per-file', got {layout!r}")
+            raise InvalidArgumentError(f"layout must be 'stacked' or 'per-file', got {layout!r}")
         self.keys = list(keys) if keys else None
         self.ragged = dict(ragged or {})
         self.per_file = layout == "per-file"

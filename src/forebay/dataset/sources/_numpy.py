@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import SourceError, UnsupportedDtypeError
 from ._base import Source, check_keys, list_files, register_source
+from ...errors import InvalidArgumentError
 
 __all__ = ["NpzSource", "NpySource", "split_stacked"]
 
@@ -19,7 +20,7 @@ LAYOUTS = ("stacked", "per-file")
 
 def _check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
 
 
@@ -95,7 +96,8 @@ class NpySource(Source):
                  layout: Optional[str] = None, **unused: Any) -> None:
         self.files = list_files(root, [".npy"], "npy")
         if keys and len(keys) != 1:
-            raise ValueError(f"an npy source has one field; --keys names it (got {list(keys)})")
+            raise InvalidArgumentError(
+                f"an npy source has one field; --keys names it (got {list(keys)})")
         self.name = keys[0] if keys else "data"
         self.layout = _check_layout(layout or "per-file")
 

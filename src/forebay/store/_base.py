@@ -1,0 +1,116 @@
+"""The SampleStore contract every store implements, and the direct store (no cache)."""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+from typing import Any, ClassVar, Optional, Sequence, TypeVar
+
+import numpy as np
+
+from ..dataset import PackedDataset, SampleBatch, open_dataset
+from ..errors import ForebayError
+
+__all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS"]
+
+_S = TypeVar("_S", bound="SampleStore")
+
+#: keys every store's stats() has, one meaning each (the same bytes counted the same way
+#: in every mode)
+STATS_KEYS = {
+    "fetches_by_source": "samples served, by where they came from: 'local' (this rank's "
+                         "memory or SSD tier), 'peer' (another rank's), 'pfs' (the "
+                         "dataset files, read for the batch)",
+    "pfs_reads": "records this rank read from the dataset files: for batches, and for "
+                 "preloading or filling its tiers",
+    "pfs_bytes": "bytes of those records (each record's fields and the padding between "
+                 "them, as stored)",
+}
+
+
+class StoreError(ForebayError, RuntimeError):
+    """The store cannot be set up as asked (ranks disagree, memory does not fit...), is
+    closed, or its background fill failed."""
+
+
+class SampleStore(abc.ABC):
+    """Where a loader's samples come from.
+
+    ``get_many(ids, alloc=None)`` returns a :class:`~forebay.dataset.SampleBatch`
+    bit-exact to ``dataset.get_many(ids)``; ``stats()`` has at least
+    :data:`STATS_KEYS`; ``wait_filled()`` reports background filling and raises
+    :class:`StoreError` when a filler died; ``close()`` (collective for distributed
+    stores) releases everything and later reads raise :class:`StoreError`.  Abilities
+    are declared in :attr:`capabilities`: ``"shared"`` (ranks serve each other's
+    samples), ``"background_fill"`` (filled while training runs).
+
+    Every implementation passes ``tests/mpi/test_store_contract.py``.
+    """
+
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    ds: PackedDataset
+
+    @abc.abstractmethod
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc: Any = None) -> SampleBatch:
+        """Samples ``ids`` (any order, repeats and negative ids allowed)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters, with at least :data:`STATS_KEYS`."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the store; idempotent."""
+
+    def wait_filled(self, timeout: Optional[float] = None) -> bool:
+        """Block until background filling is complete (True) or ``timeout`` passes
+        (False); raise :class:`StoreError` if a filler failed.  Nothing to fill: True."""
+        return True
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    @property
+    def schema(self):
+        return self.ds.schema
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DirectStore(SampleStore):
+    """Every batch read from the dataset's memory-mapped shards (no cache, no
+    communication): the loader's ``mode="direct"``."""
+
+    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]") -> None:
+        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._reads = 0
+        self._bytes = 0
+
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc: Any = None) -> SampleBatch:
+        if self._closed:
+            raise StoreError("the store is closed")
+        ids = self.ds.normalize_ids(ids)
+        batch = self.ds.get_many(ids, alloc=alloc)
+        nbytes = int(self.ds.record_nbytes[ids].sum())
+        with self._lock:
+            self._reads += len(ids)
+            self._bytes += nbytes
+        return batch
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"fetches_by_source": {"pfs": self._reads} if self._reads else {},
+                    "pfs_reads": self._reads, "pfs_bytes": self._bytes}
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"DirectStore({self.ds.path})"
