@@ -32,7 +32,11 @@ from typing import Any, Mapping, Optional
 
 from .errors import LaunchError
 
-__all__ = ["World", "detect", "resolve_comm", "LOCAL", "MPI_LAUNCHERS"]
+__all__ = ["World", "detect", "resolve_comm", "abort_on_uncaught", "LOCAL", "MPI_LAUNCHERS",
+           "ABORT_ENV"]
+
+#: set to 0 to keep an uncaught exception from aborting the MPI job
+ABORT_ENV = "FOREBAY_ABORT_ON_ERROR"
 
 #: launchers that start MPI processes (mpi4py's COMM_WORLD spans the job)
 MPI_LAUNCHERS = ("openmpi", "pmi", "pmix")
@@ -163,3 +167,38 @@ def _mismatch(world: World, mpi_size: int) -> str:
     return (f"{world.describe()}: the launcher reports {world.size} ranks but forebay's data "
             f"plane (MPI) sees {mpi_size}, so every rank would read the whole dataset in the "
             f"same order. {fix}")
+
+
+_abort_installed = False
+
+
+def abort_on_uncaught(comm: Any) -> None:
+    """Make an uncaught exception on this rank abort the whole MPI job (MPI_Abort on
+    COMM_WORLD, as ``python -m mpi4py`` does), once the traceback is printed.
+
+    Without it a rank that raises leaves the others waiting forever in their next
+    collective (and itself in MPI_Finalize).  forebay's stores and loader call this
+    when they join a job of several ranks; ``FOREBAY_ABORT_ON_ERROR=0`` turns it off.
+    An exception the program catches changes nothing."""
+    global _abort_installed
+    if _abort_installed or comm is None or os.environ.get(ABORT_ENV, "1") == "0":
+        return
+    if comm.Get_size() <= 1:
+        return
+    from mpi4py import MPI
+
+    previous = sys.excepthook
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        try:
+            previous(kind, value, tb)
+            sys.stderr.write(f"forebay: rank {rank} of {size} ended with an uncaught "
+                             f"{kind.__name__}; aborting the MPI job so that no other rank "
+                             f"waits for it ({ABORT_ENV}=0 turns this off)\n")
+            sys.stderr.flush()
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+    _abort_installed = True

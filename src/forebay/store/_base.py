@@ -78,7 +78,18 @@ class SampleStore(abc.ABC):
     def __enter__(self: _S) -> _S:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # an exception is leaving the block, perhaps on this rank only: a collective
+            # close would wait for ranks that never come, so release what is local only
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop using the store without any collective (what leaving a ``with`` block
+        by an exception does): background threads stop, later reads raise, memory
+        shared with other ranks stays until the process ends.  Default: close()."""
         self.close()
 
 

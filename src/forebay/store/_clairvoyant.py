@@ -28,7 +28,7 @@ import numpy as np
 from .._fs import NETWORK_FS, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
-from ..world import resolve_comm
+from ..world import abort_on_uncaught, resolve_comm
 from ..errors import ChecksumError
 from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_agreement, check_same_dataset,
@@ -95,8 +95,9 @@ class ClairvoyantStore(SampleStore):
                  fill: bool = True, peer_wait: float = 1.0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  model: Any = None, ram_threads: int = 1, ssd_threads: int = 1) -> None:
-        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.comm = resolve_comm(comm)
+        abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
+        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         self.plan = plan
@@ -695,6 +696,14 @@ class ClairvoyantStore(SampleStore):
                     "filled_from_peers": self._fill_from_peers,
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
                     "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs}
+
+    def abandon(self) -> None:
+        if self.comm is None:
+            self.close()
+        self._closed = True
+        self._stop.set()
+        for t in self._threads:
+            t.join()
 
     def close(self) -> None:
         """Stop filling and free the window (collective)."""

@@ -21,7 +21,7 @@ from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch
 from ..errors import ChecksumError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
-from ..world import resolve_comm
+from ..world import abort_on_uncaught, resolve_comm
 from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
@@ -254,11 +254,12 @@ class DistributedStore(SampleStore):
                  width: Optional[int] = None, *, node_aware: bool = False,
                  transport: str = "auto", progress: "Progress | bool | None" = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
+        self.comm = resolve_comm(comm)
+        abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         if transport not in ("auto", "shm", "rma"):
             raise InvalidArgumentError(
                 f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
-        self.comm = resolve_comm(comm)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         self._win: Any = None        # the MPI window (None: one rank, no MPI)
@@ -540,6 +541,11 @@ class DistributedStore(SampleStore):
         return {"fetches_by_source": dict(self._fetches), "pfs_reads": int(mine.sum()),
                 "pfs_bytes": int(self.ds.record_nbytes[mine].sum()),
                 "preload_seconds": self.preload_seconds}
+
+    def abandon(self) -> None:
+        if self.comm is None:
+            self.close()
+        self._closed = True
 
     def close(self) -> None:
         """Release the window (collective over the replica group)."""

@@ -17,7 +17,7 @@ from ..dataset import IndexLayout, PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory)
-from ..world import LOCAL, resolve_comm
+from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, check_same_dataset, node_size
 from ._collate import collate_samples, default_collate
 from ..errors import InvalidArgumentError
@@ -151,12 +151,13 @@ class DataLoader:
             ram_threads = tiers.get("ram_threads") if ram_threads is None else ram_threads
             ssd_threads = tiers.get("ssd_threads") if ssd_threads is None else ssd_threads
         prefetch = 4 if prefetch is None else prefetch
+        self.comm = resolve_comm(comm)
+        abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         self.ds = dataset if isinstance(dataset, PackedDataset) else \
             open_dataset(dataset, verify_on_read=bool(verify_on_read))
         if verify_on_read and not self.ds.verify_on_read:   # the caller's object unchanged
             self.ds = open_dataset(self.ds.path, verify_on_read=True,
                                    readahead=self.ds.readahead)
-        self.comm = resolve_comm(comm)
         # the stores get this process alone as LOCAL (None would mean 'find the job')
         self._store_comm = LOCAL if self.comm is None else self.comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
@@ -409,8 +410,8 @@ class DataLoader:
     def __enter__(self) -> "DataLoader":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.store.__exit__(exc_type, exc, tb)   # no collective while an error propagates
 
 
 class Dataset(torch.utils.data.Dataset):
