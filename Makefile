@@ -25,7 +25,7 @@ demo: $(STAMP)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh $(DEMO)
 
 bench: $(STAMP)
-	$(PY) benchmarks/format_bench.py --out $(DEMO)/bench
+	$(PY) benchmarks/format/format_bench.py --out $(DEMO)/bench
 
 clean:
 	rm -rf $(DEMO) build src/*.egg-info .pytest_cache

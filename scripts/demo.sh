@@ -18,7 +18,7 @@ step "4. verify every checksum"
 forebay verify "$OUT/ising.fb"
 
 step "5. random-access read benchmark: PFF pickles vs HDF5 vs MuMMI NPZ vs packed"
-python benchmarks/format_bench.py --out "$OUT/bench" --samples 5000 --reads 1000 \
+python benchmarks/format/format_bench.py --out "$OUT/bench" --samples 5000 --reads 1000 \
     --mummi-samples 1024 --mummi-reads 100
 
 step "6. the access-frequency analysis NoPFS builds on (ImageNet-1k, 16 workers, 90 epochs)"
@@ -26,7 +26,7 @@ forebay plan --samples 1281167 --world 16 --epochs 90 --delta 0.8
 
 step "7. train a small graph network for 2 epochs on 2 MPI ranks: forebay's clairvoyant loader and gradient coordination vs torch DataLoader over PFF"
 rm -rf "$OUT/trace"
-mpiexec -n 2 python benchmarks/train_gnn.py --packed "$OUT/ising.fb" --pff "$OUT/ising-pff" --epochs 2 \
+mpiexec -n 2 python benchmarks/loader/train_gnn.py --packed "$OUT/ising.fb" --pff "$OUT/ising-pff" --epochs 2 \
     --mode clairvoyant --ram-share 0.6 --reduce bitvector --trace "$OUT/trace" \
     --repo "file://$(cd "$OUT" && pwd)/models" --json "$OUT/train.json"
 
@@ -38,7 +38,7 @@ forebay models ls "$OUT/models"
 forebay models show "$OUT/models" graphnet
 
 step "10. the simulator for that run, next to what was measured (NoPFS's model, this machine)"
-python benchmarks/sim_validate.py --train-json "$OUT/train.json" --json "$OUT/sim-validate.json"
+python benchmarks/sim/sim_validate.py --train-json "$OUT/train.json" --json "$OUT/sim-validate.json"
 
 step "11. the simulator on paper: ImageNet-1k on 4 Lassen-like nodes with a faster accelerator (c = 1 GB/s), 1% of the samples"
 forebay simulate --system lassen --dataset imagenet-1k --workers 4 --epochs 3 --scale 0.01 \

@@ -17,7 +17,7 @@ pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
 pytestmark = pytest.mark.mpi
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_gnn.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loader" / "train_gnn.py"
 
 
 def test_train_gnn_on_two_ranks(tmp_path):

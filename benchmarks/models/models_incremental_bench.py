@@ -3,7 +3,7 @@ layers changed, saved into a repository whose files were evicted from the page c
 (a checkpoint store on disk, not in memory), against writing the whole state dict with
 torch.save (+ fsync), side by side, alternating.
 
-    python benchmarks/models_incremental_bench.py --out /tmp/incr --versions 5
+    python benchmarks/models/models_incremental_bench.py --out /tmp/incr --versions 5
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import evict, files_under, machine  # noqa: E402
 
 

@@ -9,7 +9,7 @@
    parallel file system (Lassen: 330 MB/s for one reader, an open latency per file)
    against a provider serving from memory.
 
-    python benchmarks/models_remote_bench.py [--mib 1024] [--quick]
+    python benchmarks/models/models_remote_bench.py [--mib 1024] [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _baselines import EmulatedPFS  # noqa: E402
 from _common import evict, machine  # noqa: E402
 from models_bench import H5, Safetensors, TorchSave, make, subset, uniform  # noqa: E402

@@ -1,8 +1,8 @@
 """Cost of the clairvoyant placement on one rank: O(F) memory, O(F log F + E F / N) time.
 
-    python benchmarks/placement_bench.py --samples 1281167 --ranks 64 --epochs 90
+    python benchmarks/sim/placement_bench.py --samples 1281167 --ranks 64 --epochs 90
     # issue G, item 5: ImageNet-22k (NoPFS §6.1 sizes) at 1,024 ranks, Lassen-like tiers
-    python benchmarks/placement_bench.py --dataset imagenet-22k --ranks 1024 --epochs 90 \\
+    python benchmarks/sim/placement_bench.py --dataset imagenet-22k --ranks 1024 --epochs 90 \\
         --ram 120GB --ssd 900GB
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import machine  # noqa: E402
 
 from forebay import AccessPlan  # noqa: E402

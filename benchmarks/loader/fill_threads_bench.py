@@ -3,7 +3,7 @@ filled from cold files with 1, 2 and 4 fill threads, side by side, alternating, 
 disk and on the emulated parallel file system (each thread a reader capped at
 t(n)/n, n = the threads, NoPFS §6.1's t).
 
-    python benchmarks/fill_threads_bench.py --data /tmp/lbim/imagenet.fb --repeats 3
+    python benchmarks/loader/fill_threads_bench.py --data /tmp/lbim/imagenet.fb --repeats 3
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _baselines import EmulatedPFS  # noqa: E402
 from _common import evict, files_under, machine  # noqa: E402
 

@@ -13,7 +13,7 @@ File-based contenders (LMDB included) are read cold (their files evicted from th
 cache before each load) and warm.  Also: this machine's memcpy bandwidth, and storage
 growth over 10 versions with one layer changed per version.
 
-    python benchmarks/models_bench.py --out /tmp/models-bench [--quick]
+    python benchmarks/models/models_bench.py --out /tmp/models-bench [--quick]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import evict, files_under, machine  # noqa: E402
 
 import forebay.models as fm  # noqa: E402

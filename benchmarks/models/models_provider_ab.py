@@ -3,7 +3,7 @@ memory store): one client saves a fresh model of ``--mib`` MiB to each in turn,
 alternating which goes first, and prints the save times.  Use it to measure a change
 to the provider against the code before it (``git worktree add /tmp/old REV``):
 
-    python benchmarks/models_provider_ab.py --old-src /tmp/old/src --new-src src --mib 1024
+    python benchmarks/models/models_provider_ab.py --old-src /tmp/old/src --new-src src --mib 1024
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 # the package registry.  Pinned: dftracer 2.2.0 / pydftracer 2.0.6 write traces;
 # dftracer-analyzer 0.0.9 needs dftracer-utils 0.0.12.
 #
-#   bash benchmarks/dftracer_interop.sh [WORKDIR]
+#   bash benchmarks/trace/dftracer_interop.sh [WORKDIR]
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=${1:-/tmp/forebay-dftracer}
 PY=$ROOT/.venv/bin/python
 export PATH=$ROOT/.venv/bin:$PATH

@@ -4,7 +4,7 @@ with the torch DataLoader over PFF pickles, and print both throughputs.
 Plain torch (no torch_geometric): message passing with index_add, DistributedDataParallel
 on the gloo backend for gradients, MPI (mpi4py) for the data plane.
 
-    mpiexec -n 2 python benchmarks/train_gnn.py --packed .demo/ising.fb --pff .demo/ising-pff
+    mpiexec -n 2 python benchmarks/loader/train_gnn.py --packed .demo/ising.fb --pff .demo/ising-pff
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 import forebay
 import forebay.trace as trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _baselines import list_collate, pff_dataset  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--ram-share", type=float, default=0.6,
                    help="clairvoyant: each rank's RAM tier as a share of the dataset")
     p.add_argument("--json", type=Path, help="write the measured epochs (for the simulator "
-                   "comparison: benchmarks/sim_validate.py)")
+                   "comparison: benchmarks/sim/sim_validate.py)")
     p.add_argument("--repo", help="save the forebay-trained model into this model repository "
                    "(e.g. file:///tmp/models) and reload its head alone")
     a = p.parse_args()

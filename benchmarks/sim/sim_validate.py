@@ -1,5 +1,5 @@
 """The simulator next to a measured run (issue G, items 4 and 6): predicted vs measured
-time of the training run that ``benchmarks/train_gnn.py --json`` recorded.
+time of the training run that ``benchmarks/loader/train_gnn.py --json`` recorded.
 
 What is measured here, on this machine, and fed to the model (nothing is fitted to the
 times under test except the compute rate c):
@@ -15,10 +15,10 @@ The torch DataLoader with ``num_workers=0`` is the model's *naive* policy (no
 prefetching: fetch, decode, compute in turn); forebay's loader is
 *forebay-clairvoyant* (or *forebay-preload*) with one prefetch thread.
 
-    mpiexec -n 2 python benchmarks/train_gnn.py ... --mode clairvoyant --json run.json
-    python benchmarks/sim_validate.py --train-json run.json
+    mpiexec -n 2 python benchmarks/loader/train_gnn.py ... --mode clairvoyant --json run.json
+    python benchmarks/sim/sim_validate.py --train-json run.json
 
-Second mode, ``--loader-json``: the runs of ``benchmarks/loader_bench.py --pfs
+Second mode, ``--loader-json``: the runs of ``benchmarks/loader/loader_bench.py --pfs
 --clairvoyant --compute-ms MS --json J`` on the emulated parallel file system (NoPFS
 §6.1's t(gamma), one reader per rank, files evicted before every epoch): torch
 DataLoader over PFF pickles (naive), forebay preload (forebay-preload) and clairvoyant
@@ -26,9 +26,9 @@ with RAM (and SSD) tiers (forebay-clairvoyant), with c from the emulated compute
 step and the file system's rate per reader the slower of the emulation and this disk's
 cold reads (measured here, after eviction, for the packed shards and for the pickles).
 
-    python benchmarks/loader_bench.py --out .demo/loader --ranks 2 --pfs --clairvoyant \
+    python benchmarks/loader/loader_bench.py --out .demo/loader --ranks 2 --pfs --clairvoyant \
         --compute-ms 2 --open-latency-ms 0 --epochs 3 --json loader.json
-    python benchmarks/sim_validate.py --loader-json loader.json --data .demo/loader
+    python benchmarks/sim/sim_validate.py --loader-json loader.json --data .demo/loader
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _baselines import LASSEN_MBPS, list_collate, pff_dataset  # noqa: E402
 from _common import evict, files_under, machine  # noqa: E402
 

@@ -7,7 +7,7 @@ emulated parallel file system (per-open latency, per-reader and aggregate bandwi
 from NoPFS Sec. 6.1, Lassen).  The no-I/O bound runs the same loop on batches already in
 memory.
 
-    python benchmarks/loader_bench.py --out .demo/loader --ranks 2,4 --samples 20000
+    python benchmarks/loader/loader_bench.py --out .demo/loader --ranks 2,4 --samples 20000
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import evict, files_under, machine  # noqa: E402
 import _baselines  # noqa: E402
 from _baselines import (EmulatedPFS, hdf5_dataset, image_collate,  # noqa: E402

@@ -2,10 +2,10 @@
 step time against torch DDP, the effect of groups on fused messages, and an analytic model
 that extrapolates coordination cost to Summit scale.
 
-    python benchmarks/reduce_bench.py control --ranks 2,4,8 --tensors 16,64,256,1024
-    python benchmarks/reduce_bench.py step --ranks 2,4 --steps 40
-    python benchmarks/reduce_bench.py groups --ranks 4
-    python benchmarks/reduce_bench.py model
+    python benchmarks/reduce/reduce_bench.py control --ranks 2,4,8 --tensors 16,64,256,1024
+    python benchmarks/reduce/reduce_bench.py step --ranks 2,4 --steps 40
+    python benchmarks/reduce/reduce_bench.py groups --ranks 4
+    python benchmarks/reduce/reduce_bench.py model
 
 Every multi-rank case runs real gloo process groups under ``mpiexec`` on this machine
 (8 ranks on 2 cores are oversubscribed: step times there are not meaningful, traffic is).
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import machine  # noqa: E402
 
 

@@ -5,7 +5,7 @@ in-memory numpy arrays.  "cold": the contender's files are evicted from the page
 cache (posix_fadvise DONTNEED) right before its run; "warm": the same ids again.
 Also measures ingest speed against this machine's sequential write bandwidth.
 
-    python benchmarks/format_bench.py --out .demo/bench [--samples 20000] [--reads 2000]
+    python benchmarks/format/format_bench.py --out .demo/bench [--samples 20000] [--reads 2000]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _baselines import hdf5_dataset, pff_dataset  # noqa: E402
 from _common import drop_all_caches, evict, files_under, machine, seq_write_bandwidth, summarize, time_reads  # noqa
 

@@ -8,7 +8,7 @@ real case) and the bare loader with no model (the worst case: recording cost aga
 fastest possible epoch).  Epoch times exclude writing the trace file (done between
 epochs, timed and reported apart).
 
-    mpiexec -n 2 python benchmarks/trace_overhead.py --packed .demo/ising.fb --pairs 4
+    mpiexec -n 2 python benchmarks/trace/trace_overhead.py --packed .demo/ising.fb --pairs 4
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))  # train_gnn
 
 
 def main() -> None:

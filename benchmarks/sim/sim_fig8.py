@@ -2,7 +2,7 @@
 (4 workers), every policy, at the paper's compute rate c = 64 MB/s and at a faster
 accelerator's (c = 1,000 MB/s, where the file system starts to matter).
 
-    python benchmarks/sim_fig8.py --epochs 5 --json benchmarks/sim_fig8.json
+    python benchmarks/sim/sim_fig8.py --epochs 5 --json benchmarks/results/sim_fig8.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import machine  # noqa: E402
 
 
