@@ -33,7 +33,7 @@ import xxhash
 
 from ..errors import (ConnectionClosedError, CorruptModelError, ModelNotFoundError,
                       ModelRepositoryError)
-from ._repo import ModelStore, Repository, _copy_into, tensor_hash
+from ._repo import PENDING_GRACE_S, ModelStore, Repository, _copy_into, tensor_hash
 
 __all__ = ["serve", "RemoteRepository", "Provider", "HEADER", "parse_addresses"]
 
@@ -227,7 +227,7 @@ class _Handler(socketserver.BaseRequestHandler):
             repo.delete(meta["name"], int(meta["version"]))
             _send(sock, OP["OK"], {})
         elif op == OP["GC"]:
-            _send(sock, OP["OK"], repo.gc(float(meta.get("grace_seconds", 6 * 3600))))
+            _send(sock, OP["OK"], repo.gc(float(meta.get("grace_seconds", PENDING_GRACE_S))))
         elif op == OP["VERIFY"]:
             _send(sock, OP["OK"], {"problems": repo.verify()})
         elif op == OP["STATS"]:
@@ -458,7 +458,7 @@ class RemoteRepository(ModelStore):
     def delete(self, name: str, version: int) -> None:
         self._conn(name).call("DELETE", {"name": name, "version": version})
 
-    def gc(self, grace_seconds: float = 6 * 3600) -> dict[str, int]:
+    def gc(self, grace_seconds: float = PENDING_GRACE_S) -> dict[str, int]:
         tot: dict[str, int] = {}
         for c in self.conns:
             for k, v in c.call("GC", {"grace_seconds": grace_seconds}).items():

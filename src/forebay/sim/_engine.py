@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..vocab import FetchPath
+
 __all__ = ["SOURCES", "Timeline", "timeline"]
 
-#: fetch sources, in the order of the per-source arrays
-SOURCES = ("pfs", "ram", "ssd", "peer_ram", "peer_ssd")
-PFS, RAM, SSD, PEER_RAM, PEER_SSD = range(len(SOURCES))
+#: fetch paths (forebay.vocab.FetchPath), in the order of the per-path arrays
+SOURCES = tuple(p.label for p in FetchPath)
+F_PFS, F_RAM, F_SSD, F_PEER_RAM, F_PEER_SSD = (int(p) for p in FetchPath)
 
 
 @dataclass(frozen=True)

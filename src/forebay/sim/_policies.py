@@ -18,9 +18,8 @@ import numpy as np
 
 from ..plan import AccessPlan, permutation
 from ..store import NONE, compute_coverage, compute_placement, fill_tiers
-from ..store import RAM as P_RAM
-from ..store import SSD as P_SSD
-from ._engine import PEER_RAM, PEER_SSD, PFS, RAM, SOURCES, SSD, Timeline, timeline
+from ..vocab import Tier
+from ._engine import F_PEER_RAM, F_PEER_SSD, F_PFS, F_RAM, F_SSD, SOURCES, Timeline, timeline
 from ._system import System
 from ..errors import InvalidArgumentError
 
@@ -98,14 +97,14 @@ class _Run:
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
-        return np.where(self.coef[peer_src] < self.coef[PFS], peer_src, PFS)
+        return np.where(self.coef[peer_src] < self.coef[F_PFS], peer_src, F_PFS)
 
     def add(self, rank: int, epoch: int, ids: np.ndarray, src: np.ndarray) -> None:
         """Worker ``rank`` reads ``ids[h, :]`` at step h of ``epoch`` from ``src``."""
         w = self.w
         sl = slice(epoch * w.steps, (epoch + 1) * w.steps)
         mb = w.mb[ids]
-        fetch = mb * self.coef[src] + np.where(src == PFS, w.open_s, 0.0)
+        fetch = mb * self.coef[src] + np.where(src == F_PFS, w.open_s, 0.0)
         self.read[rank, sl] = (fetch + mb * self.wcoef).sum(axis=1) / self.threads
         self.nbytes[rank, sl] = w.sizes[ids].sum(axis=1)
         self.src_s += np.bincount(src.ravel(), fetch.ravel(), len(SOURCES)) / self.threads
@@ -146,11 +145,11 @@ def _prefetching(w: Workload) -> _Run:
 
 
 def _local(tier: np.ndarray) -> np.ndarray:
-    return np.where(tier == P_RAM, RAM, SSD)
+    return np.where(tier == Tier.RAM, F_RAM, F_SSD)
 
 
 def _peer(tier: np.ndarray) -> np.ndarray:
-    return np.where(tier == P_RAM, PEER_RAM, PEER_SSD)
+    return np.where(tier == Tier.RAM, F_PEER_RAM, F_PEER_SSD)
 
 
 # -- the policies -------------------------------------------------------------------
@@ -168,7 +167,7 @@ def naive(w: Workload) -> dict[str, Any]:
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)
-            run.add(i, e, ids, np.full(ids.shape, PFS))
+            run.add(i, e, ids, np.full(ids.shape, F_PFS))
     return run.finish(staging_bytes=0)
 
 
@@ -179,7 +178,7 @@ def staging(w: Workload) -> dict[str, Any]:
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)
-            run.add(i, e, ids, np.full(ids.shape, PFS))
+            run.add(i, e, ids, np.full(ids.shape, F_PFS))
     return run.finish()
 
 
@@ -199,11 +198,11 @@ def deepio(w: Workload) -> dict[str, Any]:
         for i in range(w.n):
             ids = w.batches(i, e)
             if e == 0:
-                src = np.full(ids.shape, PFS)
+                src = np.full(ids.shape, F_PFS)
             else:
                 t, o = tier[ids], owner[ids]
-                src = np.where(t == NONE, PFS, np.where(o == i, RAM, run.peer_or_pfs(
-                    np.full(ids.shape, PEER_RAM))))
+                src = np.where(t == NONE, F_PFS, np.where(o == i, F_RAM, run.peer_or_pfs(
+                    np.full(ids.shape, F_PEER_RAM))))
             run.add(i, e, ids, src)
     return run.finish()
 
@@ -227,10 +226,10 @@ def parallel_staging(w: Workload) -> dict[str, Any]:
         tier = fill_tiers(shard, w.sizes, sysm.ram_bytes, sysm.ssd_bytes)
         where = np.full(w.plan.num_samples, NONE, dtype=np.int8)
         where[shard] = tier
-        mb_ram = w.mb[shard[tier == P_RAM]].sum()
-        mb_ssd = w.mb[shard[tier == P_SSD]].sum()
-        setup.append((mb_ram * (run.coef[PFS] + sysm.tier_write_s_per_MB("ram"))
-                      + mb_ssd * (run.coef[PFS] + (sysm.tier_write_s_per_MB("ssd")
+        mb_ram = w.mb[shard[tier == Tier.RAM]].sum()
+        mb_ssd = w.mb[shard[tier == Tier.SSD]].sum()
+        setup.append((mb_ram * (run.coef[F_PFS] + sysm.tier_write_s_per_MB("ram"))
+                      + mb_ssd * (run.coef[F_PFS] + (sysm.tier_write_s_per_MB("ssd")
                                                    if mb_ssd else 0))
                       + int((tier != NONE).sum()) * w.open_s) / run.threads)
         for e in range(w.plan.epochs):
@@ -238,7 +237,7 @@ def parallel_staging(w: Workload) -> dict[str, Any]:
             need = w.steps * b
             ids = np.resize(order, need).reshape(w.steps, b)
             t = where[ids]
-            run.add(i, e, ids, np.where(t == NONE, PFS, _local(t)))
+            run.add(i, e, ids, np.where(t == NONE, F_PFS, _local(t)))
     run.setup_s = float(max(setup))
     return run.finish()
 
@@ -258,9 +257,9 @@ def lbann(w: Workload) -> dict[str, Any]:
         for i in range(w.n):
             ids = w.batches(i, e)
             o = owner[ids]
-            src = np.full(ids.shape, PFS) if e == 0 else np.where(
-                o == i, RAM, np.where(o >= 0, run.peer_or_pfs(np.full(ids.shape, PEER_RAM)),
-                                      PFS))
+            src = np.full(ids.shape, F_PFS) if e == 0 else np.where(
+                o == i, F_RAM, np.where(o >= 0, run.peer_or_pfs(np.full(ids.shape, F_PEER_RAM)),
+                                      F_PFS))
             run.add(i, e, ids, src)
     return run.finish()
 
@@ -295,7 +294,7 @@ def locality_aware(w: Workload) -> dict[str, Any]:
         if e == 0:
             for i in range(n):
                 ids = w.batches(i, 0)
-                run.add(i, 0, ids, np.full(ids.shape, PFS))
+                run.add(i, 0, ids, np.full(ids.shape, F_PFS))
             continue
         gb = w.plan.global_batches(e)                      # [h, n*b]
         row = np.repeat(np.arange(h), n * b)
@@ -315,7 +314,7 @@ def locality_aware(w: Workload) -> dict[str, Any]:
         rest = np.flatnonzero(~local)                      # in row order
         worker[rest] = np.repeat(np.tile(np.arange(n), h), free)
         t = tier[flat]
-        src = np.where(local, _local(t), np.where(hold >= 0, run.peer_or_pfs(_peer(t)), PFS))
+        src = np.where(local, _local(t), np.where(hold >= 0, run.peer_or_pfs(_peer(t)), F_PFS))
         by = np.lexsort((np.arange(len(flat)), worker, row))   # row, then worker
         flat_s, src_s, w_s = flat[by], src[by], worker[by]
         for i in range(n):
@@ -346,21 +345,21 @@ def nopfs(w: Workload) -> dict[str, Any]:
     ssd_cnt = np.zeros(f, dtype=np.int32)
     for i in range(w.n):
         held = held_by(i)
-        ram_cnt += held == P_RAM
-        ssd_cnt += held == P_SSD
+        ram_cnt += held == Tier.RAM
+        ssd_cnt += held == Tier.SSD
     for i in range(w.n):
         held = held_by(i)
         for e in range(w.plan.epochs):
             ids = w.batches(i, e)
             if e == 0:
-                run.add(i, e, ids, np.full(ids.shape, PFS))
+                run.add(i, e, ids, np.full(ids.shape, F_PFS))
                 continue
             mine = held[ids]
-            peer_ram = ram_cnt[ids] - (mine == P_RAM) > 0
-            peer_ssd = ssd_cnt[ids] - (mine == P_SSD) > 0
-            remote = np.where(peer_ram, run.peer_or_pfs(np.full(ids.shape, PEER_RAM)),
-                              np.where(peer_ssd, run.peer_or_pfs(np.full(ids.shape, PEER_SSD)),
-                                       PFS))
+            peer_ram = ram_cnt[ids] - (mine == Tier.RAM) > 0
+            peer_ssd = ssd_cnt[ids] - (mine == Tier.SSD) > 0
+            remote = np.where(peer_ram, run.peer_or_pfs(np.full(ids.shape, F_PEER_RAM)),
+                              np.where(peer_ssd, run.peer_or_pfs(np.full(ids.shape, F_PEER_SSD)),
+                                       F_PFS))
             run.add(i, e, ids, np.where(mine != NONE, _local(mine), remote))
     return run.finish()
 
@@ -382,8 +381,8 @@ def forebay_clairvoyant(w: Workload) -> dict[str, Any]:
         placement = compute_placement(plan, w.sizes, ram, ssd, i, coverage=cov)
         owner, tier, first_need = placement.owner, placement.tier, placement.first_need
         extra = np.full(plan.num_samples, NONE, dtype=np.int8)
-        extra[placement.extra_ram] = P_RAM
-        extra[placement.extra_ssd] = P_SSD
+        extra[placement.extra_ram] = Tier.RAM
+        extra[placement.extra_ssd] = Tier.SSD
         own_first = plan.first_access(i)
         first_step = np.where(first_need >= 0, first_need // gbatch, -1)
         for e in range(plan.epochs):
@@ -393,7 +392,7 @@ def forebay_clairvoyant(w: Workload) -> dict[str, Any]:
             qpos = (e * w.steps + h) * b + np.arange(b)[None, :]    # in i's own stream
             o, t, x = owner[ids], tier[ids], extra[ids]
             step = e * w.steps + h
-            src = np.full(ids.shape, PFS)
+            src = np.full(ids.shape, F_PFS)
             from_peer = (o >= 0) & (o != i) & (first_step[ids] < step)
             src = np.where(from_peer, run.peer_or_pfs(_peer(t)), src)
             src = np.where((x != NONE) & (own_first[ids] < qpos), _local(x), src)
@@ -429,7 +428,7 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
         for i in range(w.n):
             ids = w.batches(i, e)
             local = member[ids] == i % width
-            run.add(i, e, ids, np.where(local, RAM, PEER_RAM))
+            run.add(i, e, ids, np.where(local, F_RAM, F_PEER_RAM))
     res = run.finish()
     res["width"] = width
     return res

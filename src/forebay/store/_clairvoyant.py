@@ -28,6 +28,7 @@ import numpy as np
 from .._fs import NETWORK_FS, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
+from ..vocab import Backoff, FillState
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import ChecksumError
 from ..plan import AccessPlan
@@ -45,7 +46,8 @@ __all__ = ["ClairvoyantStore", "tier_nbytes"]
 # per position of its fill order (empty / being written / done), then the tier's data.
 _HEADER = ALIGNMENT
 _CHUNK_SAMPLES = 64
-_EMPTY, _WRITING, _DONE = 0, 1, 2  # per-position state of this rank's own tier
+# per-slot state of this rank's own tier (forebay.vocab.FillState), one byte each
+_EMPTY, _WRITING, _DONE = FillState.EMPTY, FillState.WRITING, FillState.DONE
 _CHUNK_BYTES = 8 << 20
 
 
@@ -420,10 +422,11 @@ class ClairvoyantStore(SampleStore):
             t0 = time.perf_counter()
             peers0 = self._fill_from_peers
             self._load(order[a:b][got], pos[got], wait=self.peer_wait)
+            wait = Backoff()
             while (self._state[a:b] != _DONE).any():  # a reader is writing one of them
                 if self._stop.is_set():
                     return
-                time.sleep(0.0005)
+                wait.sleep()
             self._advance()
             rec = _trace.active()
             if rec is not None:
@@ -552,6 +555,7 @@ class ClairvoyantStore(SampleStore):
         if self._win is None or not cand.any():
             return np.zeros(len(ids), dtype=bool)
         deadline = time.perf_counter() + wait
+        poll = Backoff(first=0.001, cap=0.004)
         while True:
             for o in np.unique(owner[cand]).tolist():
                 sel = cand & (owner == o)
@@ -568,7 +572,7 @@ class ClairvoyantStore(SampleStore):
                 self._win.Sync()
             if ok.sum() == cand.sum() or time.perf_counter() >= deadline or self._stop.is_set():
                 return ok
-            time.sleep(0.001)
+            poll.sleep()
 
     def _peer_counter(self, rank: int) -> int:
         from mpi4py import MPI
@@ -603,9 +607,10 @@ class ClairvoyantStore(SampleStore):
             # rather than read them twice
             busy = u[~got]
             deadline = time.perf_counter() + self.peer_wait
+            wait = Backoff()
             while len(busy) and (self._state[busy] == _WRITING).any() and \
                     time.perf_counter() < deadline:
-                time.sleep(0.0002)
+                wait.sleep()
             local = mine & ((lpos < self._filled) | self._done_at(lpos))
         peer = ~local & self._present(ids)
         if self._peer_via_pfs and peer.any():

@@ -27,11 +27,14 @@ import numpy as np
 
 from ..plan import AccessPlan
 from ..errors import InvalidArgumentError
+from ..vocab import Tier
 
 __all__ = ["Coverage", "Placement", "compute_coverage", "compute_placement", "fill_tiers",
            "RAM", "SSD", "NONE"]
 
-RAM, SSD, NONE = 0, 1, -1
+# the tiers of a placement (forebay.vocab.Tier; IntEnum members compare equal to the
+# integers stored in the placement's arrays)
+RAM, SSD, NONE = Tier.RAM, Tier.SSD, Tier.NONE
 
 
 @dataclass(frozen=True)

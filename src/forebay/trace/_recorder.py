@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..vocab import Source
 from ..world import detect
 
 __all__ = ["Recorder", "EVENT", "NCOLS", "SOURCES", "TIERS", "K_SPAN", "K_ITEM", "K_FILE", "K_META"]
@@ -42,7 +43,7 @@ K_FILE = 2
 K_META = 3
 
 #: where a sample came from, as the loader's ``stats()["fetches_by_source"]`` names it
-SOURCES = ("local", "peer", "pfs")
+SOURCES = tuple(s.value for s in Source)
 #: which storage held it
 TIERS = ("ram", "ssd", "pfs", "memory")
 
