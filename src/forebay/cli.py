@@ -109,8 +109,13 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 def cmd_verify(a: argparse.Namespace) -> int:
     from .dataset import open_dataset
+    from .errors import CorruptDatasetError
 
-    ds = open_dataset(a.path)
+    try:
+        ds = open_dataset(a.path)
+    except CorruptDatasetError as e:   # damaged manifest, index or sizes: corrupt, exit 1
+        print(f"CORRUPT {e}", file=sys.stderr)
+        return 1
     t0 = time.perf_counter()
     report = ds.verify(progress=_progress(), raise_on_error=False)
     dt = time.perf_counter() - t0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -37,6 +38,8 @@ __all__ = ["World", "detect", "resolve_comm", "abort_on_uncaught", "LOCAL", "MPI
 
 #: set to 0 to keep an uncaught exception from aborting the MPI job
 ABORT_ENV = "FOREBAY_ABORT_ON_ERROR"
+#: seconds between printing the traceback and MPI_Abort
+ABORT_GRACE_S = 0.5
 
 #: launchers that start MPI processes (mpi4py's COMM_WORLD spans the job)
 MPI_LAUNCHERS = ("openmpi", "pmi", "pmix")
@@ -197,6 +200,10 @@ def abort_on_uncaught(comm: Any) -> None:
                              f"{kind.__name__}; aborting the MPI job so that no other rank "
                              f"waits for it ({ABORT_ENV}=0 turns this off)\n")
             sys.stderr.flush()
+            sys.stdout.flush()
+            # the launcher forwards output asynchronously and MPI_Abort kills its
+            # forwarders: give the traceback a moment to get out
+            time.sleep(ABORT_GRACE_S)
         finally:
             MPI.COMM_WORLD.Abort(1)
 

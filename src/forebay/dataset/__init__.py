@@ -1,7 +1,8 @@
 """Packed datasets: format, writer, reader and ingest sources."""
 
 from ._batch import FieldBatch, SampleBatch, assemble_batch, gather_ranges
-from ._format import ALIGNMENT, FORMAT_VERSION, IndexLayout, Manifest
+from ._format import (ALIGNMENT, FORMAT_VERSION, IndexLayout, Manifest, checksum,
+                      seal_manifest)
 from ._reader import PackedDataset, VerifyReport, open_dataset
 from ._schema import KIND_BYTES, Field, Schema
 from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
@@ -9,6 +10,7 @@ from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 __all__ = [
     "ALIGNMENT", "DEFAULT_SHARD_BYTES", "FORMAT_VERSION", "KIND_BYTES", "DatasetWriter",
     "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "SampleBatch",
-    "Schema", "VerifyReport", "assemble_batch", "gather_ranges", "open_dataset",
+    "Schema", "VerifyReport", "assemble_batch", "checksum", "gather_ranges", "open_dataset",
+    "seal_manifest",
     "write_dataset",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,13 +11,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import DatasetNotFoundError, FormatVersionError, ManifestError
+from ..errors import ChecksumError, DatasetNotFoundError, FormatVersionError, ManifestError
 from ._schema import Schema
 from ..errors import InvalidArgumentError
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
-    "ShardInfo", "Manifest", "checksum", "replace_problem",
+    "ShardInfo", "Manifest", "checksum", "replace_problem", "seal_manifest",
 ]
 
 FORMAT_NAME = "forebay.packed"
@@ -25,6 +26,11 @@ FORMAT_VERSION = 1
 ALIGNMENT = 64
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_64"
+#: the manifest's last key: xxh3_64 of the file's bytes before it (see Manifest.to_json)
+_SUM_KEY = ' "manifest_checksum": '
+#: a larger manifest.json is refused before it is parsed
+MAX_MANIFEST_BYTES = 256 << 20
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 def checksum(data: Any) -> str:
@@ -75,9 +81,25 @@ class ShardInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ShardInfo":
-        return cls(data=str(d["data"]), index=str(d["index"]), num_samples=int(d["num_samples"]),
-                   data_nbytes=int(d["data_nbytes"]), data_checksum=str(d["data_checksum"]),
-                   index_nbytes=int(d["index_nbytes"]), index_checksum=str(d["index_checksum"]))
+        """A shard entry from a manifest (untrusted): file names must name files inside
+        the dataset directory, counts must be non-negative integers."""
+        names = {}
+        for key in ("data", "index"):
+            v = d[key]
+            if not isinstance(v, str) or not _PLAIN_NAME.fullmatch(v) or v in (".", ".."):
+                raise InvalidArgumentError(f"shard file name {v!r} is not a plain file name "
+                                           f"inside the dataset (no directories, no '..')")
+            names[key] = v
+        counts = {}
+        for key in ("num_samples", "data_nbytes", "index_nbytes"):
+            v = d[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"shard {names['data']}: {key} {v!r} is not a "
+                                           f"non-negative integer")
+            counts[key] = v
+        return cls(data=names["data"], index=names["index"], num_samples=counts["num_samples"],
+                   data_nbytes=counts["data_nbytes"], data_checksum=str(d["data_checksum"]),
+                   index_nbytes=counts["index_nbytes"], index_checksum=str(d["index_checksum"]))
 
 
 @dataclass(frozen=True)
@@ -107,7 +129,7 @@ class Manifest:
             "metadata": self.metadata,
             "created_by": self.created_by,
         }
-        return json.dumps(doc, indent=1) + "\n"
+        return seal_manifest(doc)
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -118,6 +140,9 @@ class Manifest:
         if not path.is_dir() or not mpath.is_file():
             raise ManifestError(f"{path} is not a forebay dataset: {MANIFEST_NAME} is missing")
         raw = mpath.read_bytes()
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{mpath}: {len(raw)} bytes, more than a manifest may hold "
+                                f"({MAX_MANIFEST_BYTES})")
         try:
             doc = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -129,6 +154,15 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise FormatVersionError(f"{mpath}: format version {version!r} is not supported "
                                      f"(this forebay reads version {FORMAT_VERSION})")
+        at = raw.rfind(b",\n" + _SUM_KEY.encode())
+        if at < 0:
+            raise ManifestError(f"{mpath}: the manifest carries no checksum (damaged, or "
+                                f"written by a forebay before checksummed manifests: "
+                                f"ingest it again)")
+        want = raw[at + 2 + len(_SUM_KEY) + 1:at + 2 + len(_SUM_KEY) + 17]
+        if checksum(raw[:at] + b"\n}").encode() != want:
+            raise ChecksumError(f"{mpath}: manifest checksum mismatch (the manifest is "
+                                f"damaged or was edited)")
         try:
             if doc.get("alignment", ALIGNMENT) != ALIGNMENT:
                 raise InvalidArgumentError(f"alignment {doc['alignment']} (expected {ALIGNMENT})")
@@ -142,7 +176,7 @@ class Manifest:
                     created_by=str(doc.get("created_by", "")), fingerprint=checksum(raw))
             if list(doc.get("index_columns", [])) != IndexLayout(schema).columns:
                 raise InvalidArgumentError("index_columns do not match the schema")
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ManifestError(f"{mpath}: malformed manifest: {what}") from None
         if sum(s.num_samples for s in shards) != m.num_samples:
@@ -170,3 +204,13 @@ def replace_problem(path: Path) -> "str | None":
         return (f"it holds {len(extra)} entries the dataset's manifest does not list "
                 f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})")
     return None
+
+
+def seal_manifest(doc: dict[str, Any]) -> str:
+    """The text of ``manifest.json`` for ``doc``, ending with its checksum: xxh3_64 of
+    every byte before the checksum's own key, which :meth:`Manifest.read` recomputes from
+    the file's bytes (no re-serialisation), so any damaged byte is caught.  For tools
+    that write or edit a manifest on purpose."""
+    doc = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+    head = json.dumps(doc, indent=1)[:-2]          # without the closing "\n}"
+    return f"{head},\n{_SUM_KEY}\"{checksum((head + chr(10) + '}').encode())}\"\n}}\n"

@@ -124,12 +124,7 @@ class PackedDataset:
         #: first global sample id of each shard
         self._shard_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._shard_of = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-        ends = self._index[:, IndexLayout.REC_OFF] + self._index[:, IndexLayout.REC_LEN]
-        sizes = np.array([s.data_nbytes for s in self.manifest.shards], dtype=np.int64)
-        if len(ends) and (ends > sizes[self._shard_of]).any():
-            bad = int(np.argmax(ends > sizes[self._shard_of]))
-            raise CorruptDatasetError(f"{self.path}: sample {bad} extends past the end of "
-                                      f"{self.manifest.shards[self._shard_of[bad]].data}")
+        self._check_rows()
         self.sample_nbytes: np.ndarray = self._index[:, self._layout.nbytes_cols].sum(axis=1)
         self.sample_nbytes.setflags(write=False)
         self._index.setflags(write=False)
@@ -194,6 +189,41 @@ class PackedDataset:
             self.advise(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
             parts.append((self._map(s), rec[sel], sel))
         return parts
+
+    def _check_rows(self) -> None:
+        """Every index row, once, vectorised (the index is untrusted input): the record
+        lies inside its shard, each field inside its record, and each field's byte
+        count is its shape's product times its itemsize.  A row that fails would make
+        a read return bytes outside the record, or fault; it is named instead."""
+        idx, lay = self._index, self._layout
+        if not len(idx):
+            return
+        sizes = np.array([s.data_nbytes for s in self.manifest.shards], dtype=np.int64)
+        off, ln = idx[:, IndexLayout.REC_OFF], idx[:, IndexLayout.REC_LEN]
+        room = sizes[self._shard_of]
+        # compared without sums that could overflow int64 on crafted values
+        bad = (off < 0) | (ln < 0) | (off > room) | (ln > room - np.minimum(off, room))
+        what = "record outside its shard"
+        for f in self.schema.fields:
+            if bad.any():
+                break
+            foff, fnb = idx[:, lay.off[f.name]], idx[:, lay.nbytes[f.name]]
+            shape = idx[:, lay.shape[f.name]]
+            field_bad = (foff < 0) | (fnb < 0) | (foff > ln) | (fnb > ln - np.minimum(foff, ln))
+            field_bad |= (shape < 0).any(axis=1)
+            # the product in float64 is exact below 2**53, and a valid one is below the
+            # shard size; above, the row is wrong anyway
+            prod = np.prod(shape.astype(np.float64), axis=1) * f.dtype.itemsize
+            field_bad |= prod != fnb.astype(np.float64)
+            if field_bad.any():
+                bad, what = field_bad, (f"field {f.name!r} outside its record or its byte "
+                                        f"count not its shape's")
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise CorruptDatasetError(
+                f"{self.path}: sample {i} ({self.manifest.shards[self._shard_of[i]].index}, "
+                f"row {i - int(self._shard_start[self._shard_of[i]])}): {what} "
+                f"({int(bad.sum())} bad rows)")
 
     # -- mapping ----------------------------------------------------------------
     def _map(self, k: int) -> np.ndarray:

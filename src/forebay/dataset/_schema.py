@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -40,10 +41,40 @@ class Field:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Field":
+        """A field from a manifest (untrusted: every value is checked, the dtype parsed
+        from a whitelist, never handed to numpy's general parser)."""
         kind = d.get("kind", KIND_ARRAY)
         if kind not in (KIND_ARRAY, KIND_BYTES):
             raise InvalidArgumentError(f"unknown field kind {kind!r}")
-        return cls(name=str(d["name"]), dtype=np.dtype(d["dtype"]), ndim=int(d["ndim"]), kind=kind)
+        name, ndim = d["name"], d["ndim"]
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"field name {name!r} is not a non-empty string")
+        if isinstance(ndim, bool) or not isinstance(ndim, int) or not 0 <= ndim <= MAX_NDIM:
+            raise InvalidArgumentError(f"field {name!r}: ndim {ndim!r} is not an integer "
+                                       f"in [0, {MAX_NDIM}]")
+        dtype = parse_dtype(d["dtype"], name)
+        if kind == KIND_BYTES and (dtype != np.uint8 or ndim != 1):
+            raise InvalidArgumentError(f"field {name!r}: a bytes field is 1-d uint8")
+        return cls(name=name, dtype=dtype, ndim=ndim, kind=kind)
+
+
+#: the most dimensions a field may have (numpy's own limit is 64)
+MAX_NDIM = 32
+_DTYPE_RE = re.compile(r"[<>|][biufc](1|2|4|8|16|32)")
+
+
+def parse_dtype(text: Any, field: str = "") -> np.dtype:
+    """A stored dtype string (``"<f4"``, ``"|u1"``, ``">i8"``...) from the whitelist of
+    kinds forebay stores: bool, signed, unsigned, float and complex, with an explicit
+    byte order; anything else is an :class:`InvalidArgumentError`."""
+    if not isinstance(text, str) or not _DTYPE_RE.fullmatch(text):
+        raise InvalidArgumentError(f"field {field!r}: dtype {text!r} is not one forebay "
+                                   f"stores (byte order, kind b/i/u/f/c, size)")
+    dt = np.dtype(text)
+    if dt.str != text and not (dt.itemsize == 1 and text[0] == "|"):
+        raise InvalidArgumentError(f"field {field!r}: dtype {text!r} is not canonical "
+                                   f"(numpy reads it as {dt.str!r})")
+    return dt
 
 
 @dataclass(frozen=True)
@@ -76,7 +107,13 @@ class Schema:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Schema":
-        return cls(fields=tuple(Field.from_dict(f) for f in d["fields"]))
+        fields = d["fields"]
+        if not isinstance(fields, list) or not fields:
+            raise InvalidArgumentError("schema fields must be a non-empty list")
+        out = tuple(Field.from_dict(f) for f in fields)
+        if len({f.name for f in out}) != len(out):
+            raise InvalidArgumentError("schema field names repeat")
+        return cls(fields=out)
 
     @classmethod
     def infer(cls, sample: Mapping[str, Any], where: str = "sample 0") -> "Schema":
