@@ -95,7 +95,7 @@ def run_ranks(ranks: int, func, *args, timeout: int = 120, env: dict | None = No
     """Run ``func(*args)``, a function of a test module (named ``rank_*`` so pytest does
     not collect it), on every rank of real ``mpiexec -n ranks``; a hang fails at
     ``timeout``.  Returns the CompletedProcess; each rank whose call returned printed
-    ``rank R ok`` (see :func:`assert_ranks_ok`)."""
+    ``rank-main: rank R ok`` (see :func:`assert_ranks_ok`)."""
     import subprocess
 
     mod = sys.modules[func.__module__]
@@ -127,9 +127,9 @@ def run_torchrun(ranks: int, func, *args, timeout: int = 120, env: dict | None =
 
 def assert_ranks_ok(p, ranks: int) -> None:
     """Every rank of a :func:`run_ranks` run returned from its function."""
-    ok = sorted(line for line in p.stdout.splitlines() if line.endswith(" ok")
-                and line.startswith("rank "))
-    assert p.returncode == 0 and ok == sorted(f"rank {r} ok" for r in range(ranks)), \
+    ok = sorted(line for line in p.stdout.splitlines() if line.startswith("rank-main: "))
+    assert p.returncode == 0 and ok == sorted(f"rank-main: rank {r} ok"
+                                              for r in range(ranks)), \
         f"exit {p.returncode}, {ok}\n{p.stderr[-4000:]}"
 
 

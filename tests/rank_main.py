@@ -1,6 +1,6 @@
 """Entry point of every rank of a multi-rank test: ``python rank_main.py MODULE FUNC
 ARGS...`` imports test module MODULE and calls ``FUNC(*ARGS)`` (see
-:func:`conftest.run_ranks`).  A rank whose function returns prints ``rank R ok``; an
+:func:`conftest.run_ranks`).  A rank whose function returns prints ``rank-main: rank R ok``; an
 exception leaves it uncaught, as in a user's script (forebay's abort-on-error hook,
 when installed, sees it)."""
 
@@ -15,7 +15,7 @@ def main() -> int:
     module, func, *args = sys.argv[1:]
     rank = os.environ.get("PMI_RANK") or os.environ.get("RANK") or "0"
     getattr(importlib.import_module(module), func)(*args)
-    os.write(1, f"rank {rank} ok\n".encode())
+    os.write(1, f"rank-main: rank {rank} ok\n".encode())
     return 0
 
 

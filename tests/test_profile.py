@@ -100,18 +100,21 @@ def test_fetch_model_interpolates_clamps_and_compares():
     assert FetchModel.from_profile({"ram": {"copy_MBps": {1: 1.0}}}) is None
 
 
+def rank_calibrate(out: str) -> None:
+    """One rank of `forebay calibrate` under mpiexec."""
+    from forebay.cli import main
+
+    assert main(["calibrate", "--out", out]) == 0
+
+
 @pytest.mark.mpi
 def test_calibrate_under_mpiexec_measures_gets_from_a_peer(tmp_path):
     pytest.importorskip("mpi4py")
-    from conftest import run_mpi
-    from forebay.store._profile import load_profile
+    from conftest import run_ranks
+    from forebay.store import load_profile
 
     out = tmp_path / "p.toml"
-    p = run_mpi(2, """
-        import sys
-        from forebay.cli import main
-        sys.exit(main(["calibrate", "--out", sys.argv[1]]))
-    """, out, timeout=180)
+    p = run_ranks(2, rank_calibrate, out, timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
     prof = load_profile(out)
     assert prof["rma"]["ranks"] == 2 and prof["rma"]["get_MBps"][2] > 0

@@ -7,20 +7,23 @@ import pytest
 
 import forebay
 from forebay.store import ClairvoyantStore, StoreError
-from conftest import run_mpi
+from conftest import run_ranks
 
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.mpi
 
-PARTIAL = """
-    import sys, threading, time
+def rank_partial(*args: str) -> None:
+    """One rank of the partial test (run by run_ranks)."""
+    argv = ["rank", *args]
+    import threading
+    import time
     import numpy as np
     from mpi4py import MPI
     import forebay
     from forebay.store import ClairvoyantStore, tier_nbytes
     from conftest import say
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
+    ds = forebay.open_dataset(argv[1])
     plan = forebay.AccessPlan(len(ds), comm.size, 8, 3, seed=1)
     for transport in ("shm", "rma"):
         for share in (0.9, 0.3):  # tiers hold most / a third of the dataset
@@ -30,7 +33,7 @@ PARTIAL = """
             assert st.transport == transport
             # a slow fill races the reads: a sample is served from a tier only once the
             # owner's counter says it is complete, so every batch stays bit-exact
-            def slow():
+            def slow(st=st):
                 while st.fill_now(limit=3):
                     time.sleep(0.002)
             t = threading.Thread(target=slow)
@@ -49,17 +52,17 @@ PARTIAL = """
                                            ("local", "peer", "pfs")]))
             say(f"rank {comm.rank} {transport} {share} ok {checked} sources {src.tolist()}")
             st.close()
-"""
 
-EXACT = """
-    import sys
+def rank_exact(*args: str) -> None:
+    """One rank of the exact test (run by run_ranks)."""
+    argv = ["rank", *args]
     from mpi4py import MPI
     import forebay
     from forebay.store import tier_nbytes
     from forebay.torch import DataLoader
     from conftest import say
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
+    ds = forebay.open_dataset(argv[1])
     need = int(tier_nbytes(ds).sum())
     dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=3, mode="clairvoyant",
                     ram_bytes=int(need * 1.2 / comm.size),
@@ -77,12 +80,11 @@ EXACT = """
     say(f"rank {comm.rank} pfs_reads_total {total} samples {len(ds)} "
         f"sources {s['fetches_by_source']} stall {s['stall_seconds'] >= 0}")
     dl.close()
-"""
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_bit_exact_while_filling(packed, ranks):
-    p = run_mpi(ranks, PARTIAL, packed[0], timeout=180)
+    p = run_ranks(ranks, rank_partial, packed[0], timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     ok = [line for line in p.stdout.splitlines() if " ok " in line]
     assert len(ok) == 4 * ranks
@@ -93,7 +95,7 @@ def test_bit_exact_while_filling(packed, ranks):
 
 
 def test_one_pfs_read_per_sample_when_tiers_hold_the_dataset(packed):
-    p = run_mpi(2, EXACT, packed[0], timeout=180)
+    p = run_ranks(2, rank_exact, packed[0], timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [line for line in p.stdout.splitlines() if "pfs_reads_total" in line]
     assert len(lines) == 2
@@ -133,23 +135,24 @@ def test_single_process_and_bad_arguments(packed):
     zero.close()
 
 
-DIES = """
-    import os, sys, time
+def rank_dies(*args: str) -> None:
+    """One rank of the dies test (run by run_ranks)."""
+    argv = ["rank", *args]
+    import os
     from mpi4py import MPI
     import forebay
     from forebay.torch import DataLoader
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
-    dl = DataLoader(ds, 8, comm=comm, epochs=50, mode=sys.argv[2], ram_bytes=ds.nbytes,
+    ds = forebay.open_dataset(argv[1])
+    dl = DataLoader(ds, 8, comm=comm, epochs=50, mode=argv[2], ram_bytes=ds.nbytes,
                     collate_fn=lambda b: b)
     if comm.rank == 1:
         os._exit(3)  # dies without a word, holding part of the data
     for e in range(50):
         dl.set_epoch(e)
-        for b in dl:
+        for _ in dl:
             pass
         comm.Barrier()  # the next collective cannot complete
-"""
 
 
 @pytest.mark.parametrize("mode", ["preload", "clairvoyant"])
@@ -157,25 +160,27 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging(packed, mode):
     import time
 
     t0 = time.monotonic()
-    p = run_mpi(2, DIES, packed[0], mode, timeout=90)
+    p = run_ranks(2, rank_dies, packed[0], mode, timeout=90)
     assert p.returncode != 0
     assert time.monotonic() - t0 < 90
 
 
-SSD = """
-    import os, sys
+def rank_ssd(*args: str) -> None:
+    """One rank of the ssd test (run by run_ranks)."""
+    argv = ["rank", *args]
+    import os
     from mpi4py import MPI
     import forebay
     from forebay.store import ClairvoyantStore, tier_nbytes
     from conftest import say
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
-    ssd_dir = sys.argv[2]
+    ds = forebay.open_dataset(argv[1])
+    ssd_dir = argv[2]
     plan = forebay.AccessPlan(len(ds), comm.size, 8, 3, seed=5)
     need = int(tier_nbytes(ds).sum())
     # RAM for a quarter of the dataset, SSD for the rest and some: coverage is complete
     st = ClairvoyantStore(ds, plan, comm, ram_bytes=need // (4 * comm.size),
-                          ssd_dir=ssd_dir, ssd_bytes=need // comm.size, transport=sys.argv[3])
+                          ssd_dir=ssd_dir, ssd_bytes=need // comm.size, transport=argv[3])
     p = st.placement
     assert p.covered == 1.0 and len(p.own_ssd) > 0
     files = len([f for f in os.listdir(ssd_dir) if f.endswith(".tier")])
@@ -191,12 +196,11 @@ SSD = """
     left = len([f for f in os.listdir(ssd_dir) if f.endswith(".tier")])
     say(f"rank {comm.rank} files {files} left {left} pfs_total {total} n {len(ds)} "
         f"pfs_fetches {s['fetches_by_source']['pfs']}")
-"""
 
 
 @pytest.mark.parametrize("transport", ["shm", "rma"])
 def test_ssd_tier_holds_what_ram_cannot(packed, tmp_path, transport):
-    p = run_mpi(2, SSD, packed[0], tmp_path, transport, timeout=180)
+    p = run_ranks(2, rank_ssd, packed[0], tmp_path, transport, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [line for line in p.stdout.splitlines() if "files" in line]
     assert len(lines) == 2
@@ -235,18 +239,19 @@ def test_unusable_ssd_dir_warns_and_falls_back(packed, tmp_path):
     assert list(tmp_path.glob("*.tier")) == []
 
 
-MODEL = """
-    import sys
+def rank_model(*args: str) -> None:
+    """One rank of the model test (run by run_ranks)."""
+    argv = ["rank", *args]
     from mpi4py import MPI
     import forebay
     from forebay.store import tier_nbytes
     from forebay.torch import DataLoader
     from conftest import say
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
+    ds = forebay.open_dataset(argv[1])
     need = int(tier_nbytes(ds).sum())
     dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=2, mode="clairvoyant",
-                    ram_bytes=int(need * 1.2 / comm.size), system=sys.argv[2],
+                    ram_bytes=int(need * 1.2 / comm.size), system=argv[2],
                     collate_fn=lambda b: b)
     assert dl.store.wait_filled(timeout=60)
     comm.Barrier()
@@ -258,7 +263,6 @@ MODEL = """
     say(f"rank {comm.rank} peer {s['fetches_by_source']['peer']} "
         f"by_model {s['pfs_by_model']}")
     dl.close()
-"""
 
 
 @pytest.mark.parametrize("pfs_MBps,rma_MBps,expect_peer", [(1e6, 1.0, False),
@@ -273,9 +277,9 @@ def test_performance_model_picks_the_file_system_when_it_is_faster(packed, tmp_p
     system = tmp_path / "system.toml"
     system.write_text(f'[pfs]\nread_MBps = {{ "1" = {pfs_MBps}, "2" = {pfs_MBps} }}\n'
                       f'[rma]\nget_MBps = {{ "2" = {rma_MBps} }}\n')
-    p = run_mpi(2, MODEL, path, system, timeout=180)
+    p = run_ranks(2, rank_model, path, system, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    lines = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("rank")]
+    lines = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("rank ")]
     assert len(lines) == 2
     for ln in lines:
         peer, by_model = int(ln[3]), int(ln[5])
@@ -285,19 +289,21 @@ def test_performance_model_picks_the_file_system_when_it_is_faster(packed, tmp_p
             assert peer == 0 and by_model > 0
 
 
-THREADS = """
-    import os, sys, time
+def rank_threads(*args: str) -> None:
+    """One rank of the threads test (run by run_ranks)."""
+    argv = ["rank", *args]
+    import time
     from mpi4py import MPI
     import forebay
     from forebay.store import ClairvoyantStore, tier_nbytes
     from conftest import say
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
+    ds = forebay.open_dataset(argv[1])
     plan = forebay.AccessPlan(len(ds), comm.size, 8, 3, seed=7)
     need = int(tier_nbytes(ds).sum())
     # slow file reads: the fill threads' chunks finish out of order and race the reads
     st = ClairvoyantStore(ds, plan, comm, ram_bytes=need // (3 * comm.size),
-                          ssd_dir=sys.argv[2], ssd_bytes=need // comm.size,
+                          ssd_dir=argv[2], ssd_bytes=need // comm.size,
                           ram_threads=3, ssd_threads=2,
                           on_pfs_read=lambda nbytes, n, dt: time.sleep(0.003))
     names = sorted(t.name for t in st._threads)
@@ -313,11 +319,10 @@ THREADS = """
     st.close()
     say(f"rank {comm.rank} threads {names} filled {s['filled']} of {s['fill_total']} "
         f"pfs_total {total} n {len(ds)}")
-"""
 
 
 def test_several_fill_threads_per_tier(packed, tmp_path):
-    p = run_mpi(2, THREADS, packed[0], tmp_path, timeout=180)
+    p = run_ranks(2, rank_threads, packed[0], tmp_path, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [line for line in p.stdout.splitlines() if "threads" in line]
     assert len(lines) == 2

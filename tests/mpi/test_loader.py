@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from forebay import AccessPlan
-from conftest import run_mpi
+from conftest import run_ranks, say
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -16,16 +16,16 @@ pytestmark = pytest.mark.mpi
 
 GLOBAL_BATCH = 16
 
-SCRIPT = """
-    import json, sys
-    import numpy as np
+
+def rank_global_batches(path: str, width: str, resume: str) -> None:
+    """One rank: iterate 2 epochs (or resume at a state), rank 0 prints the global batches."""
     from mpi4py import MPI
+
     from forebay.torch import DataLoader
-    from conftest import say
+
     comm = MPI.COMM_WORLD
-    path, width, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    bs = %d // comm.size
-    dl = DataLoader(path, bs, comm=comm, seed=5, epochs=2, width=width or None,
+    bs = GLOBAL_BATCH // comm.size
+    dl = DataLoader(path, bs, comm=comm, seed=5, epochs=2, width=int(width) or None,
                     collate_fn=lambda b: (b.ids.copy(), b["label"].copy()))
     steps = comm.allgather(len(dl))
     assert len(set(steps)) == 1, steps
@@ -46,7 +46,6 @@ SCRIPT = """
         if state is not None:
             say("STATE " + json.dumps(state))
     dl.close()
-""" % GLOBAL_BATCH
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +59,7 @@ def labelled(tmp_path_factory):
 
 
 def _run(ranks, path, width=0, resume="-"):
-    p = run_mpi(ranks, SCRIPT, path, width, resume)
+    p = run_ranks(ranks, rank_global_batches, path, width, resume)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
     return json.loads(lines["GLOBAL"]), json.loads(lines["STATE"]) if "STATE" in lines else None

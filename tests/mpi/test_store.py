@@ -7,20 +7,21 @@ import pytest
 
 import forebay
 from forebay.store import DistributedStore, StoreError, StoreLayout
-from conftest import run_mpi
+from conftest import assert_ranks_ok, run_ranks
 
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.mpi
 
-BIT_EXACT = """
-    import sys
+def rank_bit_exact(*args: str) -> None:
+    """One rank of the bit_exact test (run by run_ranks)."""
+    argv = ["rank", *args]
     import numpy as np
     from mpi4py import MPI
     from conftest import say
     import forebay
     from forebay.store import DistributedStore
     comm = MPI.COMM_WORLD
-    ds = forebay.open_dataset(sys.argv[1])
+    ds = forebay.open_dataset(argv[1])
     widths = [w for w in range(1, comm.size + 1) if comm.size % w == 0]
     for w, transport in [(w, t) for w in widths for t in ("shm", "rma")]:
         with DistributedStore(ds, comm, width=w, transport=transport, progress=False) as st:
@@ -28,7 +29,7 @@ BIT_EXACT = """
             assert st.replicas == comm.size // w
             rng = np.random.default_rng(comm.rank * 100 + w)
             assert st.transport in ("shm", "rma", "local")
-            for k in range(25):
+            for _ in range(25):
                 ids = rng.integers(-len(ds), len(ds), size=int(rng.integers(0, 70)))
                 assert st.get_many(ids).equals(ds.get_many(ids)), (w, ids)
             every = np.arange(len(ds))
@@ -37,13 +38,12 @@ BIT_EXACT = """
             assert set(owners.tolist()) == set(range(st.group * w, st.group * w + w))
             held = comm.allreduce(st.nbytes)
         say(f"rank {comm.rank} width {w} {transport} ok held {held}")
-"""
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_bit_exact_for_every_width(packed, ranks):
     path, _ = packed
-    p = run_mpi(ranks, BIT_EXACT, path)
+    p = run_ranks(ranks, rank_bit_exact, path)
     assert p.returncode == 0, p.stderr[-3000:]
     widths = [w for w in range(1, ranks + 1) if ranks % w == 0]
     for w in widths:
@@ -51,53 +51,50 @@ def test_bit_exact_for_every_width(packed, ranks):
             assert sum(f"width {w} {t} ok" in line for line in p.stdout.splitlines()) == ranks
 
 
+def rank_node_aware(path: str) -> None:
+    """One rank: node_aware groups make one replica per node (one node here)."""
+    from mpi4py import MPI
+
+    from forebay.store import DistributedStore
+
+    ds = forebay.open_dataset(path)
+    with DistributedStore(ds, MPI.COMM_WORLD, node_aware=True, progress=False) as st:
+        assert st.width == 2 and st.replicas == 1  # one node here
+        assert st.get_many(range(len(ds))).equals(ds.get_many(range(len(ds))))
+
+
 def test_node_aware_groups(packed):
-    path, _ = packed
-    p = run_mpi(2, """
-        import sys
-        from mpi4py import MPI
-        from conftest import say
-        import forebay
-        from forebay.store import DistributedStore
-        ds = forebay.open_dataset(sys.argv[1])
-        with DistributedStore(ds, MPI.COMM_WORLD, node_aware=True, progress=False) as st:
-            assert st.width == 2 and st.replicas == 1  # one node here
-            assert st.get_many(range(len(ds))).equals(ds.get_many(range(len(ds))))
-        say("node ok")
-    """, path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.count("node ok") == 2
+    assert_ranks_ok(run_ranks(2, rank_node_aware, packed[0]), 2)
 
 
-ERRORS = """
-    import sys, os
+def rank_errors(*args: str) -> None:
+    """One rank of the errors test (run by run_ranks)."""
+    argv = ["rank", *args]
     from mpi4py import MPI
     from conftest import say
-    import forebay
     from forebay.store import DistributedStore, StoreError
     from forebay.errors import SampleIndexError
     comm = MPI.COMM_WORLD
-    case = sys.argv[1]
+    case = argv[1]
     try:
         if case == "width":
-            DistributedStore(sys.argv[2], comm, width=3, progress=False)
+            DistributedStore(argv[2], comm, width=3, progress=False)
         elif case == "dataset":
-            DistributedStore(sys.argv[2 + comm.rank % 2], comm, progress=False)
+            DistributedStore(argv[2 + comm.rank % 2], comm, progress=False)
         elif case == "memory":
-            DistributedStore(sys.argv[2], comm, width=1, progress=False)
+            DistributedStore(argv[2], comm, width=1, progress=False)
         elif case == "index":
-            with DistributedStore(sys.argv[2], comm, progress=False) as st:
+            with DistributedStore(argv[2], comm, progress=False) as st:
                 try:
                     st.get_many([0, 10**6])
                 except SampleIndexError as e:
                     say(f"rank {comm.rank} IndexError {e}")
                 comm.Barrier()
-            sys.exit(0)
+            return
     except StoreError as e:
         say(f"rank {comm.rank} StoreError {e}")
-        sys.exit(0)
+        return
     say(f"rank {comm.rank} no error")
-"""
 
 
 def _per_rank(p, word):
@@ -105,7 +102,7 @@ def _per_rank(p, word):
 
 
 def test_width_not_dividing_world_fails_on_every_rank(packed):
-    p = run_mpi(4, ERRORS, "width", packed[0], timeout=60)
+    p = run_ranks(4, rank_errors, "width", packed[0], timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = _per_rank(p, "StoreError")
     assert len(lines) == 4 and all("width 3 must divide the world size 4" in s for s in lines)
@@ -114,14 +111,14 @@ def test_width_not_dividing_world_fails_on_every_rank(packed):
 def test_different_datasets_detected_on_every_rank(tmp_path, packed, ragged):
     other = tmp_path / "other"
     forebay.write_dataset(other, ragged[:100])
-    p = run_mpi(2, ERRORS, "dataset", packed[0], other, timeout=60)
+    p = run_ranks(2, rank_errors, "dataset", packed[0], other, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = _per_rank(p, "StoreError")
     assert len(lines) == 2 and all("different datasets" in s and "other" in s for s in lines)
 
 
 def test_memory_budget_checked_before_allocating(packed):
-    p = run_mpi(2, ERRORS, "memory", packed[0], timeout=60,
+    p = run_ranks(2, rank_errors, "memory", packed[0], timeout=60,
                 env={"FOREBAY_MEMORY_LIMIT": "50000"})
     assert p.returncode == 0, p.stderr[-2000:]
     lines = _per_rank(p, "StoreError")
@@ -129,7 +126,7 @@ def test_memory_budget_checked_before_allocating(packed):
 
 
 def test_bad_ids_name_the_id(packed):
-    p = run_mpi(2, ERRORS, "index", packed[0], timeout=60)
+    p = run_ranks(2, rank_errors, "index", packed[0], timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = _per_rank(p, "IndexError")
     assert len(lines) == 2 and all("1000000 out of range" in s for s in lines)

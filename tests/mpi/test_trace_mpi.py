@@ -9,27 +9,30 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_mpi
+from conftest import run_ranks
 from forebay.trace._analyze import analyze
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
 pytestmark = pytest.mark.mpi
 
-SCRIPT = """
-    import json, sys, time
+def rank_script(*args: str) -> None:
+    """One rank of the script test (run by run_ranks)."""
+    argv = ["rank", *args]
+    import json
+    import time
     from mpi4py import MPI
     import forebay.trace as trace
     from forebay.torch import DataLoader
     from conftest import say
     comm = MPI.COMM_WORLD
-    path, mode, transport = sys.argv[1], sys.argv[2], sys.argv[3]
+    path, mode, transport = argv[1], argv[2], argv[3]
     kw = {"ram_bytes": 6000} if mode == "clairvoyant" else {}
     dl = DataLoader(path, 8, comm=comm, epochs=2, mode=mode, transport=transport,
                     progress=False, **kw)
     for e in range(2):
         dl.set_epoch(e)
-        for b in dl:
+        for _ in dl:
             with trace.region("compute"):
                 time.sleep(0.0005)
     stats = dl.stats()
@@ -38,7 +41,6 @@ SCRIPT = """
     comm.Barrier()
     say("STATS %d %s" % (comm.rank, json.dumps(stats["fetches_by_source"])))
     say("PFS %d %d" % (comm.rank, stats["pfs_reads"]))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def data(tmp_path_factory):
                                              ("clairvoyant", "auto")])
 def test_each_rank_writes_a_trace_matching_its_stats(tmp_path, data, mode, transport):
     d = tmp_path / "trace"
-    p = run_mpi(2, SCRIPT, data, mode, transport, env={"FOREBAY_TRACE": str(d)})
+    p = run_ranks(2, rank_script, data, mode, transport, env={"FOREBAY_TRACE": str(d)})
     assert p.returncode == 0, p.stderr[-3000:]
     stats, pfs = {}, {}
     for line in p.stdout.splitlines():
