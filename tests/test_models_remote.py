@@ -311,3 +311,96 @@ def test_corrupt_tensor_over_a_provider_is_named_and_the_connection_goes_on(tmp_
         srv.shutdown()
         srv.server_close()
         store.close()
+
+
+# -- hostile clients (issue M.6-9) ------------------------------------------------------------
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_idle_sockets_never_starve_a_real_client(tmp_path):
+    """20 connections that send nothing (no token), and 3 authenticated clients that
+    stay connected and idle, against a provider of 2 workers: a new client is still
+    served (before, the idle ones held every worker slot for up to 600 s)."""
+    p, url = _serve(tmp_path, "memory://", "--workers", "2")
+    idle, kept = [], []
+    try:
+        host, port = url[len("tcp://"):].rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(20)]
+        for _ in range(3):
+            r = fm.RemoteRepository(url, TOKEN, timeout=30)
+            r.list()                                  # connected, authenticated, now idle
+            kept.append(r)
+        late = fm.RemoteRepository(url, TOKEN, timeout=30)
+        late.save("m", net())                         # a socket timeout here fails the test
+        assert late.versions("m") == [1]
+        late.close()
+    finally:
+        for s in idle:
+            s.close()
+        for r in kept:
+            r.close()
+        _stop(p)
+
+
+def test_memory_before_authentication_is_bounded(tmp_path):
+    """Before the token is checked only a small HELLO is read: a header announcing 64 MiB
+    of metadata, or 64 MiB of empty msgpack arrays, is refused without allocating it
+    (before: 4.8 GiB peak for one such frame)."""
+    p, url = _serve(tmp_path, "memory://")
+    try:
+        base = _peak_rss_kib(p.pid)
+        frame = b"\xdd" + (64 << 20).to_bytes(4, "big") + b"\x90" * (64 << 20)   # array32
+        for k in range(4):
+            s = _raw(url, hello=False)
+            s.sendall(HEADER.pack(MAGIC, 1, OP["HELLO"], 0, len(frame), 0))
+            if k % 2:
+                try:
+                    s.sendall(frame)
+                except OSError:
+                    pass                                 # dropped as soon as it said the size
+            op, meta = _reply(s)
+            assert op == OP["ERR"] and "exceeds the 4096 limit" in meta["error"]
+            s.close()
+        assert _peak_rss_kib(p.pid) - base < 64 << 10      # KiB: well under one frame
+        r = fm.open_repository(url, token=TOKEN)
+        r.save("m", net())
+        assert r.versions("m") == [1]
+        r.close()
+    finally:
+        _stop(p)
+
+
+@pytest.mark.parametrize("op, meta", [
+    ("DELETE", {"name": "m", "version": float("inf")}),        # OverflowError
+    ("DELETE", {"name": "m", "version": [1]}),                  # TypeError
+    ("GC", {"grace_seconds": "soon"}),                          # ValueError
+    ("MANIFEST", {"name": {"nested": 1}}),                     # a map where a name goes
+    ("HAS", {"hashes": None}),
+])
+def test_every_malformed_request_gets_an_error_reply(tmp_path, op, meta):
+    p, url = _serve(tmp_path, "memory://")
+    try:
+        s = _raw(url)
+        m = _packb(meta)
+        s.sendall(HEADER.pack(MAGIC, 1, OP[op], 0, len(m), 0) + m)
+        got, reply = _reply(s)
+        assert got == OP["ERR"] and reply["error"], reply
+        m = _packb({})                                     # the connection is still in step
+        s.sendall(HEADER.pack(MAGIC, 1, OP["LIST"], 0, len(m), 0) + m)
+        got, reply = _reply(s)
+        assert got == OP["OK"] and reply == {"models": {}}
+        s.close()
+    finally:
+        _stop(p)
+
+
+def test_a_provider_needs_a_token_unless_told_otherwise(tmp_path, cli):
+    code, _, err = cli("models", "serve", "--listen", "127.0.0.1:0", "--store", "memory://")
+    assert code == 2 and "token is required" in err
+    with pytest.raises(ModelRepositoryError, match="needs a token"):
+        fm.serve("127.0.0.1:0", "memory://", None)

@@ -252,13 +252,14 @@ def cmd_models_serve(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     token = token_from_file(a.token_file)
-    host = a.listen.rpartition(":")[0]
-    if not token and host not in ("127.0.0.1", "localhost", "::1"):
-        print("forebay models serve: listening beyond localhost needs a token "
-              "(--token-file or FOREBAY_TOKEN)", file=sys.stderr)
+    if not token and not a.no_token:
+        print("forebay models serve: a token is required, even on 127.0.0.1, which every "
+              "user of this node can reach (--token-file or FOREBAY_TOKEN; --no-token to "
+              "serve anyone)", file=sys.stderr)
         return 2
     try:
         serve(a.listen, a.store, token, workers=a.workers, max_data=a.max_frame,
+              allow_no_token=a.no_token,
               ready=lambda srv: print(f"serving {a.store} on {srv.address}", flush=True))
     except KeyboardInterrupt:
         pass
@@ -451,11 +452,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: FOREBAY_TOKEN)")
     sv = mos.add_parser("serve", help="serve a repository to clients over TCP (tcp://)")
     sv.add_argument("--listen", default="127.0.0.1:7531", help="HOST:PORT (default "
-                    "127.0.0.1:7531; other hosts need a token)")
+                    "127.0.0.1:7531)")
     sv.add_argument("--store", required=True, help="the repository served: file:///path "
                     "or memory://")
     sv.add_argument("--token-file", help="file whose first line is the shared token "
-                    "(default: FOREBAY_TOKEN)")
+                    "(default: FOREBAY_TOKEN; one is required)")
+    sv.add_argument("--no-token", action="store_true",
+                    help="serve without a token: anyone who can reach the port may read, "
+                         "write and delete models")
     sv.add_argument("--workers", type=int, default=16, help="clients served at once")
     sv.add_argument("--max-frame", type=parse_size, default="16GiB",
                     help="largest request accepted (default 16GiB)")

@@ -45,6 +45,12 @@ OP = {"HELLO": 1, "HAS": 2, "PUT": 3, "COMMIT": 4, "MANIFEST": 5, "GET": 6, "VER
       "LIST": 8, "DELETE": 9, "GC": 10, "VERIFY": 11, "STATS": 12, "OK": 100, "ERR": 101}
 MAX_META = 64 << 20
 DEFAULT_MAX_DATA = 16 << 30
+#: before the token is checked only a small HELLO is read, within this many seconds
+HELLO_MAX = 4096
+HANDSHAKE_TIMEOUT_S = 10.0
+#: msgpack container limits for metadata (a manifest of 100k tensors fits)
+_UNPACK_LIMITS = dict(max_array_len=1 << 20, max_map_len=1 << 20, max_str_len=1 << 20,
+                      max_bin_len=1 << 20, max_ext_len=0)
 
 
 class ProtocolError(ModelRepositoryError):
@@ -61,7 +67,7 @@ def _unpackb(raw: bytes) -> Any:
     import msgpack
 
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except Exception as e:  # msgpack raises several kinds on garbage
         raise ProtocolError(f"malformed frame metadata: {type(e).__name__}") from e
 
@@ -76,8 +82,14 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    """``n`` bytes, the buffer growing as they arrive (a header announcing 64 MiB
+    allocates nothing until the bytes come)."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionClosedError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
     return bytes(buf)
 
 
@@ -99,15 +111,16 @@ def _send(sock: socket.socket, op: int, meta: Any, data: Sequence[Any] = ()) -> 
                 sent = 0
 
 
-def _recv_header(sock: socket.socket, max_data: int) -> tuple[int, int, int]:
+def _recv_header(sock: socket.socket, max_data: int, max_meta: int = MAX_META
+                 ) -> tuple[int, int, int]:
     raw = _recv_exact(sock, HEADER.size)
     magic, ver, op, _flags, mlen, dlen = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a forebay model client")
     if ver != VERSION:
         raise ProtocolError(f"protocol version {ver}, this side speaks {VERSION}")
-    if mlen > MAX_META:
-        raise ProtocolError(f"frame metadata of {mlen} bytes exceeds the {MAX_META} limit")
+    if mlen > max_meta:
+        raise ProtocolError(f"frame metadata of {mlen} bytes exceeds the {max_meta} limit")
     if dlen > max_data:
         raise ProtocolError(f"frame data of {dlen} bytes exceeds the {max_data} limit")
     return op, mlen, dlen
@@ -137,8 +150,11 @@ class Provider(socketserver.ThreadingTCPServer):
 
     def __init__(self, listen: tuple[str, int], repo: Repository, token: Optional[str],
                  *, workers: int = 16, max_data: int = DEFAULT_MAX_DATA,
-                 idle_timeout: float = 600.0) -> None:
+                 idle_timeout: float = 600.0, allow_no_token: bool = False) -> None:
         self.repo, self.token = repo, token or ""
+        if not self.token and not allow_no_token:
+            raise ModelRepositoryError("a provider needs a token; pass allow_no_token=True "
+                                       "to serve anyone")
         self.max_data, self.idle_timeout = max_data, idle_timeout
         self.slots = threading.BoundedSemaphore(workers)
         self.served = 0
@@ -155,23 +171,25 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        sock.settimeout(self.server.idle_timeout)
         peer = f"{self.client_address[0]}:{self.client_address[1]}"
-        with self.server.slots:
+        try:
+            self._serve(sock)
+        except ProtocolError as e:
+            log.warning("%s: %s; dropping the client", peer, e)
             try:
-                self._serve(sock)
-            except ProtocolError as e:
-                log.warning("%s: %s; dropping the client", peer, e)
-                try:
-                    _send(sock, OP["ERR"], {"error": str(e), "kind": "protocol"})
-                except OSError:
-                    pass
-            except (ConnectionError, socket.timeout, OSError) as e:
-                log.info("%s: %s; dropping the client", peer, e)
+                _send(sock, OP["ERR"], {"error": str(e), "kind": "protocol"})
+            except OSError:
+                pass
+        except (ConnectionError, socket.timeout, OSError) as e:
+            log.info("%s: %s; dropping the client", peer, e)
 
     def _serve(self, sock: socket.socket) -> None:
+        """The handshake (a small HELLO within seconds, no worker slot held), then each
+        request served holding one of the ``workers`` slots, released while the
+        connection is idle: unauthenticated or idle connections never starve others."""
         srv = self.server
-        op, mlen, dlen = _recv_header(sock, 0)
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        op, mlen, dlen = _recv_header(sock, 0, HELLO_MAX)
         meta = _unpackb(_recv_exact(sock, mlen))
         if op != OP["HELLO"] or not isinstance(meta, dict):
             raise ProtocolError("the first frame must be HELLO")
@@ -180,22 +198,26 @@ class _Handler(socketserver.BaseRequestHandler):
             log.warning("%s: wrong token", self.client_address[0])
             return
         _send(sock, OP["OK"], {"version": VERSION})
+        sock.settimeout(srv.idle_timeout)
         while True:
             try:
                 op, mlen, dlen = _recv_header(sock, srv.max_data)
             except ConnectionError:
                 return  # the client closed between requests
-            meta = _unpackb(_recv_exact(sock, mlen))
-            if not isinstance(meta, dict):
-                raise ProtocolError("frame metadata must be a map")
-            try:
-                self._dispatch(sock, op, meta, dlen)
-            except (ModelRepositoryError, KeyError, ValueError, TypeError) as e:
-                if isinstance(e, ProtocolError):
+            with srv.slots:
+                meta = _unpackb(_recv_exact(sock, mlen))
+                if not isinstance(meta, dict):
+                    raise ProtocolError("frame metadata must be a map")
+                try:
+                    self._dispatch(sock, op, meta, dlen)
+                except ProtocolError:
                     raise
-                kind = "notfound" if isinstance(e, ModelNotFoundError) else \
-                    "corrupt" if isinstance(e, CorruptModelError) else "error"
-                _send(sock, OP["ERR"], {"error": str(e), "kind": kind})
+                except Exception as e:  # noqa: BLE001 - every malformed request gets an ERR
+                    kind = "notfound" if isinstance(e, ModelNotFoundError) else \
+                        "corrupt" if isinstance(e, CorruptModelError) else "error"
+                    msg = str(e) if isinstance(e, ModelRepositoryError) else \
+                        f"malformed request ({type(e).__name__}: {e})"
+                    _send(sock, OP["ERR"], {"error": msg, "kind": kind})
 
     def _dispatch(self, sock: socket.socket, op: int, meta: dict, dlen: int) -> None:
         repo = self.server.repo
@@ -261,9 +283,17 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 def serve(listen: str, store_url: str, token: Optional[str], *, workers: int = 16,
-          max_data: int = DEFAULT_MAX_DATA, ready: Any = None) -> None:
-    """Run a provider until interrupted (``forebay models serve``)."""
+          max_data: int = DEFAULT_MAX_DATA, ready: Any = None,
+          allow_no_token: bool = False) -> None:
+    """Run a provider until interrupted (``forebay models serve``).  A token is
+    required (127.0.0.1 is reachable by every user of the node) unless
+    ``allow_no_token``."""
     from ._repo import open_repository
+
+    if not token and not allow_no_token:
+        raise ModelRepositoryError("a provider needs a token (any user who can reach its "
+                                   "port could read, write and delete models); pass "
+                                   "allow_no_token=True to serve anyone")
 
     host, port = parse_addresses(listen if listen.startswith("tcp://") else
                                  f"tcp://{listen}")[0]
@@ -271,7 +301,8 @@ def serve(listen: str, store_url: str, token: Optional[str], *, workers: int = 1
         raise ModelRepositoryError("a provider serves a local store (file:// or memory://)")
     repo = open_repository(store_url)
     assert isinstance(repo, Repository)   # a local store: tcp:// was refused above
-    with Provider((host, port), repo, token, workers=workers, max_data=max_data) as srv:
+    with Provider((host, port), repo, token, workers=workers, max_data=max_data,
+                  allow_no_token=allow_no_token) as srv:
         log.warning("serving %s on %s (%d workers%s)", repo.url, srv.address, workers,
                     ", token required" if token else ", NO token")
         if ready is not None:
