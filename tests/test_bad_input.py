@@ -395,3 +395,38 @@ def test_every_single_byte_flip_of_the_manifest_is_caught(packed, cli):
             assert code in (1, 2) and "Traceback" not in err, (k, err)
     m.write_bytes(raw)
     assert forebay.open_dataset(path).verify().ok
+
+
+def test_private_files_are_created_0600_whatever_the_umask(tmp_path):
+    """Model stores, clairvoyant SSD tier files and traces hold what other users of a
+    shared node must not read (they were created 0644)."""
+    import os
+    import stat
+
+    import forebay.models as fm
+    import forebay.trace as trace
+    from forebay.store import ClairvoyantStore
+    from forebay.world import LOCAL
+
+    old = os.umask(0o022)
+    try:
+        with fm.open_repository(str(tmp_path / "repo")) as r:
+            r.save("m", {"w": __import__("torch").zeros(3)})
+        forebay.write_dataset(tmp_path / "ds", [{"x": np.arange(9)}] * 20)
+        ds = forebay.open_dataset(tmp_path / "ds")
+        (tmp_path / "ssd").mkdir()
+        st = ClairvoyantStore(ds, forebay.AccessPlan(20, 1, 4, 1), LOCAL, ram_bytes=0,
+                              ssd_dir=tmp_path / "ssd", ssd_bytes=1 << 20, fill=False)
+        tier_files = list((tmp_path / "ssd").iterdir())
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tier_files}
+        st.close()
+        trace.enable(tmp_path / "trace")
+        with trace.region("x"):
+            pass
+        written = trace.disable()
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "repo" / "data.mdb", tmp_path / "repo" / "lock.mdb", written):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    assert stat.S_IMODE((tmp_path / "repo").stat().st_mode) == 0o700
+    assert tier_files and set(modes.values()) == {0o600}, modes

@@ -12,7 +12,14 @@ from typing import Callable, Optional
 from .errors import DatasetExistsError
 
 __all__ = ["check_target", "tmp_sibling", "commit_dir", "fsync_dir", "filesystem_type",
-           "NETWORK_FS"]
+           "NETWORK_FS", "create_private"]
+
+
+def create_private(path: "str | os.PathLike[str]") -> None:
+    """Create ``path`` empty, readable and writable by its owner only (0600, whatever
+    the umask): for what other users of a node must not read (model stores, tier
+    files, traces).  An existing file is truncated and keeps its mode."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
 
 
 def fsync_dir(path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .._fs import NETWORK_FS, filesystem_type
+from .._fs import NETWORK_FS, create_private, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..vocab import Backoff, FillState
@@ -282,7 +282,8 @@ class ClairvoyantStore(SampleStore):
         self._ssd_token = token
         if self.ssd_nbytes:
             self._ssd_file = self._ssd_path(self.rank)
-            with open(self._ssd_file, "wb+") as fh:
+            create_private(self._ssd_file)     # 0600: other users of the node never read it
+            with open(self._ssd_file, "rb+") as fh:
                 fh.truncate(self.ssd_nbytes)
                 mm = mmap.mmap(fh.fileno(), self.ssd_nbytes, access=mmap.ACCESS_WRITE)
             self._ssd_maps[self.rank] = mm

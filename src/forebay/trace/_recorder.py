@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._fs import create_private
+
 from ..vocab import Source
 from ..world import detect
 
@@ -141,6 +143,7 @@ class Recorder:
         if self._n == 0:
             return
         if self._spill is None:
+            create_private(self._spill_path)
             self._spill = open(self._spill_path, "wb")
         self._buf[:self._n].tofile(self._spill)
         self._spilled += self._n

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import xxhash
 
+from .._fs import create_private
 from ._recorder import EVENT, K_FILE, K_ITEM, K_META, K_SPAN, SOURCES, TIERS
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ def write_pfw(rec: "Recorder", events: np.ndarray, end: float) -> None:
     """Write ``rec``'s trace atomically (a temporary name, then rename)."""
     assert events.dtype == EVENT and events.ndim == 2
     tmp = rec.path.with_name(f".{rec.path.name}.tmp")
+    create_private(tmp)                    # 0600: a trace names the job's files
     with gzip.open(tmp, "wt", compresslevel=6, encoding="utf-8") as f:
         batch: list[str] = []
         for line in _lines(rec, events, end):
