@@ -430,3 +430,128 @@ def test_private_files_are_created_0600_whatever_the_umask(tmp_path):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     assert stat.S_IMODE((tmp_path / "repo").stat().st_mode) == 0o700
     assert tier_files and set(modes.values()) == {0o600}, modes
+
+
+# -- leftovers after crashes (issue M.10) ------------------------------------------------------
+def _start_and_kill(code: str, *args) -> None:
+    """Run ``code`` in a new Python, wait until it prints 'ready', kill -9 it."""
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        p.stdout.close()
+
+
+_WRITER = """
+import sys, time, numpy as np, forebay
+w = forebay.DatasetWriter(sys.argv[1])
+w.add({"x": np.arange(3)})
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_next_write(tmp_path):
+    out = tmp_path / "ds"
+    _start_and_kill(_WRITER, out)
+    first = leftovers(tmp_path)
+    assert len(first) == 1                        # what a kill -9 leaves
+    _start_and_kill(_WRITER, out)                 # its start removed the first one
+    second = leftovers(tmp_path)
+    assert len(second) == 1 and second != first
+    forebay.write_dataset(out, [{"x": np.arange(3)}])
+    assert leftovers(tmp_path) == [] and len(forebay.open_dataset(out)) == 1
+
+
+def test_a_live_writers_temporary_is_left_alone(tmp_path):
+    out = tmp_path / "ds"
+    live = forebay.DatasetWriter(out)             # holds its lock
+    forebay.write_dataset(tmp_path / "other", [{"x": np.arange(3)}])
+    w2 = forebay.DatasetWriter(out, overwrite=True)
+    assert len(leftovers(tmp_path)) == 2          # both temporaries exist
+    w2.abort()
+    live.add({"x": np.arange(4)})
+    live.close()
+    assert forebay.open_dataset(out)[0]["x"].tolist() == [0, 1, 2, 3]
+
+
+_TIER = """
+import sys, time, forebay
+from forebay.store import ClairvoyantStore
+from forebay.world import LOCAL
+ds = forebay.open_dataset(sys.argv[1])
+st = ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 1, 4, 1), LOCAL, ram_bytes=0,
+                      ssd_dir=sys.argv[2], ssd_bytes=1 << 20, fill=False)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_ranks_ssd_tier_file_is_removed_at_the_next_start(tmp_path):
+    from forebay.store import ClairvoyantStore
+    from forebay.world import LOCAL
+
+    forebay.write_dataset(tmp_path / "ds", [{"x": np.arange(9)}] * 20)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    _start_and_kill(_TIER, tmp_path / "ds", ssd)
+    assert len(list(ssd.glob("*.tier"))) == 1
+    ds = forebay.open_dataset(tmp_path / "ds")
+    st = ClairvoyantStore(ds, forebay.AccessPlan(20, 1, 4, 1), LOCAL, ram_bytes=0,
+                          ssd_dir=ssd, ssd_bytes=1 << 20, fill=False)
+    assert [p.name for p in ssd.glob("*.tier")] == [st._ssd_file.name]   # only its own
+    other = ClairvoyantStore(ds, forebay.AccessPlan(20, 1, 4, 1), LOCAL, ram_bytes=0,
+                             ssd_dir=ssd, ssd_bytes=1 << 20, fill=False)
+    assert len(list(ssd.glob("*.tier"))) == 2     # a live store's file is kept
+    other.close()
+    st.close()
+    assert list(ssd.glob("*.tier")) == []
+
+
+_POOL = """
+import os, sys, time, multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from forebay.dataset.sources._base import _die_with_parent
+if __name__ == "__main__":
+    ex = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_die_with_parent, initargs=(os.getpid(),))
+    pids = {ex.submit(os.getpid).result() for _ in range(8)}
+    print(" ".join(map(str, pids)), flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_ingest_workers_die_with_their_parent(tmp_path):
+    """kill -9 of an ingest with --workers used to leave its readers running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL)
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert pids and all(_alive(q) for q in pids)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    p.stdout.close()
+    deadline = time.monotonic() + 60              # a hang guard, not a measured time
+    while any(_alive(q) for q in pids):
+        assert time.monotonic() < deadline, f"workers {pids} outlived their parent"
+        time.sleep(0.05)

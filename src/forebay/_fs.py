@@ -12,7 +12,84 @@ from typing import Callable, Optional
 from .errors import DatasetExistsError
 
 __all__ = ["check_target", "tmp_sibling", "commit_dir", "fsync_dir", "filesystem_type",
-           "NETWORK_FS", "create_private"]
+           "NETWORK_FS", "create_private", "LiveLock", "abandoned", "new_tmp_dir"]
+
+#: temporaries whose liveness cannot be told (no lock, or locks unsupported) are stale
+#: only when nothing in them changed for this long
+STALE_AFTER_S = 3600.0
+_LIVE = ".forebay-live"
+
+
+class LiveLock:
+    """An exclusive ``flock`` on ``path`` held while its owner lives; the kernel drops it
+    when the process dies, kill -9 included, so :func:`abandoned` can tell a crashed
+    writer's leftovers from a live one's."""
+
+    def __init__(self, path: "str | os.PathLike[str]") -> None:
+        import fcntl
+
+        self.path = Path(path)
+        self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass   # locks unsupported here: abandoned() falls back to the age
+
+    def release(self, unlink: bool = True) -> None:
+        if self.fd is not None:
+            if unlink:
+                self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+
+def abandoned(path: "str | os.PathLike[str]", newest: float) -> bool:
+    """Whether the file at ``path`` (locked by a :class:`LiveLock`, or anything else
+    that takes one) belongs to no live process; where that cannot be told, whether
+    ``newest`` (the latest modification time of what it guards) is older than
+    :data:`STALE_AFTER_S`."""
+    import fcntl
+    import time
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return time.time() - newest > STALE_AFTER_S
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False                      # its owner is alive
+    except OSError:
+        return time.time() - newest > STALE_AFTER_S
+    finally:
+        os.close(fd)
+    return True
+
+
+def _newest(d: Path) -> float:
+    try:
+        return max([d.stat().st_mtime] + [p.stat().st_mtime for p in d.iterdir()])
+    except OSError:
+        return 0.0
+
+
+def new_tmp_dir(path: Path) -> "tuple[Path, LiveLock]":
+    """A fresh temporary sibling of ``path`` to build into, locked as live; first
+    removes what crashed writers of the same output left (their temporaries, and an
+    old copy an interrupted overwrite renamed aside once ``path`` exists again)."""
+    import shutil
+    import time
+
+    for p in path.parent.glob(f".{path.name}.forebay-tmp-*"):
+        if p.is_dir() and abandoned(p / _LIVE, _newest(p)):
+            shutil.rmtree(p, ignore_errors=True)
+    if path.exists():
+        for p in path.parent.glob(f".{path.name}.forebay-old-*"):
+            if p.is_dir() and time.time() - _newest(p) > 600:
+                shutil.rmtree(p, ignore_errors=True)
+    tmp = tmp_sibling(path)
+    tmp.mkdir()
+    return tmp, LiveLock(tmp / _LIVE)
 
 
 def create_private(path: "str | os.PathLike[str]") -> None:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ._fs import check_target, commit_dir, tmp_sibling
+from ._fs import check_target, commit_dir, new_tmp_dir
 from .progress import Progress, as_progress
 from .errors import InvalidArgumentError
 
@@ -240,13 +240,13 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
     out = Path(out)
     check_target(out, overwrite, _replace_problem)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_sibling(out)
-    tmp.mkdir()
+    tmp, live = new_tmp_dir(out)
     prog = as_progress(progress)
     prog.start(samples, desc=f"synth {kind}", unit="sample")
     try:
         KINDS[kind][0](tmp, samples, seed, prog, **{k: v for k, v in options.items()
                                                     if v is not None})
+        live.release()
         files = sum(1 for p in tmp.rglob("*") if p.is_file())
         (tmp / MARKER).write_text(json.dumps({"kind": kind, "samples": samples, "seed": seed,
                                               "files": files}) + "\n")
@@ -255,6 +255,7 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+        live.release()
         raise
     finally:
         prog.close()

@@ -14,7 +14,7 @@ import xxhash
 from .._version import __version__
 from ..errors import EmptySourceError, SchemaError
 from ..progress import Progress, as_progress
-from .._fs import check_target, commit_dir, tmp_sibling
+from .._fs import check_target, commit_dir, new_tmp_dir
 from ._format import ALIGNMENT, MANIFEST_NAME, IndexLayout, Manifest, ShardInfo, checksum
 from ._format import replace_problem
 from ._schema import Schema, as_field_array
@@ -59,8 +59,7 @@ class DatasetWriter:
         self.metadata = dict(metadata or {})
         check_target(self.path, self.overwrite, replace_problem)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = tmp_sibling(self.path)
-        self._tmp.mkdir()
+        self._tmp, self._live = new_tmp_dir(self.path)
         self._progress = as_progress(progress)
         self.schema: Optional[Schema] = None
         self._layout: Optional[IndexLayout] = None
@@ -165,6 +164,7 @@ class DatasetWriter:
             self._file.close()
             self._file = None
         shutil.rmtree(self._tmp, ignore_errors=True)
+        self._live.release()
         self._closed = True
         self._progress.close()
 
@@ -256,6 +256,7 @@ class DatasetWriter:
             os.fsync(f.fileno())
 
     def _commit(self) -> None:
+        self._live.release()
         commit_dir(self._tmp, self.path, self.overwrite, replace_problem)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .._fs import NETWORK_FS, create_private, filesystem_type
+from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_type
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..vocab import Backoff, FillState
@@ -282,7 +282,9 @@ class ClairvoyantStore(SampleStore):
         self._ssd_token = token
         if self.ssd_nbytes:
             self._ssd_file = self._ssd_path(self.rank)
+            self._remove_stale_tiers(self._ssd_file.parent, token)
             create_private(self._ssd_file)     # 0600: other users of the node never read it
+            self._ssd_live = LiveLock(self._ssd_file)   # held while this rank lives
             with open(self._ssd_file, "rb+") as fh:
                 fh.truncate(self.ssd_nbytes)
                 mm = mmap.mmap(fh.fileno(), self.ssd_nbytes, access=mmap.ACCESS_WRITE)
@@ -304,6 +306,14 @@ class ClairvoyantStore(SampleStore):
                 self.transport = "rma"
             else:
                 self._segment, self._seg_base = mapped
+
+    @staticmethod
+    def _remove_stale_tiers(directory: Path, token: str) -> None:
+        """Delete tier files of other jobs whose rank died without closing (kill -9):
+        no live process holds their lock."""
+        for p in directory.glob(".forebay-*-r*.tier"):
+            if f".forebay-{token}-" not in p.name and abandoned(p, p.stat().st_mtime):
+                p.unlink(missing_ok=True)
 
     def _ssd_path(self, rank: int) -> Path:
         """A rank's SSD tier file (each rank's own directory, exchanged at setup)."""
@@ -730,6 +740,7 @@ class ClairvoyantStore(SampleStore):
         self._ssd_maps = {}
         if self._ssd_file is not None:
             self._ssd_file.unlink(missing_ok=True)
+            self._ssd_live.release(unlink=False)
         if self._win is not None:
             self._segment = None
             self._win.Unlock_all()

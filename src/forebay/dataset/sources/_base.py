@@ -80,6 +80,20 @@ def list_files(root: "str | os.PathLike[str]", suffixes: Iterable[str], what: st
     return files
 
 
+def _die_with_parent(parent: int) -> None:
+    """Worker initializer: the kernel kills this reader when the ingest process dies
+    (Linux PR_SET_PDEATHSIG), so a kill -9 of ingest leaves no orphaned workers."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:   # the parent died before the call above
+        os._exit(1)
+
+
 def _read_units(source: Source, units: Sequence[Any]) -> list[list[dict[str, Any]]]:
     return [source.read_unit(u) for u in units]
 
@@ -118,7 +132,9 @@ def ingest(source: Source, out: "str | os.PathLike[str]", *,
             ctx = multiprocessing.get_context("spawn")
             per = units_per_task(len(units), workers)
             tasks = (units[i:i + per] for i in range(0, len(units), per))
-            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                     initializer=_die_with_parent,
+                                     initargs=(os.getpid(),)) as ex:
                 # keep 2 tasks per worker in flight, written in order; islice takes
                 # exactly that many (zip(it, range(k)) would pull one more and drop it)
                 pending: deque = deque(ex.submit(_read_units, source, t)
