@@ -672,3 +672,23 @@ def test_ls_points_at_compact_when_the_file_is_mostly_free_pages(tmp_path, cli):
     assert code == 0
     code, out, _ = cli("models", "ls", str(dst))
     assert code == 0 and "compact" not in out and "versions 6..6" in out
+
+
+def test_a_store_opens_under_a_virtual_memory_limit(tmp_path):
+    """LMDB mapped 1 TiB: under `ulimit -v 16000000` no repository opened.  Now a smaller
+    map is chosen, and a save and a load work."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (16_000_000_000, 16_000_000_000))\n"
+        "import torch, forebay.models as fm\n"
+        "with fm.open_repository(sys.argv[1]) as r:\n"
+        "    r.save('m', {'w': torch.arange(10.0)})\n"
+        "    assert r.load('m')['w'].tolist() == list(range(10))\n"
+        "    print('map', r.backend.env.info()['map_size'])\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "repo")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 0 < int(p.stdout.split()[-1]) < 16_000_000_000

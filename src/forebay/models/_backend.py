@@ -28,6 +28,9 @@ from ..errors import ModelRepositoryError
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
 TABLES = ("tensors", "sizes", "versions", "pending", "locs")
+#: address space LMDB maps for a store (it allocates nothing: pages come from the file)
+DEFAULT_MAP_SIZE = 1 << 40
+MAP_SIZE_ENV = "FOREBAY_LMDB_MAP_SIZE"
 #: tables every forebay repository has had since the first release
 _FIRST_TABLES = ("tensors", "versions")
 _ADVICE = {"normal": 0, "random": 1}   # MADV_NORMAL, MADV_RANDOM (Linux and BSDs)
@@ -168,9 +171,7 @@ class LmdbBackend(Backend):
     _open_lock = threading.Lock()
 
     def __init__(self, path: "str | Path", *, create: bool = True,
-                 map_size: int = 1 << 40) -> None:
-        import lmdb
-
+                 map_size: Optional[int] = None) -> None:
         self.path = Path(path)
         if str(self.path.resolve()) not in self._open:   # (checked when first opened)
             check_local_fs(self.path)
@@ -190,16 +191,7 @@ class LmdbBackend(Backend):
         with self._open_lock:
             entry = self._open.get(self.key)
             if entry is None:
-                try:
-                    # readahead on: values are whole tensors read front to back, and
-                    # py-lmdb touches every page of a value inside get() (its "preload",
-                    # with the GIL released), so advice after get() comes too late; off,
-                    # a cold 100 MB load ran at 35 MB/s here instead of 0.9 GB/s)
-                    env = lmdb.open(self.key, map_size=map_size, max_dbs=len(TABLES), mode=0o600,
-                                    subdir=True, readahead=True, sync=True, metasync=True)
-                except lmdb.Error as e:
-                    raise ModelRepositoryError(f"{self.path}: cannot open the LMDB store: "
-                                               f"{e}") from e
+                env = self._open_env(map_size)
                 if not create:
                     with env.begin() as txn:
                         missing = [t for t in _FIRST_TABLES if txn.get(t.encode()) is None]
@@ -214,6 +206,41 @@ class LmdbBackend(Backend):
                 self._index_sizes()
             entry[2] += 1
         self.env, self.dbs = entry[0], entry[1]
+
+    def _open_env(self, map_size: Optional[int]) -> Any:
+        """The LMDB environment, mapped with ``map_size`` bytes of address space (default
+        ``FOREBAY_LMDB_MAP_SIZE`` or 1 TiB: address space only, nothing is allocated).
+        Where a limit on virtual memory (``ulimit -v``) refuses that, smaller maps are
+        tried down to twice the data file; past that the error says what to set."""
+        import lmdb
+
+        from .._units import parse_size
+
+        if map_size is None:
+            env_size = os.environ.get(MAP_SIZE_ENV)
+            map_size = parse_size(env_size) if env_size else DEFAULT_MAP_SIZE
+        have = self.data_file.stat().st_size if self.data_file.exists() else 0
+        floor = max(2 * have, 64 << 20)
+        size, last = int(map_size), None
+        while True:
+            try:
+                # readahead on: values are whole tensors read front to back, and
+                # py-lmdb touches every page of a value inside get() (its "preload",
+                # with the GIL released), so advice after get() comes too late; off,
+                # a cold 100 MB load ran at 35 MB/s here instead of 0.9 GB/s)
+                return lmdb.open(self.key, map_size=size, max_dbs=len(TABLES), mode=0o600,
+                                 subdir=True, readahead=True, sync=True, metasync=True)
+            except lmdb.Error as e:
+                last = e
+                if "allocate memory" not in str(e) or size // 2 < floor:
+                    break
+                size //= 2
+        hint = (f"; this process may map at most what `ulimit -v` allows: set "
+                f"{MAP_SIZE_ENV} (for example 64GiB, more than the store will hold) or "
+                f"raise the limit" if last is not None and "allocate memory" in str(last)
+                else "")
+        raise ModelRepositoryError(f"{self.path}: cannot open the LMDB store: {last}"
+                                   f"{hint}") from last
 
     def _index_sizes(self) -> None:
         """Fill ``sizes`` for tensors stored before the table existed (one pass that
