@@ -404,3 +404,33 @@ def test_a_forked_child_does_not_overwrite_the_parents_trace(tmp_path):
     trace.disable()
     _, ev = _lines(tmp_path)
     assert [e["name"] for e in ev if e["cat"] == "compute"] == ["parent"]
+
+
+def test_analyze_skips_and_counts_hostile_events(tmp_path, cli):
+    """Events whose pid or ph is a list or a map, a rank that is not a number, 100k-deep
+    nesting, a non-list traceEvents and a gzip bomb of one 20 MiB line are skipped and
+    counted; the good events are analysed (each used to end in a traceback)."""
+    import gzip
+    import json
+
+    d = tmp_path / "t"
+    d.mkdir()
+    good = {"name": "read", "cat": "POSIX", "ph": "X", "pid": 1, "tid": 1, "ts": 10, "dur": 5,
+            "args": {"hhash": "h"}}
+    lines = [json.dumps(good),
+             json.dumps({**good, "pid": [1, 2]}),
+             json.dumps({**good, "ph": {"x": 1}}),
+             json.dumps({"name": "start", "cat": "dftracer", "ph": "M", "pid": 1,
+                         "args": {"rank": "x", "hhash": "h"}}),
+             "[" * 100_000 + "]" * 100_000,
+             json.dumps({**good, "ts": 20})]
+    (d / "a.pfw").write_text("\n".join(lines) + "\n")
+    (d / "b.json").write_text(json.dumps({"traceEvents": 5}))
+    with gzip.open(d / "c.pfw.gz", "wt") as f:
+        f.write("x" * (20 << 20) + "\n" + json.dumps({**good, "ts": 30}) + "\n")
+    code, out, err = cli("analyze", d, "--json", tmp_path / "a.json")
+    assert code == 0 and "Traceback" not in err, err
+    report = json.loads((tmp_path / "a.json").read_text())
+    text = json.dumps(report)
+    assert "malformed event" in text and "traceEvents is not a list" in text
+    assert "longer than" in text and "garbled" in text

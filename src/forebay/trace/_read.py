@@ -68,16 +68,32 @@ def trace_files(directory: "str | Path") -> list[Path]:
     return sorted(q for q in out if not q.name.startswith("."))
 
 
+#: a longer line (a gzip bomb expanding to one 1 GiB line...) is skipped, read in pieces
+MAX_LINE = 16 << 20
+
+
 def _lines(path: Path, skipped: list[str]) -> Iterator[tuple[int, str]]:
     opener = gzip.open if path.name.endswith(".gz") else open
-    n = 0
+    n = long = 0
     try:
         with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
+            while True:
+                line = f.readline(MAX_LINE)
+                if not line:
+                    break
+                n += 1
+                if len(line) >= MAX_LINE and not line.endswith("\n"):
+                    long += 1
+                    while line and not line.endswith("\n"):   # the rest, never held whole
+                        line = f.readline(MAX_LINE)
+                    continue
                 yield n, line
     except (EOFError, OSError, zlib.error) as e:
         skipped.append(f"{path.name}: unreadable after line {n} ({type(e).__name__}: {e}); "
                        f"the {n} lines before were kept")
+    if long:
+        skipped.append(f"{path.name}: {long} line(s) longer than {MAX_LINE} characters "
+                       f"skipped")
 
 
 def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iterator[dict]:
@@ -118,7 +134,7 @@ def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iter
             s = s[:-1]
         try:
             e = json.loads(s)
-        except ValueError:
+        except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
             garbled.append(n)
             continue
         if isinstance(e, dict):
@@ -152,13 +168,17 @@ def read_traces(directory: "str | Path") -> Events:
     proc_of: dict[tuple, int] = {}
     fh: dict[str, str] = {}  # file hash -> name, from FH records
     meta: list[dict[str, Any]] = []
-    no_dur = no_ts = 0
+    no_dur = no_ts = bad_events = 0
     for path in files:
         for e in _records(path, skipped, skip_exports=len(files) > 1):
             raw_args = e.get("args")
             args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
-            ph = e.get("ph")
-            key = (str(args.get("hhash", "")), e.get("pid"))
+            ph, pid = e.get("ph"), e.get("pid")
+            if not isinstance(ph, (str, int, type(None))) or \
+                    not isinstance(pid, (str, int, type(None))):
+                bad_events += 1                   # a list or a map where a scalar goes
+                continue
+            key = (str(args.get("hhash", "")), pid)
             p = proc_of.get(key)
             if p is None:
                 p = proc_of[key] = len(procs)
@@ -175,8 +195,11 @@ def read_traces(directory: "str | Path") -> Events:
                     meta.append({"name": name, "proc": p, **args})
                 continue
             if name == "start" and str(e.get("cat", "")).lower() == "dftracer":
-                if args.get("rank") is not None:
-                    procs[p]["rank"] = int(args["rank"])
+                rank = args.get("rank")
+                if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+                    procs[p]["rank"] = rank
+                elif rank is not None:
+                    bad_events += 1               # a rank that is no rank: ignored
                 procs[p]["tool"] = args.get("tool", "dftracer")
                 continue
             if name == "end" and str(e.get("cat", "")).lower() == "dftracer":
@@ -204,6 +227,9 @@ def read_traces(directory: "str | Path") -> Events:
             cols["fname"].append(fn or "")
             for k in _NUM_ARGS:
                 nums[k].append(_num(args.get(k)))
+    if bad_events:
+        skipped.append(f"{bad_events} malformed event(s) skipped (ph, pid or rank of the "
+                       f"wrong type)")
     if no_dur:
         skipped.append(f"{no_dur} complete event(s) without dur ignored")
     if no_ts:
