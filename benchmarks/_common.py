@@ -91,3 +91,34 @@ def seq_write_bandwidth(directory: Path, nbytes: int = 512 << 20, block: int = 8
     dt = time.perf_counter() - t0
     path.unlink()
     return nbytes / dt
+
+
+# -- A/B of two source trees ---------------------------------------------------------------
+def run_in_tree(src: str, snippet: str, *args: object) -> dict:
+    """Run ``snippet`` (a program printing one JSON object, with ``"code"`` set to
+    ``forebay.__file__``) in a new Python importing forebay from the tree ``src``."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+    out = subprocess.run([sys.executable, "-c", snippet, *map(str, args)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert Path(r["code"]).resolve().is_relative_to(Path(src).resolve()), r["code"]
+    return r
+
+
+def ab_table(first: str, times: dict[str, dict[str, list[float]]]) -> str:
+    """A markdown table of ``times[tree][row]`` (trees "old" and "new"): min and median
+    of each, and new/old ratios."""
+    import statistics
+
+    lines = [f"| {first} | old min / median s | new min / median s | new/old min | "
+             f"new/old median |", "|---|---:|---:|---:|---:|"]
+    for row in times["old"]:
+        o, n = times["old"][row], times["new"][row]
+        lines.append(f"| {row} | {min(o):.3f} / {statistics.median(o):.3f} | {min(n):.3f} / "
+                     f"{statistics.median(n):.3f} | {min(n) / min(o):.2f} | "
+                     f"{statistics.median(n) / statistics.median(o):.2f} |")
+    return "\n".join(lines)

@@ -91,6 +91,18 @@ def run_mpi(ranks: int, script: str, *args, timeout: int = 120, env: dict | None
         os.unlink(f.name)
 
 
+def _rank_command(func, args, env: dict | None) -> tuple[list[str], dict]:
+    """rank_main.py's arguments for ``func(*args)``, and an environment whose
+    PYTHONPATH finds tests/ and ``func``'s module."""
+    mod = sys.modules[func.__module__]
+    here = Path(__file__).parent
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join([str(here), str(Path(mod.__file__).parent),
+                                              full_env.get("PYTHONPATH", "")])
+    return ([str(here / "rank_main.py"), func.__module__, func.__name__, *map(str, args)],
+            full_env)
+
+
 def run_ranks(ranks: int, func, *args, timeout: int = 120, env: dict | None = None):
     """Run ``func(*args)``, a function of a test module (named ``rank_*`` so pytest does
     not collect it), on every rank of real ``mpiexec -n ranks``; a hang fails at
@@ -98,30 +110,19 @@ def run_ranks(ranks: int, func, *args, timeout: int = 120, env: dict | None = No
     ``rank-main: rank R ok`` (see :func:`assert_ranks_ok`)."""
     import subprocess
 
-    mod = sys.modules[func.__module__]
-    here = Path(__file__).parent
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join([str(here), str(Path(mod.__file__).parent),
-                                              full_env.get("PYTHONPATH", "")])
-    return subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), sys.executable,
-                           str(here / "rank_main.py"), func.__module__, func.__name__,
-                           *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    cmd, full_env = _rank_command(func, args, env)
+    return subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, *cmd],
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def run_torchrun(ranks: int, func, *args, timeout: int = 120, env: dict | None = None):
     """As :func:`run_ranks`, under real ``torchrun --standalone --nproc-per-node ranks``."""
     import subprocess
 
-    mod = sys.modules[func.__module__]
-    here = Path(__file__).parent
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join([str(here), str(Path(mod.__file__).parent),
-                                              full_env.get("PYTHONPATH", "")])
+    cmd, full_env = _rank_command(func, args, env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
-                           str(ranks), str(here / "rank_main.py"), func.__module__,
-                           func.__name__, *map(str, args)], capture_output=True, text=True,
+                           str(ranks), *cmd], capture_output=True, text=True,
                           timeout=timeout, env=full_env)
 
 

@@ -10,12 +10,11 @@ which tree goes first.  Use it to check that a change moved nothing
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common
+from _common import ab_table, run_in_tree  # noqa: E402
 
 SNIPPET = r"""
 import json, sys, time
@@ -37,15 +36,6 @@ print(json.dumps({"seconds": dt, "samples": n, "code": forebay.__file__}))
 """
 
 
-def run(src: str, path: str, mode: str, batch: int) -> float:
-    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
-    out = subprocess.run([sys.executable, "-c", SNIPPET, path, mode, str(batch)], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
-    assert Path(r["code"]).resolve().is_relative_to(Path(src).resolve()), r["code"]
-    return r["seconds"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dataset")
@@ -56,17 +46,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     trees = {"old": a.old_src, "new": a.new_src}
-    print("| mode | old min / median s | new min / median s | new/old min | new/old median |")
-    print("|---|---:|---:|---:|---:|")
+    times: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
     for mode in a.modes.split(","):
-        times: dict[str, list[float]] = {"old": [], "new": []}
         for rep in range(a.reps):
             for name in (("old", "new") if rep % 2 == 0 else ("new", "old")):
-                times[name].append(run(trees[name], a.dataset, mode, a.batch))
-        o, n = times["old"], times["new"]
-        print(f"| {mode} | {min(o):.3f} / {statistics.median(o):.3f} | {min(n):.3f} / "
-              f"{statistics.median(n):.3f} | {min(n) / min(o):.2f} | "
-              f"{statistics.median(n) / statistics.median(o):.2f} |", flush=True)
+                r = run_in_tree(trees[name], SNIPPET, a.dataset, mode, a.batch)
+                times[name].setdefault(mode, []).append(r["seconds"])
+    print(ab_table("mode", times))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ check that a change moved nothing (``git worktree add /tmp/old REV``, copy the b
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common
+from _common import ab_table, run_in_tree  # noqa: E402
 
 SNIPPET = r"""
 import json, sys, time, torch
@@ -36,15 +36,6 @@ print(json.dumps(out))
 OPS = ("save", "load_new", "load_in_place", "load_25pct")
 
 
-def run(src: str, store: str, mib: int, seed: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
-    out = subprocess.run([sys.executable, "-c", SNIPPET, store, str(mib), str(seed)], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
-    assert Path(r["code"]).resolve().is_relative_to(Path(src).resolve()), r["code"]
-    return r
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old-src", required=True)
@@ -58,16 +49,10 @@ def main() -> None:
         for rep in range(a.reps):
             for name in (("old", "new") if rep % 2 == 0 else ("new", "old")):
                 store = os.path.join(tmp, f"{name}-{rep}")
-                r = run(trees[name], store, a.mib, rep)
+                r = run_in_tree(trees[name], SNIPPET, store, a.mib, rep)
                 for op in OPS:
                     times[name][op].append(r[op])
-    print("| operation | old min / median s | new min / median s | new/old min | new/old median |")
-    print("|---|---:|---:|---:|---:|")
-    for op in OPS:
-        o, n = times["old"][op], times["new"][op]
-        print(f"| {op} | {min(o):.3f} / {statistics.median(o):.3f} | {min(n):.3f} / "
-              f"{statistics.median(n):.3f} | {min(n) / min(o):.2f} | "
-              f"{statistics.median(n) / statistics.median(o):.2f} |")
+    print(ab_table("operation", times))
 
 
 if __name__ == "__main__":

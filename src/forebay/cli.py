@@ -12,9 +12,8 @@ import numpy as np
 
 from ._version import __version__
 from ._units import human_bytes, parse_size
-from .errors import ChecksumError, ForebayError
+from .errors import ChecksumError, ForebayError, InvalidArgumentError
 from .world import detect
-from .errors import InvalidArgumentError
 
 __all__ = ["main", "parse_size"]
 

@@ -8,9 +8,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from ..errors import SchemaError
+from ..errors import InvalidArgumentError, SchemaError
 from ._schema import Schema
-from ..errors import InvalidArgumentError
 
 __all__ = ["FieldBatch", "SampleBatch", "assemble_batch", "gather_ranges", "gather_ranges_numpy"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import ChecksumError, DatasetNotFoundError, FormatVersionError, ManifestError
+from ..errors import (ChecksumError, DatasetNotFoundError, FormatVersionError, InvalidArgumentError,
+                      ManifestError)
 from ._schema import Schema
-from ..errors import InvalidArgumentError
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",

@@ -13,12 +13,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import ChecksumError, CorruptDatasetError, DatasetNotFoundError, SampleIndexError
-from ..errors import TruncatedShardError
+from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, DatasetNotFoundError,
+                      InvalidArgumentError, SampleIndexError, TruncatedShardError)
 from ..progress import Progress, as_progress
 from ._batch import SampleBatch, _native, assemble_batch
 from ._format import IndexLayout, Manifest, checksum
-from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
 

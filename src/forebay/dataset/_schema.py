@@ -8,8 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import SchemaError, UnsupportedDtypeError
-from ..errors import InvalidArgumentError, NameNotFoundError
+from ..errors import InvalidArgumentError, NameNotFoundError, SchemaError, UnsupportedDtypeError
 
 __all__ = ["Field", "Schema", "as_field_array"]
 

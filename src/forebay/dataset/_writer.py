@@ -12,13 +12,12 @@ import numpy as np
 import xxhash
 
 from .._version import __version__
-from ..errors import EmptySourceError, SchemaError
+from ..errors import EmptySourceError, InvalidArgumentError, SchemaError, UsageError
 from ..progress import Progress, as_progress
 from .._fs import check_target, commit_dir, new_tmp_dir
 from ._format import ALIGNMENT, MANIFEST_NAME, IndexLayout, Manifest, ShardInfo, checksum
 from ._format import replace_problem
 from ._schema import Schema, as_field_array
-from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DatasetWriter", "write_dataset", "DEFAULT_SHARD_BYTES"]
 

@@ -19,11 +19,10 @@ from typing import Any, Iterable, Iterator, Optional, TypeVar
 import numpy as np
 import xxhash
 
-from ..errors import (CorruptModelError, ModelMismatchError, ModelNotFoundError,
+from ..errors import (ArgumentTypeError, CorruptModelError, ModelMismatchError, ModelNotFoundError,
                       ModelRepositoryError)
 from ._arch import Architecture, IdCache, capture
 from ._backend import _HUGE, Backend, LmdbBackend, MemoryBackend, prefer_huge_pages
-from ..errors import ArgumentTypeError
 
 __all__ = ["ModelStore", "Repository", "open_repository", "tensor_hash"]
 

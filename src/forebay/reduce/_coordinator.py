@@ -34,10 +34,9 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
-from ..errors import ReduceError, ReduceMismatchError
+from ..errors import ArgumentTypeError, InvalidArgumentError, ReduceError, ReduceMismatchError
 from ._cache import (BUSY, HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
                      bits_of, invert_request_bits, new_vector, set_bits, status_of)
-from ..errors import ArgumentTypeError, InvalidArgumentError
 
 log = logging.getLogger("forebay.reduce")
 

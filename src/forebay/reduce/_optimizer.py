@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
-from ..errors import ReduceError
+from ..errors import ArgumentTypeError, InvalidArgumentError, ReduceError
 from ._cache import Params
 from ._coordinator import Coordinator, Handle
-from ..errors import ArgumentTypeError, InvalidArgumentError
 
 
 class _DistributedOptimizer:

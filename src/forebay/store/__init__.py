@@ -3,7 +3,7 @@
 from ._base import STATS_KEYS, DirectStore, SampleStore
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
 from ._distributed import (DistributedStore, StoreError, StoreLayout, check_agreement,
-                           check_same_dataset, chunk_members, default_comm, node_size)
+                           chunk_members, default_comm, node_size)
 from ._memory import MEMORY_HEADROOM, available_memory
 from ._model import FetchModel, interpolate
 from ._placement import (NONE, RAM, SSD, Placement, compute_coverage, compute_placement,
@@ -11,9 +11,8 @@ from ._placement import (NONE, RAM, SSD, Placement, compute_coverage, compute_pl
 from ._profile import ProfileError, calibrate, dump_profile, load_profile
 
 __all__ = ["SampleStore", "DirectStore", "STATS_KEYS", "ClairvoyantStore", "DistributedStore",
-           "FetchModel", "Placement", "ProfileError",
-           "StoreError", "StoreLayout", "MEMORY_HEADROOM", "NONE", "RAM", "SSD",
-           "available_memory", "calibrate", "check_agreement", "check_same_dataset",
-           "chunk_members", "compute_coverage", "compute_placement", "default_comm",
-           "dump_profile", "fill_tiers", "interpolate", "load_profile", "node_size",
+           "FetchModel", "Placement", "ProfileError", "StoreError", "StoreLayout",
+           "MEMORY_HEADROOM", "NONE", "RAM", "SSD", "available_memory", "calibrate",
+           "check_agreement", "chunk_members", "compute_coverage", "compute_placement",
+           "default_comm", "dump_profile", "fill_tiers", "interpolate", "load_profile", "node_size",
            "tier_nbytes"]

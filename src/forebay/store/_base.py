@@ -107,9 +107,8 @@ class DirectStore(SampleStore):
     def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc: Any = None) -> SampleBatch:
         if self._closed:
             raise StoreError("the store is closed")
-        ids = self.ds.normalize_ids(ids)
-        batch = self.ds.get_many(ids, alloc=alloc)
-        nbytes = int(self.ds.record_nbytes[ids].sum())
+        batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
+        nbytes = int(self.ds.record_nbytes[batch.ids].sum())
         with self._lock:
             self._reads += len(ids)
             self._bytes += nbytes

@@ -30,15 +30,14 @@ from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..vocab import Backoff, FillState
 from ..world import abort_on_uncaught, resolve_comm
-from ..errors import ChecksumError
+from ..errors import ChecksumError, InvalidArgumentError
 from ..plan import AccessPlan
-from ._distributed import (StoreError, agree, check_agreement, check_same_dataset,
+from ._distributed import (StoreError, agree, check_agreement,
                            node_size, rma_get, shared_segment)
 from ._base import SampleStore
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
 from . import _tracing as _hooks
-from ..errors import InvalidArgumentError
 
 __all__ = ["ClairvoyantStore", "tier_nbytes"]
 
@@ -126,8 +125,7 @@ class ClairvoyantStore(SampleStore):
         # choice is one decision, taken here rather than per batch
         self._peer_via_pfs = model is not None and model.prefer_pfs(1.0, self.world,
                                                                     self.world)
-        check_same_dataset(self.comm, self.ds)
-        check_agreement(self.comm, "ClairvoyantStore's arguments", {
+        check_agreement(self.comm, "ClairvoyantStore's arguments", self.ds, {
             "plan": (f"{plan.num_samples} samples, world {plan.world_size}, batch "
                      f"{plan.batch_size}, {plan.epochs} epochs, seed {plan.seed}, "
                      f"drop_last {plan.drop_last}, shuffle {plan.shuffle}"),

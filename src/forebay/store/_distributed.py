@@ -19,17 +19,16 @@ import numpy as np
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch
-from ..errors import ChecksumError, RankMismatchError
+from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from . import _tracing as _hooks
-from ..errors import InvalidArgumentError
 
 __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
-           "check_same_dataset", "check_agreement", "node_size"]
+           "check_agreement", "node_size"]
 
 _READ_BLOCK = 64 << 20
 
@@ -119,20 +118,28 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def check_agreement(comm: Any, what: str, params: dict[str, Any]) -> None:
-    """Every rank of ``comm`` passed the same ``params`` (everything that shapes the
-    plan and the layout); else raise :class:`RankMismatchError` on every rank naming
-    each parameter that differs and each rank's value.  The first collective of a
+def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, Any]) -> None:
+    """Every rank of ``comm`` opened the same dataset (manifest fingerprint and size;
+    else :class:`StoreError`) and passed the same ``params`` (everything that shapes the
+    plan and the layout; else :class:`RankMismatchError`), raised on every rank naming
+    each difference and each rank's value.  One allgather, the first collective of a
     set-up, so ranks that disagree fail before they wait in different collectives."""
     if comm is None:
         return
     from .._version import __version__
 
     mine = {"forebay version": __version__, **params}
-    every = comm.allgather(mine)
+    every = comm.allgather(((ds.fingerprint, len(ds), str(ds.path)), mine))
+    sets = [d for d, _ in every]
+    if len({(fp, n) for fp, n, _ in sets}) > 1:
+        ref = sets[0]
+        diff = [f"rank {r} has {p} ({n} samples, fingerprint {fp})"
+                for r, (fp, n, p) in enumerate(sets) if (fp, n) != ref[:2]]
+        raise StoreError(f"ranks opened different datasets: rank 0 has {ref[2]} "
+                         f"({ref[1]} samples, fingerprint {ref[0]}); " + "; ".join(diff[:4]))
     diffs = []
     for key in mine:
-        values = [p.get(key) for p in every]
+        values = [p.get(key) for _, p in every]
         if len({repr(v) for v in values}) > 1:
             by_value: dict[str, list[int]] = {}
             for r, v in enumerate(values):
@@ -155,19 +162,6 @@ def node_size(comm: Any) -> int:
     n = node.Get_size()
     node.Free()
     return n
-
-
-def check_same_dataset(comm: Any, ds: PackedDataset) -> None:
-    """Every rank of ``comm`` opened the same dataset (manifest fingerprint and size)."""
-    if comm is None:
-        return
-    every = comm.allgather((ds.fingerprint, len(ds), str(ds.path)))
-    if len({(fp, n) for fp, n, _ in every}) > 1:
-        ref = every[0]
-        diff = [f"rank {r} has {p} ({n} samples, fingerprint {fp})"
-                for r, (fp, n, p) in enumerate(every) if (fp, n) != ref[:2]]
-        raise StoreError(f"ranks opened different datasets: rank 0 has {ref[2]} "
-                         f"({ref[1]} samples, fingerprint {ref[0]}); " + "; ".join(diff[:4]))
 
 
 def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarray]]":
@@ -267,8 +261,7 @@ class DistributedStore(SampleStore):
         self._closed = False
         self._fetches = {"local": 0, "peer": 0}
         self.on_pfs_read = on_pfs_read
-        check_same_dataset(self.comm, self.ds)
-        check_agreement(self.comm, "DistributedStore's arguments", {
+        check_agreement(self.comm, "DistributedStore's arguments", self.ds, {
             "width": width, "node_aware": node_aware, "transport": transport,
             "verify_on_read": self.ds.verify_on_read})
         self._setup_groups(width, node_aware)

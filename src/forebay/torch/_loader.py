@@ -18,7 +18,7 @@ from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory)
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
-from ..store import check_agreement, check_same_dataset, node_size
+from ..store import check_agreement, node_size
 from ._collate import collate_samples, default_collate
 from ..errors import InvalidArgumentError
 
@@ -163,8 +163,7 @@ class DataLoader:
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         # ranks that disagree on what shapes the plan or the store fail here, together
-        check_same_dataset(self.comm, self.ds)
-        check_agreement(self.comm, "DataLoader's arguments", {
+        check_agreement(self.comm, "DataLoader's arguments", self.ds, {
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "mode": mode, "width": width, "node_aware": node_aware,
             "transport": transport, "verify_on_read": self.ds.verify_on_read})

@@ -196,6 +196,8 @@ def read_traces(directory: "str | Path") -> Events:
                 continue
             if name == "start" and str(e.get("cat", "")).lower() == "dftracer":
                 rank = args.get("rank")
+                if isinstance(rank, str) and rank.isdigit():   # as some tools write it
+                    rank = int(rank)
                 if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
                     procs[p]["rank"] = rank
                 elif rank is not None:

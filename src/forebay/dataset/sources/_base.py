@@ -10,11 +10,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Optional, Sequence
 
-from ...errors import DatasetNotFoundError, EmptySourceError, SourceError
+from ...errors import DatasetNotFoundError, EmptySourceError, InvalidArgumentError, SourceError
 from ...progress import Progress, as_progress
 from .._format import Manifest
 from .._writer import DEFAULT_SHARD_BYTES, DatasetWriter
-from ...errors import InvalidArgumentError
 
 __all__ = ["Source", "SOURCES", "register_source", "get_source", "ingest", "list_files",
            "units_per_task"]

@@ -9,9 +9,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ...errors import SourceError, UnsupportedDtypeError
+from ...errors import InvalidArgumentError, SourceError, UnsupportedDtypeError
 from ._base import Source, check_keys, list_files, register_source
-from ...errors import InvalidArgumentError
 
 __all__ = ["NpzSource", "NpySource", "split_stacked"]
 
