@@ -72,26 +72,7 @@ def leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if ".forebay-" in p.name]
 
 
-def run_mpi(ranks: int, script: str, *args, timeout: int = 120, env: dict | None = None):
-    """Run a Python script under real ``mpiexec -n ranks``; a hang fails at ``timeout``."""
-    import subprocess
-    import tempfile
-    import textwrap
-
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(textwrap.dedent(script))
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
-                                              full_env.get("PYTHONPATH", "")])
-    try:
-        return subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, f.name,
-                               *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout, env=full_env)
-    finally:
-        os.unlink(f.name)
-
-
-def _rank_command(func, args, env: dict | None) -> tuple[list[str], dict]:
+def rank_command(func, args, env: dict | None = None) -> tuple[list[str], dict]:
     """rank_main.py's arguments for ``func(*args)``, and an environment whose
     PYTHONPATH finds tests/ and ``func``'s module."""
     mod = sys.modules[func.__module__]
@@ -110,7 +91,7 @@ def run_ranks(ranks: int, func, *args, timeout: int = 120, env: dict | None = No
     ``rank-main: rank R ok`` (see :func:`assert_ranks_ok`)."""
     import subprocess
 
-    cmd, full_env = _rank_command(func, args, env)
+    cmd, full_env = rank_command(func, args, env)
     return subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, *cmd],
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
@@ -119,7 +100,7 @@ def run_torchrun(ranks: int, func, *args, timeout: int = 120, env: dict | None =
     """As :func:`run_ranks`, under real ``torchrun --standalone --nproc-per-node ranks``."""
     import subprocess
 
-    cmd, full_env = _rank_command(func, args, env)
+    cmd, full_env = rank_command(func, args, env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
                            str(ranks), *cmd], capture_output=True, text=True,

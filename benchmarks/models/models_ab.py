@@ -1,7 +1,7 @@
 """Side-by-side A/B of two source trees' model repositories (LMDB store on local disk,
 warm): a save of a fresh model, a full load into new tensors, a load in place and a 25%
-partial load, each tree in its own process, alternating which goes first.  Use it to
-check that a change moved nothing (``git worktree add /tmp/old REV``, copy the built
+partial load (its first call, and the best of the next two), each tree in its own
+process, alternating which goes first.  Use it to check that a change moved nothing (``git worktree add /tmp/old REV``, copy the built
 ``_native*.so`` into its src/forebay):
 
     python benchmarks/models/models_ab.py --old-src /tmp/old/src --new-src src --mib 512
@@ -30,10 +30,13 @@ with fm.open_repository(store) as r:
     t = time.perf_counter(); r.save("m", sd); out["save"] = time.perf_counter() - t
     t = time.perf_counter(); r.load("m"); out["load_new"] = time.perf_counter() - t
     t = time.perf_counter(); r.load("m", into=sd); out["load_in_place"] = time.perf_counter() - t
-    t = time.perf_counter(); r.load("m", include="layer0*"); out["load_25pct"] = time.perf_counter() - t
+    part = []
+    for _ in range(3):
+        t = time.perf_counter(); r.load("m", include="layer0*"); part.append(time.perf_counter() - t)
+    out["load_25pct_first"], out["load_25pct"] = part[0], min(part[1:])
 print(json.dumps(out))
 """
-OPS = ("save", "load_new", "load_in_place", "load_25pct")
+OPS = ("save", "load_new", "load_in_place", "load_25pct_first", "load_25pct")
 
 
 def main() -> None:
