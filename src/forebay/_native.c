@@ -107,7 +107,17 @@ done:
     return result;
 }
 
+static PyObject *fence(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"fence", fence, METH_NOARGS,
+     "fence(): a full memory barrier (stores before it are visible to other processes "
+     "sharing the memory before stores after it; loads likewise)"},
     {"willneed", willneed, METH_VARARGS,
      "willneed(map, starts, ends): madvise(MADV_WILLNEED) byte ranges of a memory map"},
     {"gather", gather, METH_VARARGS,

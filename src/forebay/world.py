@@ -124,25 +124,49 @@ def _mpi_size() -> Optional[int]:
     return MPI.COMM_WORLD.Get_size()
 
 
-def resolve_comm(comm: Any = None) -> Any:
-    """The mpi4py communicator the data plane uses, or None for a single process.
+def _torch_initialised() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
-    ``comm`` given: that communicator (:data:`LOCAL`: None).  Otherwise MPI's
-    COMM_WORLD under an MPI launcher, or when mpi4py is already initialised; under
-    another launcher of several ranks, COMM_WORLD if it spans them all.  A launcher
-    that reports several ranks which MPI cannot see raises :class:`LaunchError` on
-    every rank, naming the launcher and the fix, instead of running as one rank.
+
+def resolve_comm(comm: Any = None) -> Any:
+    """The communicator the data plane uses (see :mod:`forebay.comm`), or None for a
+    single process.
+
+    ``comm`` given: that communicator (an mpi4py communicator, a
+    :class:`~forebay.comm.TorchComm`, or a torch.distributed process group, wrapped;
+    :data:`LOCAL`: None).  Otherwise MPI's COMM_WORLD under an MPI launcher, or when
+    mpi4py is already initialised; under torchrun, or once torch.distributed is
+    initialised without MPI, forebay's own gloo group over the torch.distributed world
+    (:func:`forebay.comm.torch_comm`); under another launcher of several ranks,
+    COMM_WORLD if it spans them all.  A launcher that reports several ranks which the
+    data plane cannot see raises :class:`LaunchError` on every rank, naming the
+    launcher and the fix, instead of running as one rank.
     """
     if comm is LOCAL:
         return None
     if comm is not None:
+        if type(comm).__name__ == "ProcessGroup":
+            import torch.distributed as dist
+
+            from .comm import TorchComm
+            return TorchComm(comm, dist.get_process_group_ranks(comm))
         return comm
     world = detect()
     mpi_loaded = "mpi4py.MPI" in sys.modules
+    if not world.is_mpi and not mpi_loaded and (world.launcher == "torchrun" and
+                                                world.size > 1 or _torch_initialised()):
+        from .comm import torch_comm
+        try:
+            tc = torch_comm()
+        except LaunchError as e:
+            raise LaunchError(f"{world.describe()}: {e}; or pass comm=forebay.world.LOCAL "
+                              f"to read the whole dataset on every rank on purpose") from None
+        if world.launcher == "torchrun" and tc.Get_size() != world.size:
+            raise LaunchError(_mismatch(world, tc.Get_size(), "torch.distributed"))
+        return tc
     if world.size <= 1 and not world.is_mpi and not mpi_loaded:
         return None
-    if world.launcher == "torchrun" and not mpi_loaded:
-        raise LaunchError(_mismatch(world, 1))
     try:
         from mpi4py import MPI
     except ImportError:
@@ -151,25 +175,25 @@ def resolve_comm(comm: Any = None) -> Any:
         raise LaunchError(
             f"{world.describe()}: the launcher started {world.size} ranks but mpi4py is "
             f"not installed, so forebay cannot reach the other ranks; pip install "
-            f"'forebay[mpi]' (or mpi4py built against your MPI)") from None
+            f"'forebay[mpi]' (or mpi4py built against your MPI), or start the job with "
+            f"torchrun") from None
     size = MPI.COMM_WORLD.Get_size()
     if size == world.size or world.size <= 1:
         return MPI.COMM_WORLD
-    raise LaunchError(_mismatch(world, size))
+    raise LaunchError(_mismatch(world, size, "MPI"))
 
 
-def _mismatch(world: World, mpi_size: int) -> str:
-    if world.launcher == "torchrun":
-        fix = ("Launch with mpiexec or srun instead, or pass comm=forebay.world.LOCAL to read "
-               "the whole dataset on every rank on purpose (a torch.distributed data plane "
-               "is planned)")
+def _mismatch(world: World, seen: int, plane: str) -> str:
+    if plane == "torch.distributed":
+        fix = (f"torch.distributed's world has {seen} ranks: the program initialised it with "
+               f"other ranks than the launcher's")
     else:
-        fix = (f"MPI sees a world of {mpi_size}: mpi4py is probably built against another "
+        fix = (f"MPI sees a world of {seen}: mpi4py is probably built against another "
                f"MPI than the launcher's (compare `python -c \"import mpi4py; "
                f"print(mpi4py.get_config())\"` with `which mpiexec`)")
     return (f"{world.describe()}: the launcher reports {world.size} ranks but forebay's data "
-            f"plane (MPI) sees {mpi_size}, so every rank would read the whole dataset in the "
-            f"same order. {fix}")
+            f"plane ({plane}) sees {seen}, so every rank would read the whole dataset in "
+            f"the same order. {fix}")
 
 
 _abort_installed = False
@@ -186,6 +210,8 @@ def abort_on_uncaught(comm: Any) -> None:
     global _abort_installed
     if _abort_installed or comm is None or os.environ.get(ABORT_ENV, "1") == "0":
         return
+    if type(comm).__module__.split(".")[0] != "mpi4py":
+        return      # torchrun's agent ends the other ranks when one fails
     if comm.Get_size() <= 1:
         return
     from mpi4py import MPI

@@ -2,8 +2,9 @@
 
 Each ``Test*`` class names a store configuration; the contract's checks run in this
 process (one rank) and, for distributed configurations, on every rank of real
-``mpiexec -n 2``.  A new store passes by adding its factory to ``FACTORIES`` and a
-subclass of :class:`StoreContract`."""
+``mpiexec -n 2`` and of real ``torchrun --nproc-per-node 2`` (torch.distributed's
+gloo, no MPI) where the transport exists there.  A new store passes by adding its
+factory to ``FACTORIES`` and a subclass of :class:`StoreContract`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from forebay.errors import SampleIndexError
 from forebay.store import (STATS_KEYS, ClairvoyantStore, DirectStore, DistributedStore,
                            SampleStore, StoreError)
 from forebay.world import LOCAL
-from conftest import assert_ranks_ok, run_ranks
+from conftest import assert_ranks_ok, run_ranks, run_torchrun
 
 pytestmark = pytest.mark.mpi
 
@@ -37,6 +38,8 @@ FACTORIES = {
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
                                                      progress=False),
+    "preload-exchange": lambda ds, comm: DistributedStore(ds, comm, transport="exchange",
+                                                          progress=False),
     "clairvoyant-ram": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=1 << 20),
     "clairvoyant-rma": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
@@ -77,12 +80,17 @@ def check_contract(store: SampleStore, ds, seed: int = 0) -> None:
         store.get_many([0])
 
 
-def rank_contract(path: str, kind: str) -> None:
-    from mpi4py import MPI
+def rank_contract(path: str, kind: str, want_transport: str = "") -> None:
+    """The contract on every rank of the job's own communicator (MPI's COMM_WORLD under
+    mpiexec, forebay's gloo group under torchrun)."""
+    from forebay.world import resolve_comm
 
-    comm = MPI.COMM_WORLD
+    comm = resolve_comm()
     ds = forebay.open_dataset(path)
-    check_contract(FACTORIES[kind](ds, comm), ds, seed=comm.rank)
+    store = FACTORIES[kind](ds, comm)
+    if want_transport:
+        assert store.stats()["transport"] == want_transport, store.stats()
+    check_contract(store, ds, seed=comm.Get_rank())
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +113,17 @@ class StoreContract:
 
 
 class DistributedStoreContract(StoreContract):
+    #: the transport stats() reports under torchrun ("" : not available there)
+    under_torchrun = ""
+
     def test_contract_two_ranks(self, dataset):
         assert_ranks_ok(run_ranks(2, rank_contract, dataset, self.kind), 2)
+
+    def test_contract_two_ranks_torchrun(self, dataset):
+        if not self.under_torchrun:
+            pytest.skip(f"{self.kind} needs MPI")
+        assert_ranks_ok(run_torchrun(2, rank_contract, dataset, self.kind,
+                                     self.under_torchrun), 2)
 
 
 class TestDirect(StoreContract):
@@ -115,6 +132,12 @@ class TestDirect(StoreContract):
 
 class TestPreloadShm(DistributedStoreContract):
     kind = "preload-shm"
+    under_torchrun = "shm"
+
+
+class TestPreloadExchange(DistributedStoreContract):
+    kind = "preload-exchange"
+    under_torchrun = "exchange"
 
 
 class TestPreloadRma(DistributedStoreContract):
@@ -123,6 +146,7 @@ class TestPreloadRma(DistributedStoreContract):
 
 class TestClairvoyantRam(DistributedStoreContract):
     kind = "clairvoyant-ram"
+    under_torchrun = "shm"
 
 
 class TestClairvoyantRma(DistributedStoreContract):
@@ -131,6 +155,7 @@ class TestClairvoyantRma(DistributedStoreContract):
 
 class TestClairvoyantSsd(DistributedStoreContract):
     kind = "clairvoyant-ssd"
+    under_torchrun = "shm"
 
 
 def test_the_same_reads_count_the_same_bytes_in_every_mode(dataset):

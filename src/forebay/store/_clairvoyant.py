@@ -10,6 +10,12 @@ reader knows a sample at position p of its owner's fill order is fully there iff
 counter is > p: it reads the counter atomically (``MPI_Fetch_and_op`` with
 ``MPI_NO_OP``), keeps the value, and asks again only when it no longer suffices.
 Samples not (yet) cached anywhere are read from the dataset itself.
+
+Under torch.distributed (no MPI) the ranks of one node share one
+:class:`~forebay.comm.NodeSegment` laid out the same way: the counter is a plain
+8-byte store after a full memory barrier (:func:`forebay.comm.fence`), read with a
+barrier after it.  Across nodes, peers' tiers are not read there yet: a rank reads
+what its own tiers do not hold from the dataset (``stats()["transport"] == "none"``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_ty
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..vocab import Backoff, FillState
+from ..comm import NodeSegment, fence, is_mpi, ordered_shared_memory
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import ChecksumError, InvalidArgumentError
 from ..plan import AccessPlan
@@ -74,7 +81,9 @@ class ClairvoyantStore(SampleStore):
             writable or short of space, a warning is given and the tier is skipped.
             Peers on the same node read it too (shared memory transport); across
             nodes, samples held only in a peer's SSD tier are read from the files.
-        transport: ``"auto"``, ``"shm"`` or ``"rma"``, as for the DistributedStore.
+        transport: ``"auto"``, ``"shm"`` or ``"rma"``, as for the DistributedStore
+            (under torch.distributed: ``"shm"`` when every rank is on one node, else
+            peers' tiers are not read, ``"none"``).
         fill: start the background fill threads (False: nothing is cached until
             :meth:`fill_now`; for tests and benchmarks).
         ram_threads, ssd_threads: fill threads per tier (NoPFS's p_1, p_2; default 1
@@ -103,6 +112,7 @@ class ClairvoyantStore(SampleStore):
         self.world = self.comm.Get_size() if self.comm is not None else 1
         self.plan = plan
         self._win: Any = None        # the MPI window (None: one rank, no MPI)
+        self._node_seg: Optional[NodeSegment] = None   # shm under torch.distributed
         self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
         self._stop = threading.Event()
@@ -249,14 +259,30 @@ class ClairvoyantStore(SampleStore):
         one_node = node_size(self.comm) == self.world  # the same answer on every rank
         if asked == "shm" and not one_node:
             raise StoreError("transport='shm' needs every rank on one node")
-        self.transport = ("shm" if one_node else "rma") if asked == "auto" else asked
+        if is_mpi(self.comm):
+            self.transport = ("shm" if one_node else "rma") if asked == "auto" else asked
+            return
+        if asked == "rma":
+            raise StoreError("transport='rma' needs MPI (one-sided gets); this job's "
+                             "communicator is torch.distributed: use 'shm' or 'auto'")
+        if one_node and not ordered_shared_memory():
+            if asked == "shm":
+                raise StoreError("transport='shm' under torch.distributed needs forebay's C "
+                                 "kernel on this CPU (its memory barrier); reinstall forebay "
+                                 "with a C compiler, or use transport='auto'")
+            one_node = False
+        self.transport = "shm" if one_node else "none"
 
     def _allocate(self) -> None:
         n_state = len(self.fill_order)
         self._state_len = _align(n_state)
         size = _HEADER + self._state_len + ALIGNMENT + self.nbytes
-        if self.transport == "local":
+        if self.transport in ("local", "none"):
             self._raw = np.zeros(size, dtype=np.uint8)
+        elif not is_mpi(self.comm):     # shm under torch.distributed
+            self._node_seg = NodeSegment(self.comm, size)
+            self._raw = self._node_seg.region()
+            self._raw[:8] = 0
         else:
             from mpi4py import MPI
 
@@ -288,6 +314,12 @@ class ClairvoyantStore(SampleStore):
                 mm = mmap.mmap(fh.fileno(), self.ssd_nbytes, access=mmap.ACCESS_WRITE)
             self._ssd_maps[self.rank] = mm
             self._ssd = np.frombuffer(mm, dtype=np.uint8)
+        if self._node_seg is not None:
+            self._base = np.array(self.comm.allgather(int(shift)), dtype=np.int64)
+            fence()
+            self.comm.Barrier()          # every counter and state byte is initialised
+            self._segment, self._seg_base = self._node_seg.view, self._node_seg.starts
+            return
         if self._win is None:
             self._base = np.array([shift], dtype=np.int64)
             return
@@ -476,6 +508,8 @@ class ClairvoyantStore(SampleStore):
     def _sync(self) -> None:
         if self._win is not None:
             self._win.Sync()
+        elif self._node_seg is not None:
+            fence()
 
     def _publish(self, count: int) -> None:
         """Make the filled bytes visible, then move the counter (never the reverse)."""
@@ -487,6 +521,7 @@ class ClairvoyantStore(SampleStore):
                                  [0, 1, MPI.INT64_T], MPI.REPLACE)
             self._win.Flush(self.rank)
         else:
+            fence()     # the data is visible before the counter that announces it
             self._counter[0] = count
         self._filled = count
 
@@ -561,7 +596,7 @@ class ClairvoyantStore(SampleStore):
         slots = p.slot[ids] + np.where(tier == RAM, 0, self._R_all[np.maximum(owner, 0)])
         # a peer's SSD tier is readable only on its node (the file, mapped here)
         cand = (owner >= 0) & (owner != self.rank) & ((tier == RAM) | (self.transport == "shm"))
-        if self._win is None or not cand.any():
+        if (self._win is None and self._node_seg is None) or not cand.any():
             return np.zeros(len(ids), dtype=bool)
         deadline = time.perf_counter() + wait
         poll = Backoff(first=0.001, cap=0.004)
@@ -578,12 +613,17 @@ class ClairvoyantStore(SampleStore):
                 o = owner[late].astype(np.int64)
                 flags = self._segment[self._seg_base[o] + _HEADER + slots[late]]
                 ok[np.flatnonzero(late)[flags == _DONE]] = True
-                self._win.Sync()
+                self._sync()
             if ok.sum() == cand.sum() or time.perf_counter() >= deadline or self._stop.is_set():
                 return ok
             poll.sleep()
 
     def _peer_counter(self, rank: int) -> int:
+        if self._node_seg is not None:
+            at = int(self._seg_base[rank])
+            count = int(self._segment[at:at + 8].view(np.int64)[0])
+            fence()     # later loads of the peer's data see what preceded the counter
+            return count
         from mpi4py import MPI
 
         result = np.zeros(1, dtype=np.int64)
@@ -709,7 +749,8 @@ class ClairvoyantStore(SampleStore):
                     "pfs_bytes": self.pfs_bytes, "filled": self._filled,
                     "filled_from_peers": self._fill_from_peers,
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
-                    "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs}
+                    "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs,
+                    "transport": self.transport}
 
     def abandon(self) -> None:
         if self.comm is None:
@@ -744,4 +785,9 @@ class ClairvoyantStore(SampleStore):
             self._win.Unlock_all()
             self._win.Free()
             self._win = None
+        if self._node_seg is not None:
+            self._segment = None
+            self._buf = self._raw = np.zeros(0, dtype=np.uint8)
+            self._node_seg.close()
+            self._node_seg = None
 

@@ -1,12 +1,15 @@
-"""DDStore-style distributed in-memory store over MPI one-sided RMA.
+"""DDStore-style distributed in-memory store: node shared memory, MPI one-sided RMA,
+or a collective exchange.
 
 Ranks form replica groups of ``width`` consecutive ranks; each group holds one full
 replica of the dataset, striped over its members in contiguous chunks balanced by
 bytes.  Every rank computes, from the dataset index alone, which member owns any
-sample and at which byte offset of that member's window it lies: no registry, no
-lookup traffic.  A batch's remote samples are fetched with one ``MPI_Get`` per owner
-(an hindexed datatype covering all of that owner's records) inside one passive-target
-access epoch opened at setup; local samples are copied from memory.
+sample and at which byte offset of that member's memory it lies: no registry, no
+lookup traffic.  Transports: ``shm`` (the group on one node: one shared segment, a
+batch is one gather), ``rma`` (MPI: one ``MPI_Get`` per owner, an hindexed datatype
+covering all of that owner's records, inside one passive-target access epoch opened at
+setup) and ``exchange`` (any communicator, torch.distributed included: each batch is
+one collective in which every member sends the records the others asked for).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..dataset import ALIGNMENT, IndexLayout, assemble_batch
+from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
+from ..comm import (NodeSegment, all_true, allgather_array, alltoall_bytes, is_mpi,
+                    node_ranks)
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
@@ -153,15 +158,11 @@ def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, A
 
 
 def node_size(comm: Any) -> int:
-    """Ranks of ``comm`` on this rank's node (1 without MPI)."""
-    if comm is None:
-        return 1
-    from mpi4py import MPI
+    """Ranks of ``comm`` on this rank's node (1 without a communicator)."""
+    return len(node_ranks(comm))
 
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    n = node.Get_size()
-    node.Free()
-    return n
+
+TRANSPORTS = ("auto", "shm", "rma", "exchange")
 
 
 def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarray]]":
@@ -229,10 +230,15 @@ class DistributedStore(SampleStore):
         node_aware: make each node one replica group (``COMM_TYPE_SHARED``), so every
             read is intra-node; every node must run the same number of ranks.
         transport: how a rank reads its group's memory.  ``"shm"``: the group shares
-            one node, so each member's chunk lives in an MPI shared-memory window and
-            peers read it with plain memory copies (no MPI call per batch);
-            ``"rma"``: MPI_Get on a passive-target window (any network);
-            ``"auto"`` (default): shm when the whole group is on one node, else rma.
+            one node, so the members' chunks live in one shared-memory segment (an MPI
+            shared window, or a file in /dev/shm under torch.distributed) and peers
+            read it with plain memory copies (no communication per batch);
+            ``"rma"``: MPI_Get on a passive-target window (MPI only, any network);
+            ``"exchange"``: each ``get_many`` is a collective of the replica group
+            (an all-gather of the requested ids, then one all-to-all of the records),
+            so every member must call it in step, as the loader does;
+            ``"auto"`` (default): shm when the whole group is on one node, else rma
+            under MPI and exchange under torch.distributed.
         progress: preload progress (default: a bar on rank 0 when it has a terminal).
         on_pfs_read: called after each preload read from the dataset files with
             (bytes, samples, seconds): an instrumentation hook (tracing, PFS emulation).
@@ -250,13 +256,15 @@ class DistributedStore(SampleStore):
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
-        if transport not in ("auto", "shm", "rma"):
+        if transport not in TRANSPORTS:
             raise InvalidArgumentError(
-                f"transport must be 'auto', 'shm' or 'rma', got {transport!r}")
+                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got "
+                f"{transport!r}")
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
-        self._win: Any = None        # the MPI window (None: one rank, no MPI)
+        self._win: Any = None        # the MPI window (rma, or shm under MPI)
+        self._node_seg: Optional[NodeSegment] = None   # shm under torch.distributed
         self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
         self._fetches = {"local": 0, "peer": 0}
@@ -289,22 +297,18 @@ class DistributedStore(SampleStore):
             self.group_comm: Any = None
             self.group_ranks = np.zeros(1, dtype=np.int64)
             return
-        from mpi4py import MPI
-
         if node_aware:
             if width is not None:
                 raise StoreError("give either width or node_aware, not both")
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            sizes = self.comm.allgather(node.Get_size())
-            leaders = self.comm.allgather(self.rank if node.Get_rank() == 0 else -1)
-            if len(set(sizes)) != 1:
-                node.Free()
+            node = node_ranks(self.comm)
+            every = self.comm.allgather([len(node), node[0]])
+            sizes = sorted({n for n, _ in every})
+            if len(sizes) != 1:
                 raise StoreError(f"node_aware needs the same number of ranks on every node, "
-                                 f"got {sorted(set(sizes))}")
+                                 f"got {sizes}")
             self.width = sizes[0]
-            self.group_comm = node
-            self.group = sorted(r for r in leaders if r >= 0).index(
-                node.bcast(self.rank if node.Get_rank() == 0 else None, root=0))
+            self.group = sorted({first for _, first in every}).index(node[0])
+            self.group_comm = self.comm.Split(color=self.group, key=self.rank)
         else:
             w = self.world if width is None else int(width)
             if w <= 0 or self.world % w:
@@ -320,15 +324,19 @@ class DistributedStore(SampleStore):
     def _choose_transport(self, asked: str) -> str:
         if self.group_comm is None or self.width == 1:
             return "local"
-        from mpi4py import MPI
-
+        mpi = is_mpi(self.comm)
         one_node = node_size(self.group_comm) == self.width
-        everywhere = self.comm.allreduce(one_node, op=MPI.LAND)
+        everywhere = all_true(self.comm, one_node)
         if asked == "shm" and not everywhere:
             raise StoreError("transport='shm' needs every replica group on one node; use "
-                             "node_aware=True or a width that fits a node, or transport='rma'")
+                             "node_aware=True or a width that fits a node, or transport="
+                             + ("'rma' or 'exchange'" if mpi else "'exchange'"))
+        if asked == "rma" and not mpi:
+            raise StoreError("transport='rma' needs MPI (one-sided gets); this job's "
+                             "communicator is torch.distributed: use 'shm' within a node "
+                             "or 'exchange'")
         if asked == "auto":
-            return "shm" if everywhere else "rma"
+            return "shm" if everywhere else ("rma" if mpi else "exchange")
         return asked
 
     @property
@@ -339,15 +347,13 @@ class DistributedStore(SampleStore):
         need = int(self.layout.nbytes[self.member]) + ALIGNMENT
         avail = available_memory()
         if self.comm is None:
-            node_need, msg = need, None
+            node_need = need
         else:
-            from mpi4py import MPI
-
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            node_need = node.allreduce(need)
-            avail = node.allreduce(avail if avail is not None else -1, op=MPI.MIN)
-            avail = None if avail < 0 else avail
-            node.Free()
+            node = node_ranks(self.comm)
+            every = self.comm.allgather([need, -1 if avail is None else int(avail)])
+            node_need = sum(every[r][0] for r in node)
+            least = min(every[r][1] for r in node)
+            avail = None if least < 0 else least
         gib = 2.0 ** 30
         msg = None
         if avail is not None and node_need > MEMORY_HEADROOM * avail:
@@ -360,8 +366,11 @@ class DistributedStore(SampleStore):
 
     def _allocate(self) -> None:
         size = int(self.layout.nbytes[self.member]) + ALIGNMENT
-        if self.transport == "local":
+        if self.transport in ("local", "exchange"):
             raw = np.empty(size, dtype=np.uint8)
+        elif not is_mpi(self.comm):       # shm under torch.distributed
+            self._node_seg = NodeSegment(self.group_comm, size)
+            raw = self._node_seg.region()
         else:
             from mpi4py import MPI
 
@@ -373,14 +382,17 @@ class DistributedStore(SampleStore):
         shift = (-raw.ctypes.data) % ALIGNMENT
         self._raw = raw
         self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
-        self._shift = np.array(self.group_comm.allgather(shift) if self._win is not None
-                               else [shift], dtype=np.int64)
+        self._shift = np.array(self.group_comm.allgather(shift)
+                               if self.group_comm is not None else [shift], dtype=np.int64)
 
     def _map_peers(self) -> None:
         """shm transport: one view of the group's shared segment (see
         :func:`shared_segment`); an MPI that lays members out otherwise gets MPI_Get on
         the same window (transport "rma")."""
-        mapped = shared_segment(self._win, self.group_comm)
+        if self._node_seg is not None:
+            mapped: Any = (self._node_seg.view, self._node_seg.starts)
+        else:
+            mapped = shared_segment(self._win, self.group_comm)
         if mapped is None:
             self.transport = "rma"
             return
@@ -492,6 +504,14 @@ class DistributedStore(SampleStore):
                 parts = [(self._segment, seg, slice(None))]
             else:  # traced: local and peer parts timed apart
                 parts = [(self._segment, seg[m], m) for m in (local, ~local) if m.any()]
+        elif self.transport == "exchange":
+            t0 = time.perf_counter()
+            parts = self._exchange(ids, member, local)
+            if rec is not None:
+                t1 = time.perf_counter()
+                t_stage = t1 - t0
+                rec.span("memstore", "exchange", t0, t1, count=int((~local).sum()),
+                         args={"members": self.width})
         else:
             offset = self.layout.offset[ids]
             if nlocal == len(ids):
@@ -527,13 +547,46 @@ class DistributedStore(SampleStore):
             _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
         return batch
 
+    def _exchange(self, ids: np.ndarray, member: np.ndarray, local: np.ndarray) -> list:
+        """The ``exchange`` transport's collective: every member of the replica group
+        sends each other member the records of its request that it owns (in the order
+        asked), with one all-gather of the ids and one all-to-all whose sizes both ends
+        compute from the index.  Returns assemble_batch parts."""
+        gc = self.group_comm
+        reclen = self.ds.record_nbytes
+        asked = allgather_array(gc, ids)
+        cat = np.concatenate(asked)
+        by = np.repeat(np.arange(self.width), [len(a) for a in asked])
+        if len(cat) and (cat.min() < 0 or cat.max() >= len(self.ds)):
+            raise StoreError("a peer asked for a sample id outside the dataset")
+        mine = (self.layout.member[cat] == self.member) & (by != self.member)
+        sids, to = cat[mine], by[mine]
+        slen = reclen[sids]
+        send = np.empty(int(slen.sum()), dtype=np.uint8)
+        gather_ranges(self._buf, self.layout.offset[sids], slen, send, np.cumsum(slen) - slen)
+        send_counts = np.bincount(to, weights=slen, minlength=self.width).astype(np.int64)
+        remote = ~local
+        rlen, rmember = reclen[ids[remote]], member[remote]
+        order = np.argsort(rmember, kind="stable")
+        stage_pos = np.empty(len(rlen), dtype=np.int64)
+        stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
+        recv_counts = np.bincount(rmember, weights=rlen, minlength=self.width).astype(np.int64)
+        stage = alltoall_bytes(gc, send, send_counts, recv_counts)
+        parts: list = []
+        if local.any():
+            parts.append((self._buf, self.layout.offset[ids[local]], local))
+        if remote.any():
+            parts.append((stage, stage_pos, remote))
+        return parts
+
     def stats(self) -> dict[str, Any]:
         """``fetches_by_source`` (local memory, a peer's memory), and ``pfs_reads`` /
-        ``pfs_bytes``: what this rank read from the dataset files (its preload)."""
+        ``pfs_bytes``: what this rank read from the dataset files (its preload);
+        ``transport``: how peers' memory is read."""
         mine = self.layout.member == self.member
         return {"fetches_by_source": dict(self._fetches), "pfs_reads": int(mine.sum()),
                 "pfs_bytes": int(self.ds.record_nbytes[mine].sum()),
-                "preload_seconds": self.preload_seconds}
+                "preload_seconds": self.preload_seconds, "transport": self.transport}
 
     def abandon(self) -> None:
         if self.comm is None:
@@ -551,6 +604,13 @@ class DistributedStore(SampleStore):
             self._win.Unlock_all()
             self._win.Free()
             self._win = None
+        if self._node_seg is not None:
+            if self.group_comm is not None:
+                self.group_comm.Barrier()    # nobody reads our chunk any more
+            self._segment = None
+            self._buf = self._raw = np.zeros(0, dtype=np.uint8)
+            self._node_seg.close()
+            self._node_seg = None
         if self.group_comm is not None:
             self.group_comm.Free()
             self.group_comm = None

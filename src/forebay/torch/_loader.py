@@ -17,6 +17,7 @@ from ..dataset import IndexLayout, PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory)
+from ..comm import all_true, is_mpi
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
 from ._collate import collate_samples, default_collate
@@ -38,11 +39,7 @@ def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
     need = int(tier_nbytes(ds).sum()) / max(w, 1)
     avail = available_memory()
     fits = avail is None or need * node_size(comm) <= MEMORY_HEADROOM * avail
-    if comm is not None:
-        from mpi4py import MPI
-
-        fits = comm.allreduce(bool(fits), op=MPI.LAND)
-    return "preload" if fits else "clairvoyant"
+    return "preload" if all_true(comm, fits) else "clairvoyant"
 
 
 def _default_ram_bytes(comm: Any) -> int:
@@ -66,9 +63,13 @@ class DataLoader:
             batch give the same global batches at any world size).
 
     Where samples come from:
-        comm: mpi4py communicator (default: COMM_WORLD under an MPI launcher, else one
-            process; a launcher reporting ranks MPI cannot see raises LaunchError;
-            :data:`forebay.world.LOCAL`: this process alone, on purpose).
+        comm: the job's communicator (see :func:`forebay.world.resolve_comm`):
+            default MPI's COMM_WORLD under mpiexec/srun with MPI, forebay's own gloo
+            group under torchrun (initialising torch.distributed if the program has
+            not), else one process; a launcher reporting ranks the data plane cannot
+            see raises LaunchError; an mpi4py communicator or a torch.distributed
+            process group may be given; :data:`forebay.world.LOCAL`: this process
+            alone, on purpose.
         mode: ``"preload"`` (default) keeps the dataset in the ranks' memory in a
             :class:`~forebay.store.DistributedStore` (``width`` ranks per replica);
             ``"clairvoyant"`` caches what the access plan says will be needed in a
@@ -190,7 +191,7 @@ class DataLoader:
         self.collate_fn = collate_fn
         self.transform = transform
         self.prefetch = max(0, int(prefetch))
-        if self.prefetch and self.comm is not None:
+        if self.prefetch and is_mpi(self.comm):
             from mpi4py import MPI
 
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

@@ -1,0 +1,138 @@
+"""The data plane under real ``torchrun`` (torch.distributed's gloo, no MPI): every
+rank sees its own samples, the batches are those of mpiexec, a dead rank ends the job,
+and no shared segment outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay import AccessPlan
+from forebay.comm import SHM_DIR
+from conftest import assert_ranks_ok, run_ranks, run_torchrun
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.mpi
+
+N, BATCH, EPOCHS, SEED = 96, 4, 2, 5
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tr") / "lab.fb"
+    forebay.write_dataset(path, ({"label": np.int64(i), "v": np.full(i % 7, i, np.float32)}
+                                 for i in range(N)), shard_bytes=2048)
+    return path
+
+
+def _segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(".forebay-seg-*")} if SHM_DIR.is_dir() else set()
+
+
+def rank_epochs(path: str, out: str, mode: str, transport: str, prefetch: str) -> None:
+    """Two epochs of the README's loader; this rank's batches (sample ids, checked
+    against the labels) and the store's stats go to ``out/rank-R.json``."""
+    from forebay.store import tier_nbytes
+    from forebay.torch import DataLoader
+
+    # clairvoyant: RAM for 60% of the dataset per rank, so each rank needs its peer's
+    ram = int(tier_nbytes(forebay.open_dataset(path)).sum() * 0.6)
+    dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS, mode=mode, transport=transport,
+                    prefetch=int(prefetch), ram_bytes=ram,
+                    collate_fn=lambda b: (b.ids.copy(), b["label"].copy()))
+    batches = []
+    for epoch in range(EPOCHS):
+        dl.set_epoch(epoch)
+        for ids, labels in dl:
+            assert (ids == labels).all()          # the sample is the one asked for
+            batches.append(ids.tolist())
+    if mode == "clairvoyant":
+        assert dl.store.wait_filled(timeout=120)
+        for epoch_ids in dl.plan.batches(dl.rank, 0):   # all cached now: peers serve
+            dl.store.get_many(epoch_ids)
+    st = dl.store.stats()
+    Path(out, f"rank-{dl.rank}.json").write_text(json.dumps(
+        {"batches": batches, "world": dl.world, "comm": type(dl.comm).__name__,
+         "transport": st.get("transport"), "fetches": st["fetches_by_source"]}))
+    dl.close()
+
+
+def _read(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("mode,transport,want", [
+    ("preload", "auto", "shm"), ("preload", "exchange", "exchange"),
+    ("clairvoyant", "auto", "shm"), ("direct", "auto", None)])
+def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_path, mode,
+                                                                 transport, want):
+    before = _segments()
+    for launcher, run in (("torchrun", run_torchrun), ("mpiexec", run_ranks)):
+        out = tmp_path / launcher
+        out.mkdir()
+        assert_ranks_ok(run(2, rank_epochs, labelled, out, mode, transport, 2), 2)
+    tr, mp = _read(tmp_path / "torchrun", 2), _read(tmp_path / "mpiexec", 2)
+    assert {r["comm"] for r in tr} == {"TorchComm"}
+    assert {r["comm"] for r in mp} == {"Intracomm"}
+    assert {r["transport"] for r in tr} == {want}
+    plan = AccessPlan(N, 2, BATCH, EPOCHS, SEED)
+    for r in range(2):
+        want_batches = [b.tolist() for e in range(EPOCHS) for b in plan.batches(r, e)]
+        assert tr[r]["batches"] == want_batches == mp[r]["batches"]
+    steps = len(tr[0]["batches"]) // EPOCHS
+    for e in range(EPOCHS):       # each epoch: every sample once, over both ranks
+        seen = sum((b for r in tr for b in r["batches"][e * steps:(e + 1) * steps]), [])
+        assert sorted(seen) == list(range(N))
+    if want == "shm" or want == "exchange":
+        assert all(r["fetches"]["peer"] > 0 for r in tr), tr
+    assert _segments() <= before          # no shared segment outlives the job
+
+
+def rank_dies_mid_epoch(path: str) -> None:
+    """Rank 1 dies at step 3 of an epoch whose batches are exchanged collectively."""
+    from forebay.torch import DataLoader
+
+    dl = DataLoader(path, BATCH, seed=SEED, mode="preload", transport="exchange",
+                    collate_fn=lambda b: b.ids.copy())
+    for step, _ in enumerate(dl):
+        if step == 3 and dl.rank == 1:
+            os._exit(3)
+    dl.close()
+
+
+def test_a_rank_that_dies_ends_the_torchrun_job(labelled):
+    before = _segments()
+    p = run_torchrun(2, rank_dies_mid_epoch, labelled, timeout=120)
+    assert p.returncode != 0
+    assert "rank-main: rank 1 ok" not in p.stdout
+    assert _segments() <= before
+
+
+def rank_with_user_collectives(path: str) -> None:
+    """The program initialised torch.distributed itself and all-reduces every step
+    while forebay's prefetch thread exchanges batches on its own group."""
+    import torch
+    import torch.distributed as dist
+
+    from forebay.torch import DataLoader
+
+    dist.init_process_group("gloo")
+    dl = DataLoader(path, BATCH, seed=SEED, mode="preload", transport="exchange",
+                    prefetch=4, collate_fn=lambda b: b.ids.copy())
+    assert dl.comm.group is not dist.group.WORLD
+    plan = dl.plan
+    for step, ids in enumerate(dl):
+        t = torch.tensor([int(ids.sum())])
+        dist.all_reduce(t)
+        assert int(t) == sum(int(plan.batches(r, 0)[step].sum()) for r in range(dl.world))
+    dl.close()
+    dist.destroy_process_group()
+
+
+def test_the_programs_own_collectives_do_not_interleave_with_the_exchange(labelled):
+    assert_ranks_ok(run_torchrun(3, rank_with_user_collectives, labelled), 3)
