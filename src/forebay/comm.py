@@ -14,6 +14,7 @@ lists and dicts: set-up values), never pickled; arrays go as raw bytes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import mmap
 import os
@@ -181,7 +182,7 @@ class TorchComm:
         for c in sorted({e[0] for e in every}):
             ordered = sorted((k, r) for cc, k, r in every if cc == c)
             members = [self.global_ranks[r] for _, r in ordered]
-            g = dist.new_group(members, backend="gloo")
+            g = _new_group(members)
             if c == color:
                 mine = TorchComm(g, members)
         assert mine is not None
@@ -192,6 +193,40 @@ class TorchComm:
 
     def __repr__(self) -> str:
         return f"TorchComm(rank {self._rank} of {self._size}, gloo)"
+
+
+_groups: list[Any] = []      # process groups forebay made, destroyed at exit
+_made_default = False        # forebay initialised torch.distributed itself
+
+
+def _new_group(ranks: Optional[list[int]] = None) -> Any:
+    import torch.distributed as dist
+
+    g = dist.new_group(ranks, backend="gloo")
+    _groups.append(g)
+    return g
+
+
+@atexit.register
+def _destroy_groups() -> None:
+    """Destroy forebay's groups (and the default group, if forebay made it) while
+    Python still runs: gloo's threads dropping their last tensor references during
+    interpreter teardown abort the process ("terminate called without an active
+    exception").  A group the program destroyed itself is skipped."""
+    dist = __import__("sys").modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return
+    for g in reversed(_groups):
+        try:
+            dist.destroy_process_group(g)
+        except Exception:                    # noqa: BLE001 - exiting anyway
+            pass
+    _groups.clear()
+    if _made_default:
+        try:
+            dist.destroy_process_group()
+        except Exception:                    # noqa: BLE001 - exiting anyway
+            pass
 
 
 def torch_comm() -> TorchComm:
@@ -209,16 +244,18 @@ def torch_comm() -> TorchComm:
     if not dist.is_available():
         raise LaunchError("this torch build has no torch.distributed")
     if not dist.is_initialized():
+        global _made_default
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         try:
             dist.init_process_group(backend, init_method="env://")
+            _made_default = True
         except Exception as e:
             raise LaunchError(
                 f"forebay could not initialise torch.distributed from the launcher's "
                 f"variables (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
                 f"{os.environ.get('MASTER_PORT')}, RANK={os.environ.get('RANK')}, "
                 f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}): {e}") from e
-    return TorchComm(dist.new_group(backend="gloo"))
+    return TorchComm(_new_group())
 
 
 class NodeSegment:

@@ -483,10 +483,25 @@ class DistributedStore(SampleStore):
         """World rank that serves each id to this rank (a member of this rank's group)."""
         return self.group_ranks[self.layout.member[self.ds.normalize_ids(ids)]]
 
-    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None) -> SampleBatch:
+    def get_step(self, requests: "Sequence[np.ndarray]", *, alloc=None) -> SampleBatch:
+        """This rank's batch when every member of its replica group knows what each
+        member asks for in this call (``requests[m]``: member m's ids, as from the
+        access plan): the ``exchange`` transport then skips its all-gather of the
+        ids, one collective per batch.  Other transports: ``get_many(requests[member])``."""
+        if len(requests) != self.width:
+            raise InvalidArgumentError(f"get_step needs one request per member of the "
+                                       f"replica group ({self.width}), got {len(requests)}")
+        if self.transport != "exchange":
+            return self.get_many(requests[self.member], alloc=alloc)
+        reqs = [self.ds.normalize_ids(r) for r in requests]
+        return self.get_many(reqs[self.member], alloc=alloc, requests=reqs)
+
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None,
+                 requests: "Optional[list[np.ndarray]]" = None) -> SampleBatch:
         """Samples ``ids`` as a :class:`SampleBatch`, bit-exact to the dataset's own
-        ``get_many``: local ones copied from memory, remote ones with one RMA get per
-        owning rank and a single flush."""
+        ``get_many``: local ones copied from memory, remote ones from the peers' memory
+        (shared segment, one RMA get per owning rank, or the group's exchange: then a
+        collective every member calls in step)."""
         if self._closed:
             raise StoreError("the store is closed")
         ids = self.ds.normalize_ids(ids)
@@ -506,7 +521,7 @@ class DistributedStore(SampleStore):
                 parts = [(self._segment, seg[m], m) for m in (local, ~local) if m.any()]
         elif self.transport == "exchange":
             t0 = time.perf_counter()
-            parts = self._exchange(ids, member, local)
+            parts = self._exchange(ids, member, local, requests)
             if rec is not None:
                 t1 = time.perf_counter()
                 t_stage = t1 - t0
@@ -547,14 +562,16 @@ class DistributedStore(SampleStore):
             _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
         return batch
 
-    def _exchange(self, ids: np.ndarray, member: np.ndarray, local: np.ndarray) -> list:
+    def _exchange(self, ids: np.ndarray, member: np.ndarray, local: np.ndarray,
+                  requests: "Optional[list[np.ndarray]]") -> list:
         """The ``exchange`` transport's collective: every member of the replica group
         sends each other member the records of its request that it owns (in the order
-        asked), with one all-gather of the ids and one all-to-all whose sizes both ends
-        compute from the index.  Returns assemble_batch parts."""
+        asked), with one all-gather of the ids (skipped when ``requests`` says what
+        every member asks) and one all-to-all whose sizes both ends compute from the
+        index.  Returns assemble_batch parts."""
         gc = self.group_comm
         reclen = self.ds.record_nbytes
-        asked = allgather_array(gc, ids)
+        asked = allgather_array(gc, ids) if requests is None else requests
         cat = np.concatenate(asked)
         by = np.repeat(np.arange(self.width), [len(a) for a in asked])
         if len(cat) and (cat.min() < 0 or cat.max() >= len(self.ds)):

@@ -206,6 +206,8 @@ class DataLoader:
         self.pin_memory = pin_memory
         self.epoch = 0
         self._step = 0  # batches handed out in the current epoch
+        self._requests: list[Any] = []
+        self._requests_epoch = -1
         self._stall = 0.0  # seconds the iterating thread waited for a batch
         if staging_bytes is not None and staging_bytes <= 0:
             raise InvalidArgumentError(f"staging_bytes must be positive, got {staging_bytes}")
@@ -269,7 +271,12 @@ class DataLoader:
         if rec is not None:
             rec.context.epoch, rec.context.step = epoch, step
         t0 = time.perf_counter()
-        batch: SampleBatch = self.store.get_many(ids, alloc=alloc)
+        batch: SampleBatch
+        if isinstance(self.store, DistributedStore) and self.store.transport == "exchange":
+            # every member's request is known from the plan: one collective per batch
+            batch = self.store.get_step(self._group_requests(epoch, step), alloc=alloc)
+        else:
+            batch = self.store.get_many(ids, alloc=alloc)
         if self.transform is not None:
             out = collate_samples([self.transform(s) for s in batch], self.collate_fn)
         elif self.collate_fn is not None:
@@ -279,6 +286,15 @@ class DataLoader:
         if rec is not None:
             self._trace_fetch(rec, ids, t0)
         return out
+
+    def _group_requests(self, epoch: int, step: int) -> list[np.ndarray]:
+        """What each member of this rank's replica group asks for at (epoch, step)."""
+        if self._requests_epoch != epoch:
+            assert isinstance(self.store, DistributedStore)
+            self._requests = [self.plan.batches(int(r), epoch)
+                              for r in self.store.group_ranks]
+            self._requests_epoch = epoch
+        return [b[step] for b in self._requests]
 
     def _trace_fetch(self, rec: Any, ids: np.ndarray, t0: float) -> None:
         t1 = time.perf_counter()
