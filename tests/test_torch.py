@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 import forebay  # noqa: E402
 from forebay import AccessPlan  # noqa: E402
 from forebay.synth import molecule_samples  # noqa: E402
+from forebay.errors import UsageError  # noqa: E402
 from forebay.torch import DataLoader, Dataset, PlanSampler, collate_graphs  # noqa: E402
 
 
@@ -28,6 +29,7 @@ def test_batches_follow_the_plan(molecules, mode, prefetch):
     plan = AccessPlan(len(samples), 1, 16, 2, seed=7)
     assert len(dl) == plan.steps_per_epoch == 13
     for epoch in range(2):
+        dl.set_epoch(epoch)
         got = list(dl)
         assert len(got) == 13
         for step, b in enumerate(got):
@@ -85,6 +87,41 @@ def test_resume_mid_epoch_gives_the_remaining_batches(molecules):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="global_batch"):
         DataLoader(path, 4, epochs=1, seed=3, comm=None).load_state_dict(state)
+
+
+def test_set_epoch_restarts_the_epoch_and_a_finished_epoch_never_jumps(molecules):
+    """set_epoch(e) starts e from its first batch even mid-epoch (it resumed at the
+    step reached); iterating a finished epoch without set_epoch is an error (it
+    silently ran the next epoch)."""
+    path, samples = molecules
+    plan = AccessPlan(len(samples), 1, 8, 3, seed=3)
+    dl = DataLoader(path, 8, epochs=3, seed=3, comm=None, prefetch=0,
+                    collate_fn=lambda b: b.ids.tolist())
+    want = [[b.tolist() for b in plan.batches(0, e)] for e in range(3)]
+    it = iter(dl)
+    assert [next(it), next(it)] == want[0][:2]
+    it.close()
+    dl.set_epoch(0)                                    # the same epoch: from its start
+    assert list(dl) == want[0]
+    with pytest.raises(UsageError, match=r"epoch 0 is finished: call loader.set_epoch\(1\)"):
+        list(dl)
+    assert dl.state_dict()["epoch"] == 1 and dl.state_dict()["step"] == 0
+    dl.set_epoch(0)                                    # read it again, on purpose
+    assert list(dl) == want[0]
+    dl.set_epoch(2)
+    assert list(dl) == want[2]
+    with pytest.raises(UsageError, match="the plan's last"):
+        list(dl)
+    # resume: set_epoch for the saved epoch keeps the saved step, another epoch resets
+    fresh = DataLoader(path, 8, epochs=3, seed=3, comm=None, prefetch=0,
+                       collate_fn=lambda b: b.ids.tolist())
+    fresh.load_state_dict({**dl.state_dict(), "epoch": 1, "step": 4})
+    fresh.set_epoch(1)
+    assert list(fresh) == want[1][4:]
+    fresh.load_state_dict({**dl.state_dict(), "epoch": 1, "step": 4})
+    fresh.set_epoch(2)
+    assert list(fresh) == want[2]
+    assert fresh.stats()["padding_per_epoch"] == plan.padding > 0
 
 
 def test_transform_and_custom_collate(tmp_path):

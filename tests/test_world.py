@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import forebay
-from forebay.world import LOCAL, detect, resolve_comm
+from forebay.world import LOCAL, detect, first_host, resolve_comm, slurm_rendezvous
 
 
 @pytest.mark.parametrize("env, want", [
@@ -64,3 +64,26 @@ def test_launcher_world_without_a_data_plane_fails(tmp_path):
                        env=dict(os.environ, RANK="1", WORLD_SIZE="2"), capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "5", p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("nodes, first", [("nid[0012-0015,0020],login1", "nid0012"),
+                                          ("node1,node2", "node1"), ("c[3]", "c3"),
+                                          ("gpu-a[01-02]-ib", "gpu-a01-ib"),
+                                          ("localhost", "localhost")])
+def test_first_host_of_a_slurm_host_list(nodes, first):
+    assert first_host(nodes) == first
+
+
+def test_slurm_rendezvous_fills_only_what_is_missing():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NODELIST": "nid[0040-0043]", "SLURM_JOB_ID": "1234",
+           "SLURM_STEP_ID": "2", "MASTER_PORT": "29400"}
+    added = slurm_rendezvous(detect(env), env)
+    assert added == {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                     "MASTER_ADDR": "nid0040"}
+    assert env["MASTER_PORT"] == "29400"              # already set: kept
+    env2 = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1234",
+            "SLURM_STEP_ID": "2", "SLURM_JOB_NODELIST": "a1"}
+    slurm_rendezvous(detect(env2), env2)
+    assert env2["MASTER_PORT"] == str(20000 + (1234 * 131 + 2) % 20000)
+    assert env2["MASTER_ADDR"] == "a1"

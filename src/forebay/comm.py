@@ -29,7 +29,7 @@ from .errors import ArgumentTypeError, LaunchError, UsageError
 
 __all__ = ["Communicator", "TorchComm", "torch_comm", "is_mpi", "all_true", "node_size",
            "node_ranks", "NodeSegment", "SHM_DIR", "allgather_array", "alltoall_bytes",
-           "fence", "ordered_shared_memory"]
+           "fence", "ordered_shared_memory", "shm_usable"]
 
 #: where node segments of TorchComm jobs live (a tmpfs on Linux)
 SHM_DIR = Path("/dev/shm")
@@ -51,6 +51,12 @@ class Communicator(Protocol):
     def Split(self, color: int = 0, key: int = 0) -> Any: ...
 
     def Free(self) -> None: ...
+
+
+def shm_usable(comm: Any) -> bool:
+    """Every rank of ``comm`` can create node segments (:data:`SHM_DIR` is a writable
+    directory); collective."""
+    return all_true(comm, SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK | os.X_OK))
 
 
 def is_mpi(comm: Any) -> bool:

@@ -18,8 +18,10 @@ Epoch ends.  Every rank gets the same number of steps (no collective can hang). 
 ``drop_last=True`` the ``num_samples % global_batch`` samples left over at the end of
 the permutation are skipped that epoch (different ones each epoch).  With
 ``drop_last=False`` (default) the last global batch is completed with the first
-samples of the same epoch's permutation, as ``DistributedSampler`` pads: every sample
-is read at least once per epoch and exactly ``plan.padding`` of them twice.
+samples of the same epoch's permutation: every sample is read at least once per epoch
+and exactly ``plan.padding`` of them (fewer than one global batch) twice.  Unlike
+``DistributedSampler``, which pads only to a multiple of the world size and leaves the
+last batch smaller, every batch is full.
 """
 
 from __future__ import annotations

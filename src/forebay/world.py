@@ -25,6 +25,7 @@ none         a single process
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -156,15 +157,7 @@ def resolve_comm(comm: Any = None) -> Any:
     mpi_loaded = "mpi4py.MPI" in sys.modules
     if not world.is_mpi and not mpi_loaded and (world.launcher == "torchrun" and
                                                 world.size > 1 or _torch_initialised()):
-        from .comm import torch_comm
-        try:
-            tc = torch_comm()
-        except LaunchError as e:
-            raise LaunchError(f"{world.describe()}: {e}; or pass comm=forebay.world.LOCAL "
-                              f"to read the whole dataset on every rank on purpose") from None
-        if world.launcher == "torchrun" and tc.Get_size() != world.size:
-            raise LaunchError(_mismatch(world, tc.Get_size(), "torch.distributed"))
-        return tc
+        return _torch_world(world)
     if world.size <= 1 and not world.is_mpi and not mpi_loaded:
         return None
     try:
@@ -172,6 +165,8 @@ def resolve_comm(comm: Any = None) -> Any:
     except ImportError:
         if world.size <= 1:
             return None
+        if world.launcher == "slurm":       # srun without MPI: torch.distributed
+            return _torch_world(world)
         raise LaunchError(
             f"{world.describe()}: the launcher started {world.size} ranks but mpi4py is "
             f"not installed, so forebay cannot reach the other ranks; pip install "
@@ -180,7 +175,56 @@ def resolve_comm(comm: Any = None) -> Any:
     size = MPI.COMM_WORLD.Get_size()
     if size == world.size or world.size <= 1:
         return MPI.COMM_WORLD
+    if size == 1 and world.launcher == "slurm":   # srun without an MPI plug-in
+        return _torch_world(world)
     raise LaunchError(_mismatch(world, size, "MPI"))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list (``nid[0012-0015,0020],login1`` ->
+    ``nid0012``)."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    if m is None or not (m.group(1) or m.group(2)):
+        raise LaunchError(f"cannot read the Slurm host list {nodelist!r}")
+    prefix, ranges, suffix = m.groups()
+    first = ranges.split(",")[0].split("-")[0] if ranges else ""
+    return prefix + first + (suffix or "")
+
+
+def slurm_rendezvous(world: World, environ: "Optional[dict[str, str]]" = None) -> dict:
+    """torch.distributed's variables for a job started by srun without MPI: RANK,
+    WORLD_SIZE and LOCAL_RANK from Slurm's; MASTER_ADDR the step's first node;
+    MASTER_PORT derived from the job and step ids (20000-39999).  Variables already
+    set win.  Returns what was added to ``environ`` (default ``os.environ``)."""
+    env: Any = os.environ if environ is None else environ
+    nodes = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+             or env.get("SLURM_NODELIST"))
+    want = {"RANK": str(world.rank), "WORLD_SIZE": str(world.size),
+            "LOCAL_RANK": str(world.local_rank)}
+    if nodes:
+        want["MASTER_ADDR"] = first_host(nodes)
+    job, step = _int(env, "SLURM_JOB_ID", 0) or 0, _int(env, "SLURM_STEP_ID", 0) or 0
+    want["MASTER_PORT"] = str(20000 + (job * 131 + step) % 20000)
+    added = {k: v for k, v in want.items() if k not in env}
+    env.update(added)
+    return added
+
+
+def _torch_world(world: World) -> Any:
+    """forebay's torch.distributed communicator for this job (torchrun, srun without
+    MPI, or a program that initialised torch.distributed itself)."""
+    from .comm import torch_comm
+
+    if world.launcher == "slurm":
+        slurm_rendezvous(world)
+    try:
+        tc = torch_comm()
+    except LaunchError as e:
+        raise LaunchError(f"{world.describe()}: {e}; or pass comm=forebay.world.LOCAL "
+                          f"to read the whole dataset on every rank on purpose") from None
+    if world.launcher in ("torchrun", "slurm") and tc.Get_size() != world.size:
+        raise LaunchError(_mismatch(world, tc.Get_size(), "torch.distributed"))
+    return tc
 
 
 def _mismatch(world: World, seen: int, plane: str) -> str:

@@ -136,3 +136,66 @@ def rank_with_user_collectives(path: str) -> None:
 
 def test_the_programs_own_collectives_do_not_interleave_with_the_exchange(labelled):
     assert_ranks_ok(run_torchrun(3, rank_with_user_collectives, labelled), 3)
+
+
+def test_srun_without_mpi_meets_through_slurms_variables(labelled, tmp_path):
+    """srun with no MPI plug-in: rank, size and the rendezvous (first node of the
+    step, a port from the job id) come from Slurm's variables alone.  Plain processes
+    with the variables srun sets stand in for srun, which this machine lacks."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import rank_command
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = (port - 20000) * pow(131, -1, 20000) % 20000 if 20000 <= port < 40000 else None
+    if job is None:
+        pytest.skip(f"free port {port} is outside the range srun jobs derive")
+    cmd, env = rank_command(rank_epochs, (labelled, tmp_path, "preload", "auto", 2))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1", SLURM_JOB_ID=str(job),
+               SLURM_STEP_ID="0")
+    procs = [subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)))
+             for r in range(2)]
+    outs = [q.communicate(timeout=120) for q in procs]
+    assert [q.returncode for q in procs] == [0, 0], outs
+    got = _read(tmp_path, 2)
+    assert {r["comm"] for r in got} == {"TorchComm"} and {r["transport"] for r in got} == {"shm"}
+    plan = AccessPlan(N, 2, BATCH, EPOCHS, SEED)
+    for r in range(2):
+        assert got[r]["batches"] == [b.tolist() for e in range(EPOCHS)
+                                     for b in plan.batches(r, e)]
+
+
+def rank_resume(path: str, out: str, state: str) -> None:
+    """Epoch 0 from its start (``state`` "-": the state after 3 steps goes to
+    ``out/state.json``) or resumed from ``state``; batches to ``out/rank-R.json``."""
+    from forebay.torch import DataLoader
+
+    dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS, collate_fn=lambda b: b.ids.copy())
+    if state != "-":
+        dl.load_state_dict(json.loads(Path(state).read_text()))
+    batches = []
+    for ids in dl:
+        batches.append(ids.tolist())
+        if state == "-" and len(batches) == 3 and dl.rank == 0:
+            Path(out, "state.json").write_text(json.dumps(dl.state_dict()))
+    Path(out, f"rank-{dl.rank}.json").write_text(json.dumps({"batches": batches}))
+    dl.close()
+
+
+def test_a_run_saved_under_mpiexec_resumes_under_torchrun(labelled, tmp_path):
+    first, second = tmp_path / "mpiexec", tmp_path / "torchrun"
+    first.mkdir()
+    second.mkdir()
+    assert_ranks_ok(run_ranks(2, rank_resume, labelled, first, "-"), 2)
+    assert_ranks_ok(run_torchrun(2, rank_resume, labelled, second, first / "state.json"), 2)
+    for r in range(2):
+        whole = _read(first, 2)[r]["batches"]
+        assert len(whole) == N // (2 * BATCH)
+        assert _read(second, 2)[r]["batches"] == whole[3:]

@@ -35,7 +35,7 @@ from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_ty
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..vocab import Backoff, FillState
-from ..comm import NodeSegment, fence, is_mpi, ordered_shared_memory
+from ..comm import NodeSegment, fence, is_mpi, ordered_shared_memory, shm_usable
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import ChecksumError, InvalidArgumentError
 from ..plan import AccessPlan
@@ -265,11 +265,11 @@ class ClairvoyantStore(SampleStore):
         if asked == "rma":
             raise StoreError("transport='rma' needs MPI (one-sided gets); this job's "
                              "communicator is torch.distributed: use 'shm' or 'auto'")
-        if one_node and not ordered_shared_memory():
+        if one_node and not (ordered_shared_memory() and shm_usable(self.comm)):
             if asked == "shm":
-                raise StoreError("transport='shm' under torch.distributed needs forebay's C "
-                                 "kernel on this CPU (its memory barrier); reinstall forebay "
-                                 "with a C compiler, or use transport='auto'")
+                raise StoreError("transport='shm' under torch.distributed needs a writable "
+                                 "/dev/shm and, on this CPU, forebay's C kernel (its memory "
+                                 "barrier); use transport='auto'")
             one_node = False
         self.transport = "shm" if one_node else "none"
 

@@ -24,8 +24,8 @@ from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
-from ..comm import (NodeSegment, all_true, allgather_array, alltoall_bytes, is_mpi,
-                    node_ranks)
+from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
+                    is_mpi, node_ranks, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
@@ -327,6 +327,11 @@ class DistributedStore(SampleStore):
         mpi = is_mpi(self.comm)
         one_node = node_size(self.group_comm) == self.width
         everywhere = all_true(self.comm, one_node)
+        if everywhere and not mpi and not shm_usable(self.comm):
+            if asked == "shm":
+                raise StoreError(f"transport='shm' under torch.distributed needs a writable "
+                                 f"{SHM_DIR} on every rank; use transport='exchange'")
+            everywhere = False
         if asked == "shm" and not everywhere:
             raise StoreError("transport='shm' needs every replica group on one node; use "
                              "node_aware=True or a width that fits a node, or transport="

@@ -21,7 +21,7 @@ from ..comm import all_true, is_mpi
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
 from ._collate import collate_samples, default_collate
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
 
@@ -206,6 +206,7 @@ class DataLoader:
         self.pin_memory = pin_memory
         self.epoch = 0
         self._step = 0  # batches handed out in the current epoch
+        self._resumed = False  # load_state_dict set the position; set_epoch keeps it
         self._requests: list[Any] = []
         self._requests_epoch = -1
         self._stall = 0.0  # seconds the iterating thread waited for a batch
@@ -224,6 +225,7 @@ class DataLoader:
                                  "file_bytes": sum(sh.data_nbytes
                                                    for sh in self.ds.manifest.shards),
                                  "mode": self.mode, "world": self.world,
+                                 "transport": self.store.stats().get("transport", "local"),
                                  "batch_size": batch_size, "epochs": epochs})
 
     # -- sizes and state ----------------------------------------------------------------
@@ -235,17 +237,26 @@ class DataLoader:
         return self.plan.batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch (as ``DistributedSampler.set_epoch``)."""
-        if not 0 <= epoch < self.plan.epochs:
+        """Start ``epoch`` from its first batch (as ``DistributedSampler.set_epoch``),
+        whatever was iterated before; only right after :meth:`load_state_dict` placed
+        the loader in the middle of ``epoch`` does it keep that position (the usual
+        resume loop calls ``set_epoch`` for the saved epoch)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or \
+                not 0 <= epoch < self.plan.epochs:
             raise InvalidArgumentError(
-                f"epoch {epoch} out of range for a {self.plan.epochs}-epoch plan")
-        if epoch != self.epoch:
+                f"epoch {epoch!r} out of range for a {self.plan.epochs}-epoch plan")
+        if not (self._resumed and epoch == self.epoch):
             self._step = 0
-        self.epoch = epoch
+        self._resumed = False
+        self.epoch = int(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Position in the run: the next batch to hand out is ``(epoch, step)``."""
-        return {"epoch": self.epoch, "step": self._step, "seed": self.plan.seed,
+        """Position in the run: the next batch to hand out is ``(epoch, step)`` (after
+        the last batch of an epoch, the next epoch's first)."""
+        epoch, step = self.epoch, self._step
+        if step >= len(self) and epoch + 1 < self.plan.epochs:
+            epoch, step = epoch + 1, 0
+        return {"epoch": epoch, "step": step, "seed": self.plan.seed,
                 "num_samples": self.plan.num_samples, "global_batch": self.plan.global_batch,
                 "epochs": self.plan.epochs, "drop_last": self.plan.drop_last,
                 "shuffle": self.plan.shuffle}
@@ -263,6 +274,7 @@ class DataLoader:
         if not 0 <= epoch < self.plan.epochs or not 0 <= step <= len(self):
             raise InvalidArgumentError(f"cannot resume at epoch {epoch} step {step}")
         self.epoch, self._step = epoch, step
+        self._resumed = True
 
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
@@ -321,11 +333,12 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.epoch, self._step
-        if start >= len(self):  # a finished epoch: go on with the next one
-            if epoch + 1 >= self.plan.epochs:
-                raise InvalidArgumentError(f"all {self.plan.epochs} epochs of the plan are done")
-            epoch, start = epoch + 1, 0
-            self.epoch, self._step = epoch, 0
+        if start >= len(self):  # never a silent jump to another epoch
+            nxt = (f"call loader.set_epoch({epoch + 1}) for the next one, or "
+                   if epoch + 1 < self.plan.epochs else "it is the plan's last; call ")
+            raise UsageError(f"epoch {epoch} is finished: {nxt}loader.set_epoch({epoch}) to "
+                             f"read it again")
+        self._resumed = False
         batches = self.plan.batches(self.rank, epoch)
         t_epoch = time.perf_counter()
         if self._train_t0 is None:
@@ -408,8 +421,11 @@ class DataLoader:
     def stats(self) -> dict[str, Any]:
         """Where batches came from and what waiting cost: ``stall_seconds`` (time the
         iterating thread waited for data), ``fetches_by_source``, ``pfs_reads`` and
-        ``pfs_bytes`` (samples and bytes this rank read from the dataset files)."""
+        ``pfs_bytes`` (samples and bytes this rank read from the dataset files);
+        ``padding_per_epoch``: samples the plan repeats each epoch to fill its last
+        global batch (``drop_last=False``; over all ranks)."""
         base = dict(self.store.stats())
+        base["padding_per_epoch"] = self.plan.padding
         base["stall_seconds"] = self._stall
         base["staging_peak_bytes"] = self._staging_peak
         base["mode"] = self.mode
