@@ -369,7 +369,7 @@ def alltoall_bytes(comm: Any, send: np.ndarray, send_counts: "Sequence[int] | np
 
 
 try:  # the C kernel's full barrier (setup.py builds it)
-    from ._native import fence as _fence
+    from ._native import fence as _fence  # type: ignore[attr-defined, unused-ignore]
 except ImportError:  # pragma: no cover - exercised where no compiler was available
     _fence = None
 

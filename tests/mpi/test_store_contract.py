@@ -44,6 +44,10 @@ FACTORIES = {
                                                          ram_bytes=1 << 20),
     "clairvoyant-rma": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=1 << 20, transport="rma"),
+    # RAM for a third of the dataset per rank: most batches need the peer's samples
+    "clairvoyant-exchange": lambda ds, comm: ClairvoyantStore(
+        ds, _plan(ds, comm), comm, ram_bytes=int(ds.record_nbytes.sum() // 3),
+        transport="exchange"),
     # a small RAM tier: most samples go to the SSD tier or stay in the files
     "clairvoyant-ssd": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=4096, ssd_dir=_ssd_dir(),
@@ -151,6 +155,11 @@ class TestClairvoyantRam(DistributedStoreContract):
 
 class TestClairvoyantRma(DistributedStoreContract):
     kind = "clairvoyant-rma"
+
+
+class TestClairvoyantExchange(DistributedStoreContract):
+    kind = "clairvoyant-exchange"
+    under_torchrun = "exchange"
 
 
 class TestClairvoyantSsd(DistributedStoreContract):

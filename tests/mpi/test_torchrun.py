@@ -68,7 +68,8 @@ def _read(out: Path, world: int) -> list[dict]:
 
 @pytest.mark.parametrize("mode,transport,want", [
     ("preload", "auto", "shm"), ("preload", "exchange", "exchange"),
-    ("clairvoyant", "auto", "shm"), ("direct", "auto", None)])
+    ("clairvoyant", "auto", "shm"), ("clairvoyant", "exchange", "exchange"),
+    ("direct", "auto", None)])
 def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_path, mode,
                                                                  transport, want):
     before = _segments()
@@ -147,12 +148,15 @@ def test_srun_without_mpi_meets_through_slurms_variables(labelled, tmp_path):
     import sys
 
     from conftest import rank_command
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    job = (port - 20000) * pow(131, -1, 20000) % 20000 if 20000 <= port < 40000 else None
-    if job is None:
-        pytest.skip(f"free port {port} is outside the range srun jobs derive")
+    rng = np.random.default_rng()
+    for port in rng.permutation(np.arange(20000, 40000))[:200].tolist():
+        with socket.socket() as s:      # a free port in the range srun jobs derive
+            try:
+                s.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+    job = (port - 20000) * pow(131, -1, 20000) % 20000
     cmd, env = rank_command(rank_epochs, (labelled, tmp_path, "preload", "auto", 2))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)

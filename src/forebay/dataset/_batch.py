@@ -14,7 +14,7 @@ from ._schema import Schema
 __all__ = ["FieldBatch", "SampleBatch", "assemble_batch", "gather_ranges", "gather_ranges_numpy"]
 
 try:  # the optional C kernel (setup.py builds it; numpy fallback otherwise)
-    from .. import _native  # type: ignore[attr-defined]
+    from .. import _native  # type: ignore[attr-defined, unused-ignore]
 except ImportError:  # pragma: no cover - exercised where no compiler was available
     _native = None
 

@@ -14,8 +14,12 @@ Samples not (yet) cached anywhere are read from the dataset itself.
 Under torch.distributed (no MPI) the ranks of one node share one
 :class:`~forebay.comm.NodeSegment` laid out the same way: the counter is a plain
 8-byte store after a full memory barrier (:func:`forebay.comm.fence`), read with a
-barrier after it.  Across nodes, peers' tiers are not read there yet: a rank reads
-what its own tiers do not hold from the dataset (``stats()["transport"] == "none"``).
+barrier after it.  Across nodes (transport ``exchange``, also forcible under MPI) each
+batch is a collective: every rank knows every rank's request (from the access plan,
+:meth:`ClairvoyantStore.get_step`), so each owner sends, for the samples it owns that
+others asked for, a presence byte each (one small all-to-all) and then the records its
+exact presence says it holds (one all-to-all); the receiver reads the rest from the
+dataset files, so nothing waits on a fill.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_ty
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..vocab import Backoff, FillState
-from ..comm import NodeSegment, fence, is_mpi, ordered_shared_memory, shm_usable
+from ..comm import (NodeSegment, allgather_array, alltoall_bytes, fence, is_mpi,
+                    ordered_shared_memory, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import ChecksumError, InvalidArgumentError
 from ..plan import AccessPlan
@@ -81,9 +86,10 @@ class ClairvoyantStore(SampleStore):
             writable or short of space, a warning is given and the tier is skipped.
             Peers on the same node read it too (shared memory transport); across
             nodes, samples held only in a peer's SSD tier are read from the files.
-        transport: ``"auto"``, ``"shm"`` or ``"rma"``, as for the DistributedStore
-            (under torch.distributed: ``"shm"`` when every rank is on one node, else
-            peers' tiers are not read, ``"none"``).
+        transport: ``"auto"``, ``"shm"``, ``"rma"`` or ``"exchange"``, as for the
+            DistributedStore (under torch.distributed: ``"shm"`` when every rank is on
+            one node, else ``"exchange"``, whose ``get_many`` is a collective every
+            rank calls in step, as the loader does).
         fill: start the background fill threads (False: nothing is cached until
             :meth:`fill_now`; for tests and benchmarks).
         ram_threads, ssd_threads: fill threads per tier (NoPFS's p_1, p_2; default 1
@@ -125,6 +131,7 @@ class ClairvoyantStore(SampleStore):
         self.pfs_reads = 0
         self.pfs_bytes = 0
         self._fill_from_peers = 0
+        self._exchange_sent = 0
         self.peer_wait = peer_wait
         self.on_pfs_read = on_pfs_read
         # NoPFS's performance model (a FetchModel): when it predicts the file system is
@@ -251,14 +258,18 @@ class ClairvoyantStore(SampleStore):
         self.ssd_nbytes = int(p.ssd_used[self.rank] + self._sizes[p.extra_ssd].sum())
 
     def _choose_transport(self, asked: str) -> None:
-        if asked not in ("auto", "shm", "rma"):
-            raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'rma', got {asked!r}")
+        if asked not in ("auto", "shm", "rma", "exchange"):
+            raise InvalidArgumentError(f"transport must be 'auto', 'shm', 'rma' or 'exchange', "
+                                       f"got {asked!r}")
         if self.comm is None or self.world == 1:
             self.transport = "local"
             return
         one_node = node_size(self.comm) == self.world  # the same answer on every rank
         if asked == "shm" and not one_node:
             raise StoreError("transport='shm' needs every rank on one node")
+        if asked == "exchange":
+            self.transport = "exchange"
+            return
         if is_mpi(self.comm):
             self.transport = ("shm" if one_node else "rma") if asked == "auto" else asked
             return
@@ -271,13 +282,13 @@ class ClairvoyantStore(SampleStore):
                                  "/dev/shm and, on this CPU, forebay's C kernel (its memory "
                                  "barrier); use transport='auto'")
             one_node = False
-        self.transport = "shm" if one_node else "none"
+        self.transport = "shm" if one_node else "exchange"
 
     def _allocate(self) -> None:
         n_state = len(self.fill_order)
         self._state_len = _align(n_state)
         size = _HEADER + self._state_len + ALIGNMENT + self.nbytes
-        if self.transport in ("local", "none"):
+        if self.transport in ("local", "exchange"):
             self._raw = np.zeros(size, dtype=np.uint8)
         elif not is_mpi(self.comm):     # shm under torch.distributed
             self._node_seg = NodeSegment(self.comm, size)
@@ -634,9 +645,69 @@ class ClairvoyantStore(SampleStore):
         return int(result[0])
 
     # -- reading ------------------------------------------------------------------------------
-    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None) -> SampleBatch:
+    def get_step(self, requests: "Sequence[np.ndarray]", *, alloc=None) -> SampleBatch:
+        """This rank's batch when every rank knows what each rank asks for in this call
+        (``requests[r]``: rank r's ids, as from the access plan): the ``exchange``
+        transport then skips its all-gather of the ids.  Other transports:
+        ``get_many(requests[rank])``."""
+        if len(requests) != self.world:
+            raise InvalidArgumentError(f"get_step needs one request per rank ({self.world}), "
+                                       f"got {len(requests)}")
+        if self.transport != "exchange":
+            return self.get_many(requests[self.rank], alloc=alloc)
+        reqs = [self.ds.normalize_ids(r) for r in requests]
+        return self.get_many(reqs[self.rank], alloc=alloc, requests=reqs)
+
+    def _exchange(self, ids: np.ndarray, want: np.ndarray,
+                  requests: "Optional[list[np.ndarray]]") -> tuple[np.ndarray, list]:
+        """The ``exchange`` transport's collective (every rank, every call): owners tell
+        each requester which of the samples it asked (and they own) their tiers hold,
+        then send those records.  Returns which of ``ids`` arrived and ``want``ed, and
+        the assemble_batch part holding them."""
+        comm, world, p = self.comm, self.world, self.placement
+        reclen = self.ds.record_nbytes
+        if requests is None:
+            requests = allgather_array(comm, ids)
+        cat = np.concatenate(requests)
+        by = np.repeat(np.arange(world), [len(r) for r in requests])
+        if len(cat) and (cat.min() < 0 or cat.max() >= len(self.ds)):
+            raise StoreError("a peer asked for a sample id outside the dataset")
+        mine = (p.owner[cat] == self.rank) & (by != self.rank)
+        sids, to = cat[mine], by[mine]
+        lp = self.local_pos[sids]
+        have = (lp >= 0) & ((lp < self._filled) | self._done_at(lp))
+        owner = p.owner[ids].astype(np.int64)
+        ask = np.flatnonzero((owner >= 0) & (owner != self.rank))
+        ask = ask[np.argsort(owner[ask], kind="stable")]   # grouped by owner, request order
+        flags = alltoall_bytes(comm, have.astype(np.uint8),
+                               np.bincount(to, minlength=world),
+                               np.bincount(owner[ask], minlength=world))
+        # the records present, in the same order
+        send_ids, send_lp = sids[have], lp[have]
+        slen = reclen[send_ids]
+        send = np.empty(int(slen.sum()), dtype=np.uint8)
+        dst = np.cumsum(slen) - slen
+        off = self.local_off[send_ids]
+        for buf, tier in ((self._buf, send_lp < self._R), (self._ssd, send_lp >= self._R)):
+            if tier.any():
+                gather_ranges(buf, off[tier], slen[tier], send, dst[tier])
+        got = ask[flags.astype(bool)]
+        glen = reclen[ids[got]]
+        stage = alltoall_bytes(comm, send,
+                               np.bincount(to[have], weights=slen, minlength=world),
+                               np.bincount(owner[got], weights=glen, minlength=world))
+        pos = np.full(len(ids), -1, dtype=np.int64)
+        pos[got] = np.cumsum(glen) - glen
+        use = want & (pos >= 0)
+        with self._lock:
+            self._exchange_sent += int(len(send_ids))
+        return use, ([(stage, pos[use], use)] if use.any() else [])
+
+    def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None,
+                 requests: "Optional[list[np.ndarray]]" = None) -> SampleBatch:
         """Samples ``ids``: from this rank's tier, a peer's, or the dataset, whichever
-        holds them now; bit-exact to the dataset's ``get_many``."""
+        holds them now; bit-exact to the dataset's ``get_many``.  With the ``exchange``
+        transport a collective every rank calls in step."""
         if self._closed:
             raise StoreError("the store is closed")
         self._raise_fill_error()
@@ -661,7 +732,14 @@ class ClairvoyantStore(SampleStore):
                     time.perf_counter() < deadline:
                 wait.sleep()
             local = mine & ((lpos < self._filled) | self._done_at(lpos))
-        peer = ~local & self._present(ids)
+        exchanged: Optional[list] = None
+        t_exchange = 0.0
+        if self.transport == "exchange":
+            t0 = time.perf_counter()
+            peer, exchanged = self._exchange(ids, ~local, requests)
+            t_exchange = time.perf_counter() - t0
+        else:
+            peer = ~local & self._present(ids)
         if self._peer_via_pfs and peer.any():
             with self._lock:
                 self._model_pfs += int(peer.sum())
@@ -677,11 +755,12 @@ class ClairvoyantStore(SampleStore):
                 if m.any():
                     parts.append((buf, self.local_off[ids][m], m))
                     tags.append(("local", tier))
-        t_peer = 0.0
+        t_peer = t_exchange
         if peer.any():
             t0 = time.perf_counter()
-            peer_parts = self._peer_parts(ids, rows, peer)
-            t_peer = time.perf_counter() - t0
+            peer_parts = exchanged if exchanged is not None else \
+                self._peer_parts(ids, rows, peer)
+            t_peer += time.perf_counter() - t0
             parts.extend(peer_parts)
             tags.extend([("peer", None)] * len(peer_parts))
         if pfs.any():
@@ -750,7 +829,7 @@ class ClairvoyantStore(SampleStore):
                     "filled_from_peers": self._fill_from_peers,
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
                     "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs,
-                    "transport": self.transport}
+                    "transport": self.transport, "exchange_sent": self._exchange_sent}
 
     def abandon(self) -> None:
         if self.comm is None:

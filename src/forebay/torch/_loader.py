@@ -284,8 +284,9 @@ class DataLoader:
             rec.context.epoch, rec.context.step = epoch, step
         t0 = time.perf_counter()
         batch: SampleBatch
-        if isinstance(self.store, DistributedStore) and self.store.transport == "exchange":
-            # every member's request is known from the plan: one collective per batch
+        if isinstance(self.store, (DistributedStore, ClairvoyantStore)) and \
+                self.store.transport == "exchange":
+            # every peer's request is known from the plan: no all-gather of the ids
             batch = self.store.get_step(self._group_requests(epoch, step), alloc=alloc)
         else:
             batch = self.store.get_many(ids, alloc=alloc)
@@ -300,11 +301,12 @@ class DataLoader:
         return out
 
     def _group_requests(self, epoch: int, step: int) -> list[np.ndarray]:
-        """What each member of this rank's replica group asks for at (epoch, step)."""
+        """What each rank exchanging with this one (its replica group, or every rank
+        for the clairvoyant store) asks for at (epoch, step)."""
         if self._requests_epoch != epoch:
-            assert isinstance(self.store, DistributedStore)
-            self._requests = [self.plan.batches(int(r), epoch)
-                              for r in self.store.group_ranks]
+            ranks = self.store.group_ranks if isinstance(self.store, DistributedStore) \
+                else range(self.world)
+            self._requests = [self.plan.batches(int(r), epoch) for r in ranks]
             self._requests_epoch = epoch
         return [b[step] for b in self._requests]
 
