@@ -44,6 +44,8 @@ def test_hand_computed_one_worker_one_tier():
     naive = simulate_policy("naive", w)          # no overlap: 4 x (3 + 2)
     assert naive["total_s"] == pytest.approx(20.0)
     assert naive["stall_s"] == pytest.approx(12.0)
+    assert naive["accelerator_utilization"] == pytest.approx(8.0 / 20.0)   # DLIO's AU
+    assert simulate_policy("perfect", w)["accelerator_utilization"] == pytest.approx(1.0)
     assert naive["by_source"]["pfs"] == pytest.approx(8.0)
     staging = simulate_policy("staging", w)      # delivery-bound: 4 x 3 + the last 2
     assert staging["total_s"] == pytest.approx(14.0)

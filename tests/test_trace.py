@@ -67,6 +67,7 @@ def test_known_intervals_give_exact_overlap_figures(tmp_path):
     assert a["ranks"] == 1 and a["skipped"] == []
     assert a["job_time_s"] == pytest.approx(45)
     assert a["compute_time_s"] == pytest.approx(20)
+    assert a["accelerator_utilization"] == pytest.approx(20 / 45)   # DLIO's AU
     assert a["io_time_s"] == pytest.approx(10)            # [5,15): POSIX + nested reader
     assert a["unoverlapped_io_s"] == pytest.approx(5)     # [10,15)
     assert a["app_io_time_s"] == pytest.approx(2 + 15 + 5)
@@ -91,6 +92,8 @@ def test_ranks_with_skewed_clocks_are_measured_on_their_own(tmp_path):
     per = {p["rank"]: p for p in a["per_rank"]}
     assert per[1]["compute_time_s"] == pytest.approx(40)
     assert a["compute_time_s"] == pytest.approx((20 + 40) / 2)
+    assert per[1]["accelerator_utilization"] == pytest.approx(1.0)   # compute only
+    assert a["accelerator_utilization_min"] == pytest.approx(20 / 45)
     assert a["imbalance_max_over_mean"]["compute_time_s"] == pytest.approx(40 / 30)
     assert any("clock skew" in s for s in a["skipped"])
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -78,6 +79,17 @@ def dataset_info(path: str) -> dict:
                              "max": int(sn.max())},
             "fields": fields, "metadata": ds.metadata, "fingerprint": ds.fingerprint,
             "created_by": ds.manifest.created_by}
+
+
+def cmd_dlio_configs(a: argparse.Namespace) -> int:
+    """The directory of forebay's DLIO workload configs (for ``--config-dir``)."""
+    d = Path(__file__).parent / "dlio_workloads"
+    if a.list:
+        for f in sorted((d / "workload").glob("*.yaml")):
+            print(f.stem)
+    else:
+        print(d)
+    return 0
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -379,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow unpickling the source (runs code stored in it)")
     g.add_argument("--overwrite", action="store_true")
     g.set_defaults(func=cmd_ingest)
+
+    dc = sub.add_parser("dlio-configs", help="print the directory of forebay's DLIO workload "
+                        "configs: dlio_benchmark --config-dir=$(forebay dlio-configs) "
+                        "workload=forebay_unet3d")
+    dc.add_argument("--list", action="store_true", help="list the workloads instead")
+    dc.set_defaults(func=cmd_dlio_configs)
 
     i = sub.add_parser("info", help="describe a packed dataset")
     i.add_argument("path")

@@ -130,12 +130,15 @@ def _report(w: Workload, tl: Timeline, *, by_source: dict, fetches: dict) -> dic
             "reads": n_reads, "epoch_s": epoch_s,
             "first_epoch_s": epoch_s[0] if epoch_s else 0.0,
             "steady_epoch_s": float(np.mean(epoch_s[1:])) if len(epoch_s) > 1 else None,
+            # DLIO's accelerator utilisation: compute over the whole run
+            "accelerator_utilization": tl.compute_s / tl.total_s if tl.total_s else None,
             "failed": None}
 
 
 def _failed(reason: str) -> dict[str, Any]:
     return {"total_s": None, "stall_s": None, "compute_s": None, "setup_s": None,
-            "by_source": {}, "fetches": {}, "pfs_reads": None, "failed": reason}
+            "by_source": {}, "fetches": {}, "pfs_reads": None,
+            "accelerator_utilization": None, "failed": reason}
 
 
 def _prefetching(w: Workload) -> _Run:

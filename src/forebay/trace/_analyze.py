@@ -104,13 +104,16 @@ def analyze(directory: "str | Path", events: Optional[Events] = None) -> dict[st
     per_rank = []
     for r in ranks:
         m = rank == r
-        t = {}
+        t: dict[str, Any] = {}
         span_m = m  # the ai_root span covers the traced part of the run
         t["job_time_s"] = float(end[span_m].max() - ev.ts[span_m].min()) / 1e6 if span_m.any() \
             else 0.0
         u = {c: (ev.ts[m & cls[c]], end[m & cls[c]]) for c in cls}
         comp = union_length(*u["compute"])
         t["compute_time_s"] = comp / 1e6
+        # DLIO's accelerator utilisation: compute over the rank's job time
+        t["accelerator_utilization"] = (t["compute_time_s"] / t["job_time_s"]
+                                        if t["job_time_s"] > 0 and comp > 0 else None)
         for c in ("app_io", "io"):
             alone = union_length(*u[c])
             both = union_length(np.concatenate([u[c][0], u["compute"][0]]),
@@ -131,6 +134,10 @@ def analyze(directory: "str | Path", events: Optional[Events] = None) -> dict[st
     out["job_time_s"] = max((p["job_time_s"] for p in per_rank), default=0.0)
     for k in keys:
         out[k] = float(np.mean([p[k] for p in per_rank])) if per_rank else 0.0
+    aus = [p["accelerator_utilization"] for p in per_rank
+           if p["accelerator_utilization"] is not None]
+    out["accelerator_utilization"] = float(np.mean(aus)) if aus else None
+    out["accelerator_utilization_min"] = float(min(aus)) if aus else None
     out["stall_total_s"] = float(ev.dur[stall].sum()) / 1e6
     out["steps"] = int(stall.sum())
     if stall.any():
@@ -233,6 +240,10 @@ def format_summary(a: dict[str, Any]) -> str:
         f"  job time                 {_t(a['job_time_s'])}",
         f"  compute                  {_t(a['compute_time_s'])}   unoverlapped "
         f"{_t(a['unoverlapped_compute_s'])}",
+        "  accelerator utilisation  " + (
+            f"{100 * a['accelerator_utilization']:.1f}% (lowest rank "
+            f"{100 * a['accelerator_utilization_min']:.1f}%; compute / job time, DLIO's AU)"
+            if a.get("accelerator_utilization") is not None else "- (no compute marked)"),
         f"  app-level I/O            {_t(a['app_io_time_s'])}   unoverlapped "
         f"{_t(a['unoverlapped_app_io_s'])}",
         f"  I/O                      {_t(a['io_time_s'])}   unoverlapped "

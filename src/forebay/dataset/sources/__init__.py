@@ -1,6 +1,7 @@
 """Ingest sources: each reads one kind of input into samples (see ``forebay ingest``)."""
 
 from ._base import SOURCES, Source, get_source, ingest, list_files, register_source, units_per_task
+from ._dlio import DlioSource, dlio_files, source_fingerprint
 from ._hdf5 import Hdf5Source
 from ._imagefolder import ImageFolderSource
 from ._numpy import NpySource, NpzSource
@@ -8,5 +9,6 @@ from ._pickle import PickleSource
 
 __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
-    "Hdf5Source", "ImageFolderSource", "NpySource", "NpzSource", "PickleSource",
+    "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
+    "NpySource", "NpzSource", "PickleSource",
 ]
