@@ -1,0 +1,201 @@
+"""torch.distributed.checkpoint on a forebay repository (forebay.models.dcp): round trips,
+dedup across checkpoints, verified loads, versions that are whole or absent, and
+resharding with real DCP on gloo process groups under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from forebay.errors import CorruptModelError  # noqa: E402
+from forebay.models import open_repository  # noqa: E402
+from forebay.models.dcp import Reader, Writer  # noqa: E402
+from conftest import assert_ranks_ok, corrupt_stored_tensor, run_torchrun  # noqa: E402
+
+# DCP warns on every single-process save or load, even when asked for one
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"layer{i}.weight": torch.randn(64, 32, generator=g) for i in range(6)}
+            | {"emb": torch.randn(10, 8, generator=g).to(torch.bfloat16),
+               "mask": torch.rand(7, generator=g) > 0.5,
+               "steps": torch.arange(5)},
+            "epoch": 3, "names": ["a", "b"]}
+
+
+def _zeros_like(sd: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+            "epoch": 0, "names": []}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a["epoch"] == b["epoch"] and a["names"] == b["names"] and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_round_trip_in_one_process(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    sd = _state()
+    w = Writer(url, "run", metadata={"note": "first"})
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert w.version == 1
+    back = _zeros_like(sd)
+    dcp.load(back, storage_reader=Reader(url, "run"), no_dist=True)
+    assert _equal(back, sd)
+    m = open_repository(url).manifest("run")
+    assert m["metadata"]["note"] == "first" and "dcp" in m["metadata"]
+    json.dumps(m)                                    # all JSON: nothing pickled
+
+
+def test_ten_checkpoints_changing_one_layer_each_store_the_base_once(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    sd = _state()
+    dcp.save(sd, storage_writer=Writer(url, "run"), no_dist=True)
+    repo = open_repository(url)
+    base = repo.manifest("run", 1)["new_bytes"]
+    layer = sd["model"]["layer0.weight"].nbytes
+    for k in range(10):
+        sd["model"][f"layer{k % 6}.weight"] += 1.0
+        dcp.save(sd, storage_writer=Writer(url, "run"), no_dist=True)
+        assert repo.manifest("run")["new_bytes"] == layer
+    assert repo.versions("run") == list(range(1, 12))
+    stored = sum(repo.manifest("run", v)["new_bytes"] for v in repo.versions("run"))
+    assert stored <= 1.1 * (base + 10 * layer)
+    back = _zeros_like(sd)
+    dcp.load(back, storage_reader=Reader(url, "run", version=11), no_dist=True)
+    assert _equal(back, sd)
+    old = _zeros_like(sd)
+    dcp.load(old, storage_reader=Reader(url, "run", version=1), no_dist=True)
+    assert torch.equal(old["model"]["layer1.weight"], _state()["model"]["layer1.weight"])
+
+
+def test_a_corrupt_item_fails_the_load_naming_it(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    sd = _state()
+    dcp.save(sd, storage_writer=Writer(url, "run"), no_dist=True)
+    repo = open_repository(url)
+    m = repo.manifest("run")
+    # a small item (stored inline: the helper's rewrite lands where the load reads)
+    key = next(k for k in m["tensors"] if k.startswith("model.steps"))
+    h = m["tensors"][key]["hash"]
+    repo.close()
+    corrupt_stored_tensor(tmp_path / "repo", h)
+    # DCP wraps a rank's error in its CheckpointException, traceback included
+    with pytest.raises(CheckpointException, match=f"{CorruptModelError.__name__}: .*model.steps"):
+        dcp.load(_zeros_like(sd), storage_reader=Reader(url, "run"), no_dist=True)
+
+
+def test_a_failed_save_publishes_nothing_and_leaves_the_last_version(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    sd = _state()
+    dcp.save(sd, storage_writer=Writer(url, "run"), no_dist=True)
+
+    class Dies(Writer):
+        def finish(self, metadata, results):
+            raise OSError("the job was killed before the version was published")
+
+    sd["model"]["layer0.weight"] += 5
+    with pytest.raises(CheckpointException, match="killed"):
+        dcp.save(sd, storage_writer=Dies(url, "run"), no_dist=True)
+    repo = open_repository(url)
+    assert repo.versions("run") == [1]
+    back = _zeros_like(sd)
+    dcp.load(back, storage_reader=Reader(url, "run"), no_dist=True)
+    assert torch.equal(back["model"]["layer0.weight"], _state()["model"]["layer0.weight"])
+    repo.save("plain", {"w": torch.ones(2)})
+    with pytest.raises(CheckpointException, match="'plain' version 1 was not saved with DCP"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=Reader(url, "plain"), no_dist=True)
+
+
+# -- several ranks: DTensor shards saved at one world size, loaded at another ---------------
+
+FULL = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
+
+
+def rank_save_sharded(url: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {"w": distribute_tensor(FULL.clone(), mesh, [Shard(0)]),
+          "b": torch.full((3,), 7.0), "step": 11}
+    w = Writer(url, "sharded")
+    dcp.save(sd, storage_writer=w)
+    if dist.get_rank() == 0:
+        assert w.version == 1
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank_load_resharded(url: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {"w": distribute_tensor(torch.zeros_like(FULL), mesh, [Shard(0)]),
+          "b": torch.zeros(3), "step": 0}
+    dcp.load(sd, storage_reader=Reader(url, "sharded"))
+    assert torch.equal(sd["w"].full_tensor(), FULL) and torch.equal(sd["b"], torch.full((3,), 7.0))
+    assert sd["step"] == 11
+    dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+def test_sharded_save_on_two_ranks_loads_on_three_and_in_one_process(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    env = {"FOREBAY_ABORT_ON_ERROR": "0"}
+    assert_ranks_ok(run_torchrun(2, rank_save_sharded, url, env=env), 2)
+    repo = open_repository(url)
+    m = repo.manifest("sharded")
+    assert sorted(k.split("|")[0] for k in m["tensors"]) == ["b", "step", "w", "w"]
+    repo.close()
+    assert_ranks_ok(run_torchrun(3, rank_load_resharded, url, env=env), 3)
+    one = {"w": torch.zeros_like(FULL), "b": torch.zeros(3), "step": 0}
+    dcp.load(one, storage_reader=Reader(url, "sharded"), no_dist=True)   # whole, one process
+    assert torch.equal(one["w"], FULL) and one["step"] == 11
+
+
+def rank_dies_while_saving(url: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    sd = {"w": torch.full((4, 4), float(dist.get_rank() + 100))}
+
+    class Slow(Writer):
+        def write_data(self, plan, planner):
+            if dist.get_rank() == 1:
+                os._exit(9)                    # killed in the middle of the save
+            return super().write_data(plan, planner)
+
+    dcp.save({"r0": sd["w"]} if dist.get_rank() == 0 else {"r1": sd["w"]},
+             storage_writer=Slow(url, "crash"))
+
+
+@pytest.mark.mpi
+def test_a_rank_killed_during_a_save_leaves_the_previous_version(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    dcp.save({"r0": torch.ones(4, 4), "r1": torch.ones(4, 4)}, storage_writer=Writer(url, "crash"),
+             no_dist=True)
+    p = run_torchrun(2, rank_dies_while_saving, url, timeout=120,
+                     env={"FOREBAY_ABORT_ON_ERROR": "0"})
+    assert p.returncode != 0
+    repo = open_repository(url)
+    assert repo.versions("crash") == [1]
+    back = {"r0": torch.zeros(4, 4), "r1": torch.zeros(4, 4)}
+    dcp.load(back, storage_reader=Reader(url, "crash"), no_dist=True)
+    assert torch.equal(back["r0"], torch.ones(4, 4))
+    assert Path(url[len("file://"):]).is_dir()
