@@ -199,3 +199,44 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_version(tmp_path):
     dcp.load(back, storage_reader=Reader(url, "crash"), no_dist=True)
     assert torch.equal(back["r0"], torch.ones(4, 4))
     assert Path(url[len("file://"):]).is_dir()
+
+
+# -- safetensors ----------------------------------------------------------------------------
+
+def test_safetensors_import_export_round_trip_with_metadata(tmp_path, cli):
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    sd = {"a.weight": torch.randn(8, 4), "a.bias": torch.zeros(4, dtype=torch.bfloat16),
+          "emb": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    save_file(sd, tmp_path / "in.safetensors", metadata={"format": "pt", "author": "x"})
+    repo_dir = tmp_path / "repo"
+    code, out, err = cli("models", "import", repo_dir, tmp_path / "in.safetensors", "net")
+    assert code == 0, err
+    assert "net version 1: 3 tensors" in out
+    save_file(sd | {"a.weight": sd["a.weight"] + 1}, tmp_path / "v2.safetensors")
+    code, out, _ = cli("models", "import", repo_dir, tmp_path / "v2.safetensors", "net")
+    assert code == 0 and f"({8 * 4 * 4} B new)" in out.replace(",", "")
+    code, out, err = cli("models", "export", repo_dir, "net", tmp_path / "out.safetensors",
+                         "--version", "1")
+    assert code == 0, err
+    back = load_file(tmp_path / "out.safetensors")
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    with safe_open(str(tmp_path / "out.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["author"] == "x" and meta["forebay_model"] == "net"
+    assert meta["forebay_version"] == "1"
+    code, _, _ = cli("models", "export", repo_dir, "net", tmp_path / "part.safetensors",
+                     "--include", "a.*")
+    assert code == 0 and set(load_file(tmp_path / "part.safetensors")) == {"a.weight", "a.bias"}
+
+
+def test_a_crafted_safetensors_file_is_refused_and_nothing_is_stored(tmp_path, cli):
+    bad = tmp_path / "bad.safetensors"
+    # a header claiming a tensor far beyond the file's end
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 20],
+                               "data_offsets": [0, 4 << 20]}}).encode()
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    code, _, err = cli("models", "import", tmp_path / "repo", bad, "net")
+    assert code != 0 and "bad.safetensors: not a valid safetensors file" in err
+    assert open_repository(str(tmp_path / "repo")).list() == {}

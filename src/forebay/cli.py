@@ -282,9 +282,22 @@ def cmd_models(a: argparse.Namespace) -> int:
     from .models import token_from_file
 
     repo = open_repository(a.url, token_from_file(getattr(a, "token_file", None)),
-                           create=False)
+                           create=a.models_command == "import")
     try:
-        if a.models_command == "ls":
+        if a.models_command == "import":
+            from .models import import_safetensors
+
+            v = import_safetensors(repo, a.file, a.name)
+            m = repo.manifest(a.name, v)
+            print(f"{a.name} version {v}: {len(m['tensors'])} tensors, "
+                  f"{human_bytes(m['logical_bytes'])} ({human_bytes(m['new_bytes'])} new)")
+        elif a.models_command == "export":
+            from .models import export_safetensors
+
+            out = export_safetensors(repo, a.name, a.file, a.version,
+                                     a.include.split(",") if a.include else None)
+            print(f"wrote {out}")
+        elif a.models_command == "ls":
             listing = repo.list()
             if not listing:
                 print(f"{repo.url}: no models")
@@ -441,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     te.set_defaults(func=cmd_trace_export)
 
     mo = sub.add_parser("models", help="model repository: list, show, verify, gc, compact, "
-                        "serve")
+                        "import/export safetensors, serve")
     mos = mo.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     ml = mos.add_parser("ls", help="models and versions")
     ml.add_argument("url", help="repository: file:///path, a path")
@@ -463,7 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
     mr = mos.add_parser("relocate", help="find every tensor's file location again (after "
                         "the store's file was rewritten by a copy)")
     mr.add_argument("url")
-    for q in (ml, ms, mv, mg, mc, mr):
+    mi = mos.add_parser("import", help="store a .safetensors file as the next version of NAME")
+    mi.add_argument("url", help="repository (created if missing)")
+    mi.add_argument("file")
+    mi.add_argument("name")
+    mx = mos.add_parser("export", help="write a version to a .safetensors file")
+    mx.add_argument("url")
+    mx.add_argument("name")
+    mx.add_argument("file")
+    mx.add_argument("--version", type=int, help="default: the latest")
+    mx.add_argument("--include", help="comma-separated tensor names or patterns")
+    for q in (ml, ms, mv, mg, mc, mr, mi, mx):
         q.set_defaults(func=cmd_models)
         q.add_argument("--token-file", help="shared token for tcp:// providers "
                        "(default: FOREBAY_TOKEN)")

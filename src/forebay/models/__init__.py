@@ -6,6 +6,7 @@ with stable IDs.
     repo.load("resnet", into=model)                           # in place, verified
     repo.load("resnet", include="layer4.*")                   # only those tensors read
     repo.load_matching("resnet", new_model)                   # transfer: by structure
+    forebay.models.import_safetensors(repo, "model.safetensors", "llm")   # and export_...
 
 Each tensor is stored once by content, so a version that changes k layers adds only
 those bytes; a version is visible only after all its tensors are durable.
@@ -14,6 +15,8 @@ those bytes; a version is visible only after all its tensors are durable.
 from ._arch import Architecture, IdCache, Leaf, capture, stable_ids
 from ._remote import RemoteRepository, serve, token_from_file
 from ._repo import ModelStore, Repository, open_repository, tensor_hash
+from ._safetensors import export_safetensors, import_safetensors
 
 __all__ = ["open_repository", "ModelStore", "Repository", "capture", "Architecture", "Leaf",
-           "IdCache", "RemoteRepository", "serve", "stable_ids", "tensor_hash", "token_from_file"]
+           "IdCache", "RemoteRepository", "serve", "stable_ids", "tensor_hash", "token_from_file",
+           "import_safetensors", "export_safetensors"]
