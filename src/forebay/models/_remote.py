@@ -508,8 +508,11 @@ class RemoteRepository(ModelStore):
                 "id_cache": {"hits": self.cache.hits, "misses": self.cache.misses}, **self._io}
 
     def close(self) -> None:
-        for c in self.conns:
-            c.close()
+        try:
+            self._end_saves()
+        finally:
+            for c in self.conns:
+                c.close()
 
 
 _stage_local = threading.local()

@@ -237,13 +237,18 @@ class ModelStore(abc.ABC):
 
     # -- saving -------------------------------------------------------------------------
     def save(self, name: str, model: Any, metadata: Optional[dict[str, Any]] = None,
-             *, parent: Optional[int] = None) -> int:
+             *, parent: Optional[int] = None, blocking: bool = True) -> Any:
         """Store ``model`` (an ``nn.Module`` or a state dict of tensors) as the next
         version of ``name``; returns the version.  Tensors already stored (any model,
         any version) are not written again; the version becomes visible only after all
-        its tensors are durable."""
-        import torch
+        its tensors are durable.
 
+        ``blocking=False``: snapshot the tensors (a copy into staging buffers kept for
+        the next save of ``name``) and return a :class:`concurrent.futures.Future` of
+        the version at once; hashing and writing run in a background thread while
+        training goes on (it may change the tensors).  At most one save of a model
+        is in flight: the next one waits for it first.  A crash before the version
+        is published leaves the previous versions as they were."""
         _check_name(name)
         if metadata is not None:
             try:
@@ -251,15 +256,74 @@ class ModelStore(abc.ABC):
             except TypeError as e:
                 raise ModelRepositoryError(f"metadata must be JSON-serializable: {e}") from e
         t_start = time.perf_counter()
-        arch: Optional[Architecture] = None
+        sd, arch = self._state_of(model)
+        if blocking:
+            return self._save_state(name, sd, arch, metadata, parent, t_start)
+        return self._save_async(name, sd, arch, metadata, parent, t_start)
+
+    def _state_of(self, model: Any) -> tuple[dict[str, Any], Optional[Architecture]]:
+        import torch
+
         if isinstance(model, torch.nn.Module):
-            sd = model.state_dict()
-            arch = capture(model, self.cache)
-        elif isinstance(model, dict):
-            sd = model
-        else:
-            raise ArgumentTypeError(f"save() takes an nn.Module or a state dict, got "
-                            f"{type(model).__name__}")
+            return model.state_dict(), capture(model, self.cache)
+        if isinstance(model, dict):
+            return model, None
+        raise ArgumentTypeError(f"save() takes an nn.Module or a state dict, got "
+                                f"{type(model).__name__}")
+
+    def _save_async(self, name: str, sd: dict[str, Any], arch: Optional[Architecture],
+                    metadata: Optional[dict[str, Any]], parent: Optional[int],
+                    t_start: float) -> Any:
+        """Snapshot ``sd`` into this model's staging buffers, then save in the
+        background (one save per model in flight)."""
+        import concurrent.futures
+
+        import torch
+
+        if not hasattr(self, "_async"):
+            self._async: dict[str, Any] = {}      # name -> (future, staging buffers)
+            self._async_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="forebay-save")
+        prev, staging = self._async.get(name, (None, {}))
+        if prev is not None:   # one in flight: once it ends, its buffers are ours again
+            concurrent.futures.wait([prev])    # (its error stays with its future)
+        snap: dict[str, Any] = {}
+        for key, t in sd.items():
+            if not isinstance(t, torch.Tensor):
+                raise ModelRepositoryError(f"{name}: state entry {key!r} is a "
+                                           f"{type(t).__name__}, not a tensor")
+            buf = staging.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = staging[key] = torch.empty(t.shape, dtype=t.dtype)
+            buf.copy_(t.detach())
+            snap[key] = buf
+        fut = self._async_pool.submit(self._save_state, name, snap, arch, metadata, parent,
+                                      t_start)
+        self._async[name] = (fut, staging)
+        return fut
+
+    def wait_saves(self) -> None:
+        """Block until every save started with ``blocking=False`` has finished (raising
+        the first one's error)."""
+        for fut, _ in list(getattr(self, "_async", {}).values()):
+            fut.result()
+
+    def _end_saves(self) -> None:
+        """Before closing: let background saves finish (their versions are published),
+        then stop their threads; a save that failed raises here (as from
+        :meth:`wait_saves`), so no failed checkpoint goes unnoticed."""
+        pool = getattr(self, "_async_pool", None)
+        if pool is not None:
+            try:
+                self.wait_saves()
+            finally:
+                pool.shutdown(wait=True)
+                del self._async_pool, self._async
+
+    def _save_state(self, name: str, sd: dict[str, Any], arch: Optional[Architecture],
+                    metadata: Optional[dict[str, Any]], parent: Optional[int],
+                    t_start: float) -> int:
+        import torch
         leaf_of: dict[str, tuple[str, str]] = {}  # state key -> (leaf id, tensor name)
         leaves: dict[str, dict[str, Any]] = {}
         if arch is not None:
@@ -935,7 +999,10 @@ class Repository(ModelStore):
                 **self._io}
 
     def close(self) -> None:
-        self.backend.close()
+        try:
+            self._end_saves()
+        finally:
+            self.backend.close()
 
     # -- the storage side, served by a provider (forebay models serve) ---------------------
     def missing(self, hashes: builtins.list[str]) -> builtins.list[str]:

@@ -1,6 +1,7 @@
-"""torch.distributed.checkpoint on a forebay repository (forebay.models.dcp): round trips,
-dedup across checkpoints, verified loads, versions that are whole or absent, and
-resharding with real DCP on gloo process groups under torchrun."""
+"""The model repository in the ecosystem: torch.distributed.checkpoint (forebay.models.dcp)
+with dedup across checkpoints, verified loads, versions that are whole or absent and
+resharding with real DCP on gloo process groups under torchrun; saves that do not block
+training; safetensors in and out."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from forebay.errors import CorruptModelError  # noqa: E402
+from forebay.errors import CorruptModelError, ModelRepositoryError  # noqa: E402
 from forebay.models import open_repository  # noqa: E402
 from forebay.models.dcp import Reader, Writer  # noqa: E402
 from conftest import assert_ranks_ok, corrupt_stored_tensor, run_torchrun  # noqa: E402
@@ -240,3 +241,86 @@ def test_a_crafted_safetensors_file_is_refused_and_nothing_is_stored(tmp_path, c
     code, _, err = cli("models", "import", tmp_path / "repo", bad, "net")
     assert code != 0 and "bad.safetensors: not a valid safetensors file" in err
     assert open_repository(str(tmp_path / "repo")).list() == {}
+
+
+# -- saves that do not block training --------------------------------------------------------
+
+class _Held:
+    """A repository whose tensor writes wait for a gate: the test decides when the
+    background save may finish (no timing)."""
+
+    def __init__(self, url):
+        import threading
+
+        from forebay.models import Repository
+
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        gate, entered = self.gate, self.entered
+        base = open_repository(url)
+
+        class Held(Repository):
+            def _store_tensors(self, *a, **k):
+                entered.set()
+                assert gate.wait(60)
+                return super()._store_tensors(*a, **k)
+        base.close()
+        self.repo = Held(base.backend.__class__(url[len("file://"):]))
+
+
+def test_an_async_save_returns_at_once_and_stores_the_snapshot(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    held = _Held(url)
+    model = torch.nn.Linear(16, 8)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fut = held.repo.save("net", model, blocking=False)
+    assert held.entered.wait(60)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):                         # training steps while the save runs
+        opt.zero_grad()
+        model(torch.ones(4, 16)).sum().backward()
+        opt.step()
+    assert not fut.done()
+    held.gate.set()
+    assert fut.result(timeout=60) == 1
+    got = held.repo.load("net")
+    assert all(torch.equal(got[k], want[k]) for k in want)          # the snapshot
+    assert not torch.equal(model.weight.detach(), want["weight"])  # training went on
+    fut2 = held.repo.save("net", model, blocking=False)             # staging reused
+    held.repo.close()                                               # waits for it
+    assert fut2.done() and fut2.result() == 2
+    back = open_repository(url).load("net", 2)
+    assert torch.equal(back["weight"], model.weight.detach())
+
+
+def test_a_failed_async_save_raises_from_its_future_and_publishes_nothing(tmp_path):
+    from forebay.models import Repository
+
+    url = f"file://{tmp_path / 'repo'}"
+    repo = open_repository(url)
+    repo.save("net", {"w": torch.ones(3)})
+    backend = repo.backend
+
+    class Full(Repository):
+        def _store_tensors(self, *a, **k):
+            raise OSError(28, "No space left on device")
+
+    full = Full(backend)
+    fut = full.save("net", {"w": torch.full((3,), 2.0)}, blocking=False)
+    with pytest.raises(OSError, match="No space left"):
+        fut.result(timeout=60)
+    assert full.versions("net") == [1]
+    with pytest.raises(ModelRepositoryError, match="not a tensor"):   # refused at once
+        full.save("net", {"w": 3}, blocking=False)
+    with pytest.raises(OSError, match="No space left"):   # close never hides a failed save
+        full.close()
+
+
+def test_dcp_async_save_through_forebay(tmp_path):
+    url = f"file://{tmp_path / 'repo'}"
+    sd = _state()
+    fut = dcp.async_save(sd, storage_writer=Writer(url, "run"), no_dist=True)
+    fut.result(timeout=120)
+    back = _zeros_like(sd)
+    dcp.load(back, storage_reader=Reader(url, "run"), no_dist=True)
+    assert _equal(back, sd)
