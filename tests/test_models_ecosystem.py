@@ -324,3 +324,40 @@ def test_dcp_async_save_through_forebay(tmp_path):
     back = _zeros_like(sd)
     dcp.load(back, storage_reader=Reader(url, "run"), no_dist=True)
     assert _equal(back, sd)
+
+
+def rank_load_once_per_node(url: str, out: str) -> None:
+    """Every rank loads the same replicated model; with share=True the node reads each
+    item once between its ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    got = {}
+    for share in (False, True):
+        sd = {"model": {k: torch.zeros_like(v) for k, v in _state()["model"].items()}}
+        r = Reader(url, "replicated", share=share)
+        dcp.load(sd, storage_reader=r)
+        assert all(torch.equal(sd["model"][k], v) for k, v in _state()["model"].items())
+        got[str(share)] = r.bytes_read
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+def test_a_node_reads_each_item_once_when_its_ranks_share_the_load(tmp_path):
+    from forebay.comm import SHM_DIR
+
+    url = f"file://{tmp_path / 'repo'}"
+    dcp.save({"model": _state()["model"]}, storage_writer=Writer(url, "replicated"),
+             no_dist=True)
+    logical = open_repository(url).manifest("replicated")["logical_bytes"]
+    before = set(SHM_DIR.glob(".forebay-seg-*"))
+    assert_ranks_ok(run_torchrun(3, rank_load_once_per_node, url, tmp_path,
+                                 env={"FOREBAY_ABORT_ON_ERROR": "0"}), 3)
+    per = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert sum(p["False"] for p in per) == 3 * logical       # every rank read it all
+    assert sum(p["True"] for p in per) == logical            # once for the node
+    assert max(p["True"] for p in per) < logical              # striped over the ranks
+    assert set(SHM_DIR.glob(".forebay-seg-*")) <= before

@@ -238,14 +238,24 @@ class Writer(StorageWriter):
 
 
 class Reader(StorageReader):
-    """A DCP storage reader of version ``version`` (default: the latest) of ``name``."""
+    """A DCP storage reader of version ``version`` (default: the latest) of ``name``.
+
+    ``share=True``: the ranks of a node read each stored item once between them,
+    striped by bytes, into one shared-memory segment, and every rank takes what its
+    plan needs from there; the items replicated on every rank (most of a data-parallel
+    model) are read once per node instead of once per rank.  It is collective over the
+    whole torch.distributed world: use it when every rank calls ``dcp.load`` with the
+    default process group (a load on some ranks only would wait for the others).
+    :attr:`bytes_read`: what this rank read."""
 
     def __init__(self, repo: "str | ModelStore", name: str,
-                 version: Optional[int] = None) -> None:
+                 version: Optional[int] = None, *, share: bool = False) -> None:
         super().__init__()
         self._repo_arg = repo
         self.name = name
         self.version = version
+        self.share = share
+        self.bytes_read = 0
         self._store: Optional[ModelStore] = None
         self._manifest: Optional[dict[str, Any]] = None
 
@@ -302,14 +312,85 @@ class Reader(StorageReader):
                 raise ModelRepositoryError(f"{self.name!r} version {m['version']}: no stored "
                                            f"item {k!r}")
             keys.append(k)
+        segment = None
         bufs: dict[str, Any] = {}
-        for k in dict.fromkeys(keys):
-            e = m["tensors"][k]
-            bufs[k] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
         try:
-            self.store._fetch(m, list(bufs.items()), fresh=True)
+            if self._sharing():
+                bufs, segment = self._read_shared(m, keys)
+            else:
+                for k in dict.fromkeys(keys):
+                    e = m["tensors"][k]
+                    bufs[k] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+                self._fetch(m, list(bufs.items()), fresh=True)
+            self._deliver(plan, planner, keys, bufs)
         finally:
+            bufs.clear()                     # views of the segment: gone before it closes
+            if segment is not None:
+                seg, node = segment
+                node.Barrier()               # every rank has copied out what it needs
+                seg.close()
             self._release()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _fetch(self, m: dict[str, Any], pairs: list[tuple[str, Any]], fresh: bool) -> None:
+        store = self.store
+        before = store._io["bytes_read"]
+        store._fetch(m, pairs, fresh=fresh)
+        self.bytes_read += store._io["bytes_read"] - before
+
+    def _sharing(self) -> bool:
+        if not self.share:
+            return False
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _read_shared(self, m: dict[str, Any], keys: list[str]) -> tuple[dict, tuple]:
+        """Collective over the job (DCP calls read_data on every rank at once): the
+        node's ranks split the union of what they need, each reading its share into its
+        region of one node segment, verified; returns views of every needed item."""
+        from ..comm import NodeSegment, node_ranks, torch_comm
+
+        comm = torch_comm()
+        node = node_ranks(comm)
+        color = node[0]
+        node_comm = comm.Split(color=color, key=comm.Get_rank())
+        needed = node_comm.allgather(sorted(set(keys)))
+        union = sorted(set().union(*map(set, needed)))
+        sizes = {k: int(m["tensors"][k]["nbytes"]) for k in union}
+        load = [0] * node_comm.Get_size()
+        owner: dict[str, int] = {}
+        for k in sorted(union, key=lambda k: (-sizes[k], k)):   # striped by bytes
+            r = min(range(len(load)), key=lambda i: (load[i], i))
+            owner[k] = r
+            load[r] += sizes[k] + (-sizes[k]) % 64
+        me = node_comm.Get_rank()
+        seg = NodeSegment(node_comm, load[me])
+        views: dict[str, Any] = {}
+        pos = [0] * len(load)
+        for k in union:                        # every rank computes every item's place
+            r = owner[k]
+            start = int(seg.starts[r]) + pos[r]
+            pos[r] += sizes[k] + (-sizes[k]) % 64
+            e = m["tensors"][k]
+            raw = torch.frombuffer(seg.view, dtype=torch.uint8, count=sizes[k],
+                                   offset=start) if sizes[k] else torch.empty(0, dtype=torch.uint8)
+            views[k] = raw.view(getattr(torch, e["dtype"])).reshape(e["shape"])
+        try:
+            mine = [(k, views[k]) for k in union if owner[k] == me]
+            self._fetch(m, mine, fresh=False)
+            problem = None
+        except Exception as e:      # noqa: BLE001 - raised on every rank below
+            problem = f"rank {comm.Get_rank()}: {type(e).__name__}: {e}"
+        problems = [p for p in node_comm.allgather(problem) if p]
+        if problems:
+            seg.close()
+            raise ModelRepositoryError("; ".join(problems))
+        return {k: views[k] for k in set(keys)}, (seg, node_comm)
+
+    def _deliver(self, plan: Any, planner: Any, keys: list[str], bufs: dict) -> None:
         for req, k in zip(plan.items, keys):
             src = bufs[k]
             if req.type == LoadItemType.BYTE_IO:
@@ -323,9 +404,6 @@ class Reader(StorageReader):
                                            f"fit the requested {tuple(target.size())}")
             target.copy_(src)
             planner.commit_tensor(req, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
