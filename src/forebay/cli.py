@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -120,12 +120,17 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 def cmd_verify(a: argparse.Namespace) -> int:
     from .dataset import open_dataset
-    from .errors import CorruptDatasetError
+    from .errors import CorruptDatasetError, DatasetNotFoundError
 
     try:
         ds = open_dataset(a.path)
     except CorruptDatasetError as e:   # damaged manifest, index or sizes: corrupt, exit 1
         print(f"CORRUPT {e}", file=sys.stderr)
+        return 1
+    except DatasetNotFoundError as e:
+        if not (Path(a.path) / "manifest.json").is_file():
+            raise                      # no dataset at all: exit 2
+        print(f"CORRUPT {e}", file=sys.stderr)   # a part of one is missing: damage
         return 1
     t0 = time.perf_counter()
     report = ds.verify(progress=_progress(), raise_on_error=False)
@@ -178,10 +183,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _sizes_list(text: str) -> list[int]:
+    from .errors import InvalidArgumentError
+
     out = []
     for t in text.split(","):
         t = t.strip()
-        out.append(0 if t in ("0", "0B") else parse_size(t))
+        try:
+            out.append(0 if t in ("0", "0B") else parse_size(t))
+        except argparse.ArgumentTypeError as e:
+            raise InvalidArgumentError(f"in {text!r}: {e}") from None
     return out
 
 
@@ -220,12 +230,24 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_analyze(a: argparse.Namespace) -> int:
-    from pathlib import Path
+def _trace_input(path: str) -> None:
+    """A trace directory or file that exists and holds trace files (checked before any
+    work or output)."""
+    from .errors import InvalidArgumentError
+    from .trace._read import trace_files
 
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no trace directory or file at {path}")
+    if not trace_files(path):
+        raise InvalidArgumentError(f"{path}: no trace files (*.pfw, *.pfw.gz, *.json, "
+                                   f"*.json.gz) in it or in its sub-directories")
+
+
+def cmd_analyze(a: argparse.Namespace) -> int:
     from .trace import analyze, format_summary
     from .trace import read_traces
 
+    _trace_input(a.trace_dir)
     ev = read_traces(a.trace_dir)
     res = analyze(a.trace_dir, events=ev)
     summary = format_summary(res)
@@ -248,6 +270,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 def cmd_trace_export(a: argparse.Namespace) -> int:
     from .trace import export_chrome
 
+    _trace_input(a.trace_dir)
     r = export_chrome(a.trace_dir, a.out)
     for s in r["skipped"]:
         print(f"skipped: {s}", file=sys.stderr)
@@ -357,6 +380,37 @@ def cmd_models(a: argparse.Namespace) -> int:
 
 
 # -- parser ---------------------------------------------------------------------------
+def _number(kind: type, low: float, inclusive: bool, what: str) -> Any:
+    """An argparse type: a ``kind`` number above ``low`` (or at it, ``inclusive``)."""
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if v < low or (v == low and not inclusive) or v != v:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+    parse.__name__ = what
+    return parse
+
+
+positive_int = _number(int, 0, False, "a positive integer")
+count_int = _number(int, 0, True, "an integer >= 0")
+positive_float = _number(float, 0.0, False, "a positive number")
+nonneg_float = _number(float, 0.0, True, "a number >= 0")
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .dataset.sources import SOURCES
     from .synth import KINDS
@@ -372,13 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{k}: {v[2]}" for k, v in KINDS.items()))
     s.add_argument("kind", choices=sorted(KINDS))
     s.add_argument("out")
-    s.add_argument("--samples", "-n", type=int, required=True)
+    s.add_argument("--samples", "-n", type=positive_int, required=True)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--format", choices=["pff", "cff"], help="ising/molecules: one pickle per "
                    "sample (pff, default) or one HDF5 file (cff)")
-    s.add_argument("--per-file", type=int, help="mummi: samples per NPZ file (default 256)")
-    s.add_argument("--classes", type=int, help="imagenet: number of classes (default 10)")
-    s.add_argument("--size", type=int, help="cosmoflow: volume side S (default 32)")
+    s.add_argument("--per-file", type=positive_int,
+                   help="mummi: samples per NPZ file (default 256)")
+    s.add_argument("--classes", type=positive_int,
+                   help="imagenet: number of classes (default 10)")
+    s.add_argument("--size", type=positive_int, help="cosmoflow: volume side S (default 32)")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(func=cmd_synth)
 
@@ -397,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "is found automatically)")
     g.add_argument("--shard-size", type=parse_size, default="256MiB",
                    help="bytes per shard (default 256MiB)")
-    g.add_argument("--workers", type=int, default=1,
+    g.add_argument("--workers", type=positive_int, default=1,
                    help="reader processes (default 1; more help only when decoding a unit "
                         "costs more than writing it, on spare cores)")
     g.add_argument("--trust-pickle", action="store_true",
@@ -417,13 +473,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     pl = sub.add_parser("plan", help="access-frequency analysis of a shuffled run (NoPFS 3.1)")
-    pl.add_argument("--samples", "-F", type=int, required=True)
-    pl.add_argument("--world", "-N", type=int, required=True)
-    pl.add_argument("--epochs", "-E", type=int, required=True)
-    pl.add_argument("--delta", type=float, default=0.8)
+    pl.add_argument("--samples", "-F", type=positive_int, required=True)
+    pl.add_argument("--world", "-N", type=positive_int, required=True)
+    pl.add_argument("--epochs", "-E", type=positive_int, required=True)
+    pl.add_argument("--delta", type=positive_float, default=0.8,
+                    help="NoPFS's delta > 0: count the samples a worker reads at least "
+                         "(1 + delta) x the mean number of times (default 0.8)")
     pl.add_argument("--monte-carlo", action="store_true",
                     help="also count on a real AccessPlan (vectorized; ~30 s for ImageNet-1k)")
-    pl.add_argument("--batch-size", type=int, default=32, help="per-rank batch (Monte Carlo)")
+    pl.add_argument("--batch-size", type=positive_int, default=32,
+                    help="per-rank batch (Monte Carlo)")
     pl.add_argument("--seed", type=int, default=0)
     pl.set_defaults(func=cmd_plan)
 
@@ -461,13 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
     ms = mos.add_parser("show", help="a version's metadata and architecture graph")
     ms.add_argument("url")
     ms.add_argument("name")
-    ms.add_argument("--version", type=int, help="default: the latest")
+    ms.add_argument("--version", type=positive_int, help="default: the latest")
     ms.add_argument("--json", action="store_true", help="the whole manifest")
     mv = mos.add_parser("verify", help="check every stored tensor; exit 1 on corruption")
     mv.add_argument("url")
     mg = mos.add_parser("gc", help="delete tensors no version references")
     mg.add_argument("url")
-    mg.add_argument("--grace-hours", type=float, default=6.0,
+    mg.add_argument("--grace-hours", type=nonneg_float, default=6.0,
                     help="spare saves in progress younger than this (default 6)")
     mc = mos.add_parser("compact", help="write a copy without free pages (after gc), with "
                         "fresh tensor locations")
@@ -484,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     mx.add_argument("url")
     mx.add_argument("name")
     mx.add_argument("file")
-    mx.add_argument("--version", type=int, help="default: the latest")
+    mx.add_argument("--version", type=positive_int, help="default: the latest")
     mx.add_argument("--include", help="comma-separated tensor names or patterns")
     for q in (ml, ms, mv, mg, mc, mr, mi, mx):
         q.set_defaults(func=cmd_models)
@@ -500,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-token", action="store_true",
                     help="serve without a token: anyone who can reach the port may read, "
                          "write and delete models")
-    sv.add_argument("--workers", type=int, default=16, help="clients served at once")
+    sv.add_argument("--workers", type=positive_int, default=16, help="clients served at once")
     sv.add_argument("--max-frame", type=parse_size, default="16GiB",
                     help="largest request accepted (default 16GiB)")
     sv.set_defaults(func=cmd_models_serve)
@@ -515,19 +574,20 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--dataset", required=True,
                     help="scenario (mnist, imagenet-1k, openimages, imagenet-22k, cosmoflow, "
                          "cosmoflow-512) or a packed dataset directory")
-    sm.add_argument("--workers", type=int, required=True)
-    sm.add_argument("--epochs", type=int, required=True)
-    sm.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the "
-                    "scenario's, or 32)")
+    sm.add_argument("--workers", type=positive_int, required=True)
+    sm.add_argument("--epochs", type=positive_int, required=True)
+    sm.add_argument("--batch", type=positive_int, default=None,
+                    help="per-worker batch (default: the scenario's, or 32)")
     sm.add_argument("--policies", default=None, help="comma-separated (default: all)")
-    sm.add_argument("--scale", type=float, default=1.0, help="simulate this fraction of the "
+    sm.add_argument("--scale", type=fraction, default=1.0, help="simulate this fraction of the "
                     "samples, RAM and SSD scaled alike (default 1)")
     sm.add_argument("--seed", type=int, default=0)
-    sm.add_argument("--compute-MBps", dest="compute_MBps", type=float, default=None,
+    sm.add_argument("--compute-MBps", dest="compute_MBps", type=positive_float, default=None,
                     help="training throughput c per worker (overrides the system)")
-    sm.add_argument("--preprocess-MBps", dest="preprocess_MBps", type=float, default=None)
-    sm.add_argument("--network-MBps", dest="network_MBps", type=float, default=None)
-    sm.add_argument("--pfs-open-ms", dest="pfs_open_ms", type=float, default=None,
+    sm.add_argument("--preprocess-MBps", dest="preprocess_MBps", type=positive_float,
+                    default=None)
+    sm.add_argument("--network-MBps", dest="network_MBps", type=positive_float, default=None)
+    sm.add_argument("--pfs-open-ms", dest="pfs_open_ms", type=nonneg_float, default=None,
                     help="latency of opening one file on the PFS (overrides [pfs] open_ms; "
                     "paid per sample read with --layout files)")
     sm.add_argument("--layout", choices=["files", "packed"], default=None,
@@ -553,6 +613,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChecksumError as e:
         print(f"forebay: CORRUPT: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader went away (`forebay info x | head`): not an error; keep Python's
+        # own flush at exit from complaining about the closed pipe
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (ForebayError, OSError) as e:
         # what the user can fix (a bad argument, a missing file, a refused path): one
         # line; anything else is a bug in forebay and shows its traceback

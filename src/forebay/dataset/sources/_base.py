@@ -81,7 +81,12 @@ def list_files(root: "str | os.PathLike[str]", suffixes: Iterable[str], what: st
 
 def _die_with_parent(parent: int) -> None:
     """Worker initializer: the kernel kills this reader when the ingest process dies
-    (Linux PR_SET_PDEATHSIG), so a kill -9 of ingest leaves no orphaned workers."""
+    (Linux PR_SET_PDEATHSIG), so a kill -9 of ingest leaves no orphaned workers.  It
+    ignores Ctrl-C: the ingest process handles it and ends its workers (one message,
+    not a traceback per worker)."""
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     try:
         import ctypes
         import signal

@@ -1,0 +1,82 @@
+"""The CLI as a newcomer meets it: every user error is one line naming what is wrong,
+with the documented exit code (2), no traceback, and nothing written; a closed stdout is
+not an error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from forebay.cli import main
+
+BAD = [
+    ("plan --samples 10 --world 0 --epochs 1", "--world"),
+    ("plan --samples 10 --world 2 --epochs 1 --delta -2", "--delta"),
+    ("plan --samples -5 --world 2 --epochs 1", "--samples"),
+    ("synth mummi {tmp}/a --samples 4 --per-file 0", "--per-file"),
+    ("synth imagenet {tmp}/a --samples 4 --classes 0", "--classes"),
+    ("synth cosmoflow {tmp}/a --samples 2 --size 0", "--size"),
+    ("synth ising {tmp}/a --samples 0", "--samples"),
+    ("ingest {tmp}/src {tmp}/out --from npz --workers 0", "--workers"),
+    ("ingest {tmp}/src {tmp}/out --from npz --workers -3", "--workers"),
+    ("ingest {tmp}/src {tmp}/out --from npz --shard-size 1QB", "not a size"),
+    ("ingest {tmp}/nope {tmp}/out --from npz", "does not exist"),
+    ("info {tmp}/nope", "no dataset"),
+    ("verify {tmp}/nope", "no dataset"),
+    ("analyze {tmp}/nope", "no trace directory"),
+    ("analyze {tmp}/empty", "no trace files"),
+    ("trace export {tmp}/nope {tmp}/out.json", "no trace directory"),
+    ("models ls {tmp}/nope", "no model repository"),
+    ("models export {tmp}/nope net {tmp}/out.safetensors --version 0", "--version"),
+    ("simulate --dataset imagenet-1k --workers 0 --epochs 1", "--workers"),
+    ("simulate --dataset imagenet-1k --workers 4 --epochs 1 --scale 2", "--scale"),
+    ("simulate sweep --dataset imagenet-1k --workers 4 --epochs 1 --ram 0,1QB --ssd 0",
+     "1QB"),
+]
+
+
+@pytest.mark.parametrize("args, says", BAD, ids=[a for a, _ in BAD])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, args, says):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "empty").mkdir()
+    argv = args.format(tmp=tmp_path).split()
+    try:
+        code = main(argv)
+    except SystemExit as e:           # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line and not line.startswith(
+        ("usage:", " " * 4))]
+    assert len(lines) == 1 and "error:" in lines[0] and says in lines[0], err
+    assert "Traceback" not in err + out
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.json").exists()
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
+    with open(tmp_path / "err", "wb") as err_file:
+        p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "plan", "--samples",
+                              "1000", "--world", "4", "--epochs", "90"],
+                             stdout=subprocess.PIPE, stderr=err_file)
+        assert p.stdout is not None
+        p.stdout.close()              # as `| head -0`: closed before the first line
+        code = p.wait(timeout=60)
+    err = (tmp_path / "err").read_text()
+    assert code == 0, err
+    assert "Broken pipe" not in err and "Traceback" not in err
+
+
+def test_verify_calls_a_missing_or_truncated_shard_corruption(packed, cli):
+    path, _ = packed
+    shards = sorted(path.glob("shard-*.bin"))
+    with open(shards[1], "r+b") as f:
+        f.truncate(10)
+    code, _, err = cli("verify", path)
+    assert code == 1 and "CORRUPT" in err and "truncated" in err
+    shards[1].unlink()
+    code, _, err = cli("verify", path)
+    assert code == 1 and "CORRUPT" in err and "missing" in err
+    assert "Traceback" not in err
