@@ -18,7 +18,7 @@ def _by_name(sample):
 
 
 def test_registry_lists_every_kind():
-    assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder"}
+    assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio"}
 
 
 @pytest.mark.parametrize("kind, gen", [("ising", ising_samples), ("molecules", molecule_samples)])
@@ -182,7 +182,12 @@ def _many_unit_sources(root):
     (root / "npy").mkdir()
     for i in range(40):
         np.save(root / "npy" / f"{i:03d}.npy", np.arange(i, dtype=np.int32))
+    (root / "dlio").mkdir()                   # DLIO's npz: samples on the last axis
+    for i in range(30):
+        np.savez(root / "dlio" / f"img_{i:02d}_of_30.npz",
+                 x=np.full((3, 2, 4), i, dtype=np.uint8), y=[i] * 4)
     return {
+        "dlio": get_source("dlio", root / "dlio"),
         "pickle": get_source("pickle", root / "pff", trust_pickle=True, chunk_files=4),
         "hdf5": get_source("hdf5", root / "cff", chunk_bytes=20_000),
         "npz": get_source("npz", root / "mummi"),

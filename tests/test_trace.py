@@ -123,8 +123,8 @@ def test_bad_traces_are_reported_and_the_rest_summarized(tmp_path):
 def test_empty_directory_says_so(tmp_path, cli):
     a = analyze(tmp_path)
     assert a["events"] == 0 and "no trace files" in a["skipped"][0]
-    code, out, _ = cli("analyze", tmp_path)
-    assert code == 1 and "no trace files" in out
+    code, out, err = cli("analyze", tmp_path)
+    assert code == 2 and "no trace files" in err and out == ""
 
 
 def test_legacy_bracketed_dftracer_format(tmp_path):

@@ -233,11 +233,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 def _trace_input(path: str) -> None:
     """A trace directory or file that exists and holds trace files (checked before any
     work or output)."""
-    from .errors import InvalidArgumentError
+    from .errors import InvalidArgumentError, PathNotFoundError
     from .trace._read import trace_files
 
     if not Path(path).exists():
-        raise FileNotFoundError(f"no trace directory or file at {path}")
+        raise PathNotFoundError(f"no trace directory or file at {path}")
     if not trace_files(path):
         raise InvalidArgumentError(f"{path}: no trace files (*.pfw, *.pfw.gz, *.json, "
                                    f"*.json.gz) in it or in its sub-directories")

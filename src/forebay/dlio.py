@@ -36,6 +36,7 @@ verify_on_read  check every sample's checksum (true/false)
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from pathlib import Path
@@ -77,11 +78,11 @@ def _convert(name: str, value: Any) -> Any:
                 return True
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
-            raise ValueError(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"forebay DLIO setting {name}={value!r} is not a "
-                                   f"valid {kind}") from None
+        else:
+            return str(value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        pass
+    raise InvalidArgumentError(f"forebay DLIO setting {name}={value!r} is not a valid {kind}")
 
 
 def settings(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:

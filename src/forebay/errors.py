@@ -15,6 +15,7 @@ __all__ = [
     "UsageError",
     "MissingDependencyError",
     "NameNotFoundError",
+    "PathNotFoundError",
     "ConnectionClosedError",
     "CorruptDatasetError",
     "ChecksumError",
@@ -58,6 +59,10 @@ class UsageError(ForebayError, RuntimeError):
 class MissingDependencyError(ForebayError, ImportError):
     """An optional dependency a feature needs is not installed; the message names the
     pip extra."""
+
+
+class PathNotFoundError(ForebayError, FileNotFoundError):
+    """A path the user named (a trace directory, an input file) does not exist."""
 
 
 class NameNotFoundError(ForebayError, KeyError):

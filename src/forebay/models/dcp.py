@@ -124,7 +124,8 @@ def decode_metadata(doc: dict[str, Any]) -> "Metadata":
                 continue
             dtype = getattr(torch, m["dtype"])
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{m['dtype']!r} is not a dtype")
+                raise ModelRepositoryError(f"malformed DCP metadata in the repository: "
+                                           f"{m['dtype']!r} is not a dtype")
             sd[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype,
                                             requires_grad=bool(m.get("requires_grad"))),
