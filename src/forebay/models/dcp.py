@@ -138,7 +138,33 @@ def decode_metadata(doc: dict[str, Any]) -> "Metadata":
                     version=doc.get("version"))
 
 
-class Writer(StorageWriter):
+class _OnRepository:
+    """What the writer and the reader share: the repository they opened (or were
+    given), closed when they are done with it, and DCP's plans taken as they are."""
+
+    _repo_arg: "str | ModelStore"
+    _store: Optional[ModelStore]
+
+    @property
+    def store(self) -> ModelStore:
+        if self._store is None:
+            self._store = _open(self._repo_arg)
+        return self._store
+
+    def _release(self) -> None:
+        """Close a store this object opened from a URL (a store passed in stays open)."""
+        if self._store is not None and not isinstance(self._repo_arg, ModelStore):
+            self._store.close()
+        self._store = None
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+
+class Writer(_OnRepository, StorageWriter):
     """A DCP storage writer: each ``dcp.save`` becomes the next version of ``name`` in
     the repository ``repo`` (URL or open store); ``metadata`` (JSON) is stored with it.
     The version number is :attr:`version` on the coordinator after the save."""
@@ -155,18 +181,6 @@ class Writer(StorageWriter):
         self._written = 0
         self._t0 = 0.0
 
-    @property
-    def store(self) -> ModelStore:
-        if self._store is None:
-            self._store = _open(self._repo_arg)
-        return self._store
-
-    def _release(self) -> None:
-        """Close a store this object opened from a URL (a store passed in stays open)."""
-        if self._store is not None and not isinstance(self._repo_arg, ModelStore):
-            self._store.close()
-        self._store = None
-
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
             self.name = str(checkpoint_id)
@@ -175,12 +189,6 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
 
     def write_data(self, plan: Any, planner: Any) -> "Future[list[WriteResult]]":
         """Store this rank's items, durably, before DCP hears they are written."""
@@ -238,7 +246,7 @@ class Writer(StorageWriter):
         return isinstance(checkpoint_id, str)
 
 
-class Reader(StorageReader):
+class Reader(_OnRepository, StorageReader):
     """A DCP storage reader of version ``version`` (default: the latest) of ``name``.
 
     ``share=True``: the ranks of a node read each stored item once between them,
@@ -259,18 +267,6 @@ class Reader(StorageReader):
         self.bytes_read = 0
         self._store: Optional[ModelStore] = None
         self._manifest: Optional[dict[str, Any]] = None
-
-    @property
-    def store(self) -> ModelStore:
-        if self._store is None:
-            self._store = _open(self._repo_arg)
-        return self._store
-
-    def _release(self) -> None:
-        """Close a store this object opened from a URL (a store passed in stays open)."""
-        if self._store is not None and not isinstance(self._repo_arg, ModelStore):
-            self._store.close()
-        self._store = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
@@ -295,12 +291,6 @@ class Reader(StorageReader):
     def set_up_storage_reader(self, metadata: "Metadata", is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
 
     def read_data(self, plan: Any, planner: Any) -> "Future[None]":
         """Read each stored item the plan needs once, verified, then hand DCP's planner
