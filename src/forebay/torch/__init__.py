@@ -1,6 +1,9 @@
-"""PyTorch integration: a plan-driven DataLoader, a map-style Dataset, a Sampler, collation."""
+"""PyTorch integration: a plan-driven DataLoader, a map-style Dataset, a Sampler, collation,
+transform workers."""
 
 from ._collate import collate_graphs, default_collate
 from ._loader import DataLoader, Dataset, PlanSampler
+from ._workers import TransformError, sample_rng
 
-__all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "default_collate"]
+__all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "default_collate",
+           "TransformError", "sample_rng"]

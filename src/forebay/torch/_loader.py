@@ -20,7 +20,8 @@ from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStor
 from ..comm import all_true, is_mpi
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
-from ._collate import collate_samples, default_collate
+from ._collate import default_collate
+from ._workers import WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
@@ -45,6 +46,11 @@ def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
 def _default_ram_bytes(comm: Any) -> int:
     """Half of this node's available memory, shared by the node's ranks."""
     return int((available_memory() or 0) * 0.5 / node_size(comm))
+
+
+def _resolved(out: Any) -> Any:
+    """A fetched batch, waiting for it if a transform worker has it."""
+    return out.result() if isinstance(out, _Pending) else out
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:
@@ -94,6 +100,17 @@ class DataLoader:
             fields stacked into tensors, graphs batched PyG-style).  With ``transform``
             (applied to each sample dict), ``collate_fn`` gets the list of transformed
             samples instead (torch's ``default_collate`` if None).
+        workers: processes running ``transform`` (or ``batch_transform``, applied to
+            the whole :class:`SampleBatch`) and the collation, as torch's
+            ``num_workers``; 0: in the prefetch thread.  Batches reach them and come
+            back through shared memory (a few tensors a batch, never a sample at a
+            time), in plan order.  Before each sample, Python's, NumPy's and torch's
+            generators are seeded from (seed, epoch, sample id) (and
+            :func:`forebay.torch.sample_rng` gives one): random augmentations give the
+            same tensors whatever ``workers`` is.  A transform that raises or a worker
+            that dies raises :class:`~forebay.torch.TransformError` naming the batch.
+        worker_start: ``"spawn"`` (default: safe with MPI and threads; the transform
+            must be picklable, e.g. defined at module level) or ``"fork"``.
         prefetch: batches fetched ahead by a background thread while the model computes
             (0: fetch in the iterating thread).
         staging_bytes: also bound the samples waiting in that staging area by their
@@ -130,6 +147,8 @@ class DataLoader:
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: Optional[int] = None,
+                 workers: int = 0, batch_transform: Optional[Callable] = None,
+                 worker_start: str = "spawn",
                  pin_memory: bool = False, progress: Any = None,
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None) -> None:
@@ -190,7 +209,18 @@ class DataLoader:
             self.store = DirectStore(self.ds)
         self.collate_fn = collate_fn
         self.transform = transform
+        self.batch_transform = batch_transform
         self.prefetch = max(0, int(prefetch))
+        self._pool: Optional[WorkerPool] = None
+        if workers:
+            if transform is None and batch_transform is None:
+                raise InvalidArgumentError("workers run a transform or batch_transform; "
+                                           "give one (without, the store's batch is ready)")
+            if transform is not None and batch_transform is not None:
+                raise InvalidArgumentError("give transform or batch_transform, not both")
+            self._pool = WorkerPool(int(workers), self.ds.schema, transform,
+                                    batch_transform, collate_fn, seed, worker_start)
+            self.prefetch = max(self.prefetch, 2 * int(workers))   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             from mpi4py import MPI
 
@@ -290,8 +320,12 @@ class DataLoader:
             batch = self.store.get_step(self._group_requests(epoch, step), alloc=alloc)
         else:
             batch = self.store.get_many(ids, alloc=alloc)
-        if self.transform is not None:
-            out = collate_samples([self.transform(s) for s in batch], self.collate_fn)
+        out: Any
+        if self._pool is not None:
+            out = self._pool.submit(epoch, step, batch)      # resolved by the consumer
+        elif self.transform is not None or self.batch_transform is not None:
+            out = transform_batch(batch, self.transform, self.batch_transform,
+                                  self.collate_fn, self.plan.seed, epoch)
         elif self.collate_fn is not None:
             out = self.collate_fn(batch)
         else:
@@ -341,6 +375,8 @@ class DataLoader:
             raise UsageError(f"epoch {epoch} is finished: {nxt}loader.set_epoch({epoch}) to "
                              f"read it again")
         self._resumed = False
+        if self._pool is not None:
+            self._pool.new_pass()
         batches = self.plan.batches(self.rank, epoch)
         t_epoch = time.perf_counter()
         if self._train_t0 is None:
@@ -350,7 +386,7 @@ class DataLoader:
                 for step in range(start, len(batches)):
                     # the first wait includes the epoch's set-up
                     t0 = t_epoch if step == start else time.perf_counter()
-                    out = self._fetch(batches[step], epoch, step)
+                    out = _resolved(self._fetch(batches[step], epoch, step))
                     self._step = step + 1
                     self._waited(t0, epoch, step)
                     yield out
@@ -411,6 +447,7 @@ class DataLoader:
                     room.notify()
                 if err is not None:
                     raise err
+                out = _resolved(out)      # a batch in a transform worker: wait for it
                 self._step = step + 1
                 # the wait ends here, not at q.get: handing the GIL back from the
                 # prefetch thread can take as long as the get itself
@@ -434,7 +471,9 @@ class DataLoader:
         return base
 
     def close(self) -> None:
-        """Release the store (collective)."""
+        """Release the store (collective) and stop the transform workers."""
+        if self._pool is not None:
+            self._pool.close()
         rec = _trace.active()
         if rec is not None and self._train_t0 is not None:
             rec.span("pipeline", "train", self._train_t0, time.perf_counter())

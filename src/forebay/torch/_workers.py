@@ -1,0 +1,256 @@
+"""Transform workers: the loader's per-sample ``transform`` (JPEG decode, augmentation)
+in worker processes, fed by the store.
+
+The store's batch (flat columnar buffers, one per field) goes to a worker as a handful
+of tensors in shared memory (torch.multiprocessing moves each field's buffer once, never
+a sample at a time); the worker rebuilds the batch, transforms each sample and collates
+them; the collated tensors come back through shared memory the same way.  Batch
+``step`` goes to worker ``step % workers``; results are handed out in plan order.
+
+Random augmentations are reproducible whatever the number of workers: before each
+sample, Python's, NumPy's and torch's global generators are seeded from
+``(seed, epoch, sample id)``, and :func:`sample_rng` gives a NumPy generator for that
+sample.  A transform that raises, or a worker that dies, fails the batch with an error
+naming it; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import traceback
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..dataset import FieldBatch, SampleBatch
+from ..errors import ForebayError, InvalidArgumentError
+
+__all__ = ["TransformError", "WorkerPool", "sample_rng", "transform_batch", "seed_sample"]
+
+#: seconds between liveness checks of the workers while a result is awaited
+_POLL_S = 0.5
+
+
+class TransformError(ForebayError, RuntimeError):
+    """A sample's transform raised, or a transform worker died."""
+
+
+_current = threading.local()
+
+
+def seed_sample(seed: int, epoch: int, sample_id: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators for one sample, and set
+    :func:`sample_rng`'s generator."""
+    import random
+
+    import torch
+
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(sample_id)])
+    a, b = ss.generate_state(2)
+    random.seed(int(a))
+    np.random.seed(int(a))
+    torch.manual_seed(int(a) << 32 | int(b))
+    _current.rng = np.random.default_rng(ss)
+
+
+def sample_rng() -> np.random.Generator:
+    """The NumPy generator of the sample being transformed (seeded from seed, epoch
+    and sample id: the same whatever the number of workers)."""
+    rng = getattr(_current, "rng", None)
+    if rng is None:
+        raise InvalidArgumentError("sample_rng() is for use inside a loader's transform")
+    return rng
+
+
+def transform_batch(batch: SampleBatch, transform: Optional[Callable],
+                    batch_transform: Optional[Callable], collate_fn: Optional[Callable],
+                    seed: int, epoch: int) -> Any:
+    """What a worker (or the loader's own thread) does with one batch."""
+    from ._collate import collate_samples
+
+    if batch_transform is not None:
+        seed_sample(seed, epoch, int(batch.ids[0]) if len(batch.ids) else 0)
+        return batch_transform(batch)
+    out = []
+    for k, sid in enumerate(batch.ids.tolist()):
+        seed_sample(seed, epoch, sid)
+        try:
+            out.append(transform(batch.sample(k)) if transform is not None
+                       else batch.sample(k))
+        except Exception as e:
+            raise TransformError(f"the transform failed on sample {sid} (epoch {epoch}): "
+                                 f"{type(e).__name__}: {e}") from e
+    return collate_samples(out, collate_fn)
+
+
+def _pack(batch: SampleBatch) -> dict[str, Any]:
+    import torch
+
+    def t(a: np.ndarray) -> Any:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    return {"ids": t(batch.ids), "fields": {
+        name: (t(f.values.view(np.uint8).reshape(-1)), t(f.offsets), t(f.shapes))
+        for name, f in batch.fields.items()}}
+
+
+def _unpack(msg: dict[str, Any], schema: Any) -> SampleBatch:
+    fields = {}
+    for f in schema.fields:
+        v, o, s = msg["fields"][f.name]
+        fields[f.name] = FieldBatch(values=v.numpy().view(f.dtype), offsets=o.numpy(),
+                                    shapes=s.numpy())
+    return SampleBatch(msg["ids"].numpy(), schema, fields)
+
+
+def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
+                 batch_transform: Any, collate_fn: Any, seed: int, parent: int) -> None:
+    """A worker: transform batches until told to stop (None) or the loader dies."""
+    from ..dataset.sources._base import _die_with_parent
+
+    _die_with_parent(parent)           # ignores Ctrl-C; dies with the loader's process
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            return
+        key, payload = msg
+        try:
+            out = transform_batch(_unpack(payload, schema), transform, batch_transform,
+                                  collate_fn, seed, key[1])
+            outbox.put((key, out, None))
+        except BaseException as e:    # noqa: BLE001 - reported with the batch
+            outbox.put((key, None, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+
+
+class _Pending:
+    """A batch in a worker: :meth:`result` waits for it (in plan order, by the
+    loader's consumer)."""
+
+    def __init__(self, pool: "WorkerPool", key: tuple[int, int, int], wid: int,
+                 ids: np.ndarray) -> None:
+        self.pool, self.key, self.wid, self.ids = pool, key, wid, ids
+
+    def result(self) -> Any:
+        return self.pool._wait(self)
+
+
+class WorkerPool:
+    """``workers`` processes applying ``transform`` (or ``batch_transform``) to the
+    batches submitted to them."""
+
+    def __init__(self, workers: int, schema: Any, transform: Optional[Callable],
+                 batch_transform: Optional[Callable], collate_fn: Optional[Callable],
+                 seed: int, start_method: str = "spawn") -> None:
+        import pickle
+
+        import torch.multiprocessing as mp
+
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
+        for what, fn in (("transform", transform), ("batch_transform", batch_transform),
+                         ("collate_fn", collate_fn)):
+            if fn is not None and start_method != "fork":
+                try:
+                    pickle.dumps(fn)
+                except Exception as e:   # noqa: BLE001 - any pickling failure
+                    raise InvalidArgumentError(
+                        f"{what} must be picklable to run in worker processes (a function "
+                        f"defined at module level, not a lambda or a local function), or "
+                        f"pass worker_start='fork': {type(e).__name__}: {e}") from None
+        if start_method not in ("spawn", "fork", "forkserver"):
+            raise InvalidArgumentError(f"worker_start must be 'spawn', 'fork' or "
+                                       f"'forkserver', got {start_method!r}")
+        ctx: Any = mp.get_context(start_method)
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(workers)]
+        self._procs = [ctx.Process(target=_worker_main, name=f"forebay-transform-{w}",
+                                   args=(w, self._inboxes[w], self._outbox, schema, transform,
+                                         batch_transform, collate_fn, seed, os.getpid()),
+                                   daemon=True) for w in range(workers)]
+        for p in self._procs:
+            p.start()
+        self._done: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+        #: one per pass over an epoch: results of an abandoned pass are never taken
+        self.generation = 0
+        self._lock = threading.Condition()
+        self._closed = False
+
+    @property
+    def workers(self) -> int:
+        return len(self._procs)
+
+    def submit(self, epoch: int, step: int, batch: SampleBatch) -> _Pending:
+        if self._closed:
+            raise TransformError("the transform workers are closed")
+        wid = step % len(self._procs)
+        key = (self.generation, epoch, step)
+        self._inboxes[wid].put((key, _pack(batch)))
+        return _Pending(self, key, wid, batch.ids)
+
+    def _wait(self, p: _Pending) -> Any:
+        while True:
+            with self._lock:
+                if p.key in self._done:
+                    out, err = self._done.pop(p.key)
+                    break
+            try:
+                key, out, err = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                proc = self._procs[p.wid]
+                if not proc.is_alive():
+                    raise TransformError(
+                        f"transform worker {p.wid} (pid {proc.pid}) died with exit code "
+                        f"{proc.exitcode} while transforming the batch of epoch {p.key[1]} "
+                        f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
+                        f"{'...' if len(p.ids) > 8 else ''})") from None
+                continue
+            if key == p.key:
+                break
+            if key[0] == self.generation:
+                with self._lock:
+                    self._done[key] = (out, err)
+        if err is not None:
+            msg, tb = err
+            raise TransformError(f"batch of epoch {p.key[1]} step {p.key[2]}: {msg}\n"
+                                 f"(in transform worker {p.wid}:)\n{tb}")
+        return out
+
+    def new_pass(self) -> None:
+        """A new pass over an epoch: results of earlier passes nobody took (an epoch
+        left early) are dropped, now and when they arrive."""
+        with self._lock:
+            self.generation += 1
+            self._done.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for q in self._inboxes:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for q in [*self._inboxes, self._outbox]:
+            q.cancel_join_thread()
+            q.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            if not self._closed:
+                for p in self._procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGKILL)
+        except Exception:         # noqa: BLE001
+            pass

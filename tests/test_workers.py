@@ -1,0 +1,121 @@
+"""Transform workers (DataLoader(workers=N)): the same tensors whatever N is (random
+augmentations included), plan order, resume, and a transform that raises or a worker
+that dies fails the batch with an error naming it, without a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import forebay  # noqa: E402
+from forebay import AccessPlan  # noqa: E402
+from forebay.errors import InvalidArgumentError  # noqa: E402
+from forebay.torch import DataLoader, TransformError, sample_rng  # noqa: E402
+
+N, BATCH = 60, 8
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    path = tmp_path_factory.mktemp("w") / "img.fb"
+    rng = np.random.default_rng(0)
+    forebay.write_dataset(path, ({"img": rng.integers(0, 255, (6, 5 + i % 3, 3), np.uint8),
+                                  "label": np.int64(i)} for i in range(N)))
+    return path
+
+
+# transforms live at module level: spawned workers import them by name
+def augment(s):
+    """A random crop and flip with torch's and NumPy's global generators and the
+    sample's own generator, as a torchvision pipeline would."""
+    img = torch.from_numpy(np.array(s["img"])).permute(2, 0, 1).float()
+    top = int(torch.randint(0, img.shape[1] - 3, ()))
+    crop = img[:, top:top + 4, :4]
+    if np.random.rand() < 0.5:
+        crop = crop.flip(2)
+    return {"img": crop + float(sample_rng().normal()), "label": int(s["label"])}
+
+
+def whole_batch(batch):
+    return torch.from_numpy(batch["label"].copy()) * 2
+
+
+def fails_on_17(s):
+    if int(s["label"]) == 17:
+        raise ValueError("cannot decode this image")
+    return {"label": int(s["label"])}
+
+
+def dies_on_17(s):
+    if int(s["label"]) == 17:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"label": int(s["label"])}
+
+
+def _epochs(path, workers, epochs=2, **kw):
+    dl = DataLoader(path, BATCH, epochs=epochs, seed=4, comm=None, mode="direct",
+                    workers=workers, **kw)
+    out = []
+    try:
+        for e in range(epochs):
+            dl.set_epoch(e)
+            out.append(list(dl))
+    finally:
+        dl.close()
+    return out
+
+
+def test_random_augmentations_give_the_same_tensors_whatever_the_workers(images):
+    ref = _epochs(images, 0, transform=augment)
+    plan = AccessPlan(N, 1, BATCH, 2, seed=4)
+    for e, batches in enumerate(ref):                  # plan order, every batch
+        assert [b["label"].tolist() for b in batches] == \
+            [x.tolist() for x in plan.batches(0, e)]
+    assert not torch.equal(ref[0][0]["img"], ref[1][0]["img"])   # epochs differ
+    for workers in (1, 3):
+        got = _epochs(images, workers, transform=augment)
+        for a, b in zip(sum(ref, []), sum(got, [])):
+            assert torch.equal(a["img"], b["img"]) and torch.equal(a["label"], b["label"])
+
+
+def test_batch_transform_and_resume(images):
+    dl = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, mode="direct", workers=2,
+                    batch_transform=whole_batch)
+    it = iter(dl)
+    first = [next(it) for _ in range(3)]
+    state = dl.state_dict()
+    it.close()
+    dl.close()
+    plan = AccessPlan(N, 1, BATCH, 1, seed=4)
+    assert [b.tolist() for b in first] == [(x * 2).tolist() for x in plan.batches(0, 0)[:3]]
+    again = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, mode="direct",
+                       workers=2, batch_transform=whole_batch)
+    again.load_state_dict(state)
+    rest = list(again)
+    again.close()
+    assert [b.tolist() for b in rest] == [(x * 2).tolist() for x in plan.batches(0, 0)[3:]]
+
+
+def test_a_transform_that_raises_names_the_sample(images):
+    with pytest.raises(TransformError, match=r"sample 17 .*ValueError: cannot decode"):
+        _epochs(images, 2, epochs=1, transform=fails_on_17)
+
+
+def test_a_worker_that_dies_fails_the_batch_instead_of_hanging(images):
+    with pytest.raises(TransformError, match=r"transform worker \d \(pid \d+\) died with "
+                                             r"exit code -9 .*samples \["):
+        _epochs(images, 2, epochs=1, transform=dies_on_17)
+
+
+def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
+    with pytest.raises(InvalidArgumentError, match="must be picklable"):
+        DataLoader(images, BATCH, comm=None, workers=2, transform=lambda s: s)
+    with pytest.raises(InvalidArgumentError, match="run a transform"):
+        DataLoader(images, BATCH, comm=None, workers=2)
+    with pytest.raises(InvalidArgumentError, match="workers must be a positive"):
+        DataLoader(images, BATCH, comm=None, workers=-1, transform=augment)
