@@ -119,3 +119,23 @@ def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
         DataLoader(images, BATCH, comm=None, workers=2)
     with pytest.raises(InvalidArgumentError, match="workers must be a positive"):
         DataLoader(images, BATCH, comm=None, workers=-1, transform=augment)
+
+
+def test_the_reference_imagenet_transform_on_real_jpegs(tmp_path):
+    """forebay synth imagenet --encode jpeg -> ingest -> DecodeCropFlip in 2 workers:
+    224 x 224 uint8 CHW images, the same tensors as in the loader's own thread."""
+    from forebay.dataset.sources import get_source, ingest
+    from forebay.synth import synthesize
+    from forebay.torch import DecodeCropFlip
+
+    synthesize("imagenet", tmp_path / "jpg", 12, seed=1, classes=2, encode="jpeg")
+    ingest(get_source("imagefolder", tmp_path / "jpg"), tmp_path / "img.fb")
+    runs = []
+    for workers in (0, 2):
+        dl = DataLoader(tmp_path / "img.fb", 4, comm=None, mode="direct", seed=1,
+                        workers=workers, transform=DecodeCropFlip(224))
+        runs.append(list(dl))
+        dl.close()
+    for a, b in zip(*runs):
+        assert a["image"].shape == (4, 3, 224, 224) and a["image"].dtype == torch.uint8
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])

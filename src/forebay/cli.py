@@ -30,7 +30,8 @@ def cmd_synth(a: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     out = synthesize(a.kind, a.out, a.samples, a.seed, overwrite=a.overwrite, progress=_progress(),
-                     format=a.format, per_file=a.per_file, classes=a.classes, size=a.size)
+                     format=a.format, per_file=a.per_file, classes=a.classes, size=a.size,
+                     encode=a.encode)
     how = KINDS[a.kind][1]
     if "|" in how:  # pff | cff: the hint for the format just written
         how = [h.split(" (")[0].strip() for h in how.split("|")][a.format == "cff"]
@@ -434,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mummi: samples per NPZ file (default 256)")
     s.add_argument("--classes", type=positive_int,
                    help="imagenet: number of classes (default 10)")
+    s.add_argument("--encode", choices=["blob", "jpeg"],
+                   help="imagenet: random bytes of JPEG sizes (blob, default, fast) or real "
+                        "JPEG images to decode (jpeg, via Pillow)")
     s.add_argument("--size", type=positive_int, help="cosmoflow: volume side S (default 32)")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(func=cmd_synth)

@@ -165,12 +165,35 @@ def _mummi(out: Path, n: int, seed: int, prog: Progress, per_file: int = 256,
         prog.update(m)
 
 
+def _jpeg(rng: np.random.Generator) -> bytes:
+    """A real JPEG of ImageNet's typical size (about 500 x 375, quality 90, ~110 KB):
+    smooth random colour fields plus fine noise, so it compresses like a photograph."""
+    import io
+
+    from PIL import Image
+
+    h, w = int(rng.integers(300, 451)), int(rng.integers(350, 501))
+    coarse = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
+    img = Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC)
+    arr = np.asarray(img, dtype=np.int16) + rng.normal(0, 18, size=(h, w, 3)).astype(np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
 def _imagenet(out: Path, n: int, seed: int, prog: Progress, classes: int = 10,
-              mean_bytes: int = 110_000, **unused: Any) -> None:
+              mean_bytes: int = 110_000, encode: str = "blob", **unused: Any) -> None:
     rng = np.random.default_rng(seed)
     dirs = [out / f"n{c:08d}" for c in range(classes)]
     for d in dirs:
         d.mkdir()
+    if encode == "jpeg":
+        for k in range(n):
+            (dirs[k % classes] / f"img-{k:08d}.JPEG").write_bytes(_jpeg(rng))
+            prog.update(1)
+        return
+    if encode != "blob":
+        raise InvalidArgumentError(f"encode must be 'blob' or 'jpeg', got {encode!r}")
     sizes = np.clip(rng.lognormal(np.log(mean_bytes) - 0.125, 0.5, size=n), 1024, 16 * mean_bytes)
     for k, size in enumerate(sizes.astype(np.int64)):
         blob = bytearray(rng.integers(0, 256, size=int(size), dtype=np.uint8).tobytes())
@@ -199,7 +222,8 @@ KINDS: dict[str, tuple[Callable[..., None], str, str]] = {
                   "--from pickle --trust-pickle (pff) | --from hdf5 (cff)",
                   "ragged 5-71 atom graphs (AISD HOMO-LUMO)"),
     "mummi": (_mummi, "--from npz", "NPZ files of stacked 8,691-float64 samples (MuMMI)"),
-    "imagenet": (_imagenet, "--from imagefolder", "ImageFolder of ~110 KB JPEG-sized blobs"),
+    "imagenet": (_imagenet, "--from imagefolder",
+                 "ImageFolder of ~110 KB JPEG-sized blobs, or real JPEGs (--encode jpeg)"),
     "cosmoflow": (_cosmoflow, "--from npz --layout per-file", "int16 4xSxSxS volumes"),
 }
 
@@ -227,10 +251,11 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
     """Write ``samples`` synthetic samples of ``kind`` as source files under ``out``.
 
     Options by kind: ``format`` ("pff" | "cff") for ising and molecules;
-    ``per_file`` for mummi; ``classes`` and ``mean_bytes`` for imagenet; ``size``
-    for cosmoflow.  Returns ``out``.  ``overwrite`` replaces only an earlier synth
-    output to which nothing was added (it carries a :data:`MARKER` file), or an empty
-    directory.
+    ``per_file`` for mummi; ``classes``, ``mean_bytes`` and ``encode`` ("blob":
+    random bytes of JPEG sizes, fast; "jpeg": real decodable JPEGs, via Pillow) for
+    imagenet; ``size`` for cosmoflow.  Returns ``out``.  ``overwrite`` replaces only an
+    earlier synth output to which nothing was added (it carries a :data:`MARKER` file),
+    or an empty directory.
     """
     if kind not in KINDS:
         raise InvalidArgumentError(

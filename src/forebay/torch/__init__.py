@@ -3,7 +3,8 @@ transform workers."""
 
 from ._collate import collate_graphs, default_collate
 from ._loader import DataLoader, Dataset, PlanSampler
+from ._transforms import DecodeCropFlip
 from ._workers import TransformError, sample_rng
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "default_collate",
-           "TransformError", "sample_rng"]
+           "TransformError", "sample_rng", "DecodeCropFlip"]

@@ -1,0 +1,135 @@
+"""A CPU-bound pipeline (issue J): real JPEGs decoded, random-resized-cropped to 224 and
+flipped (forebay.torch.DecodeCropFlip, Pillow) by the same transform in every
+contender, side by side in one run:
+
+* torch DataLoader over the ImageFolder tree (one file read per sample), shuffled,
+  ``num_workers=W``, persistent workers, prefetch factor 4;
+* forebay preload (the packed dataset in memory) and direct (read from the packed
+  shards), ``workers=W``;
+* the decode ceiling: the transform alone over every image in one process, divided by
+  W (perfect parallel scaling, no loading at all).
+
+One process, per-epoch time after a warm-up epoch, files in the page cache, contenders
+in rotating order, repeated.  W above the core count oversubscribes.
+
+    python benchmarks/loader/decode_bench.py --out /tmp/decode --samples 1000 --workers 2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
+from _common import machine  # noqa: E402
+
+import forebay  # noqa: E402
+from forebay.dataset.sources import get_source, ingest  # noqa: E402
+from forebay.synth import synthesize  # noqa: E402
+from forebay.torch import DataLoader, DecodeCropFlip  # noqa: E402
+
+T = DecodeCropFlip(224)
+
+
+class Folder(torch.utils.data.Dataset):
+    """torchvision's ImageFolder in spirit: one file read per sample, then the transform."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        path, label = self.items[i]
+        return T({"image": path.read_bytes(), "label": label})
+
+
+def epoch_time(make, epochs: int) -> float:
+    times = []
+    for e in range(epochs):
+        t0 = time.perf_counter()
+        n = sum(int(b["label"].shape[0]) for b in make(e))
+        times.append(time.perf_counter() - t0)
+        assert n > 0
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/forebay-decode"))
+    p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--workers", default="2,4")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3, help="the first is a warm-up")
+    p.add_argument("--reps", type=int, default=3)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
+    if not src.exists():
+        synthesize("imagenet", src, a.samples, seed=0, encode="jpeg", progress=True)
+    if not packed.exists():
+        ingest(get_source("imagefolder", src), packed)
+    items = [(f, i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
+    # the decode ceiling: the transform alone, one process
+    ds = forebay.open_dataset(packed)
+    t0 = time.perf_counter()
+    for i in range(len(ds)):
+        T(ds[i])
+    decode_s = time.perf_counter() - t0
+    res: dict = {}
+    for w in [int(x) for x in a.workers.split(",")]:
+        peer = torch.utils.data.DataLoader(
+            Folder(items), batch_size=a.batch, shuffle=True,
+            generator=torch.Generator().manual_seed(0), num_workers=w,
+            persistent_workers=True, prefetch_factor=4)
+
+        def torch_dl(e, peer=peer):         # workers kept across epochs, as users do
+            return iter(peer)
+
+        loaders = {}
+        for mode in ("preload", "direct"):
+            loaders[mode] = DataLoader(packed, a.batch, comm=None, mode=mode, seed=0,
+                                       epochs=a.epochs * a.reps, workers=w, transform=T,
+                                       progress=False)
+        counter = {"preload": 0, "direct": 0}
+
+        def fb(mode, loaders=loaders, counter=counter):
+            def make(e):
+                dl = loaders[mode]
+                dl.set_epoch(counter[mode])
+                counter[mode] += 1
+                return iter(dl)
+            return make
+
+        names = ["torch DataLoader", "forebay preload", "forebay direct"]
+        makes = {"torch DataLoader": torch_dl, "forebay preload": fb("preload"),
+                 "forebay direct": fb("direct")}
+        for rep in range(a.reps):
+            for name in names[rep % 3:] + names[:rep % 3]:
+                t = epoch_time(makes[name], a.epochs)
+                res.setdefault((w, name), []).append(t)
+                print(f"W={w} rep {rep} {name:<18} {t:.3f} s/epoch "
+                      f"({a.samples / t:,.0f} images/s)", flush=True)
+        for dl in loaders.values():
+            dl.close()
+    print(f"\nmachine: {machine()}; {a.samples} JPEGs (~{sum(f.stat().st_size for f, _ in items) / a.samples / 1e3:.0f} KB, "
+          f"~450x400), batch {a.batch}, one process; decode alone: {decode_s:.2f} s for all "
+          f"({a.samples / decode_s:,.0f} images/s on one core)")
+    print("\n| workers | contender | s per epoch, median (min) | images/s | vs torch DataLoader "
+          "| vs decode ceiling |\n|---:|---|---:|---:|---:|---:|")
+    for (w, name), ts in res.items():
+        base = statistics.median(res[(w, "torch DataLoader")])
+        ceiling = decode_s / w
+        med = statistics.median(ts)
+        print(f"| {w} | {name} | {med:.3f} ({min(ts):.3f}) | {a.samples / med:,.0f} | "
+              f"{base / med:.2f}x | {ceiling / med:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
