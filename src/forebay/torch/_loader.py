@@ -104,11 +104,12 @@ class DataLoader:
             the whole :class:`SampleBatch`) and the collation, as torch's
             ``num_workers``; 0: in the prefetch thread.  Batches reach them and come
             back through shared memory (a few tensors a batch, never a sample at a
-            time), in plan order.  Before each sample, Python's, NumPy's and torch's
-            generators are seeded from (seed, epoch, sample id) (and
-            :func:`forebay.torch.sample_rng` gives one): random augmentations give the
-            same tensors whatever ``workers`` is.  A transform that raises or a worker
-            that dies raises :class:`~forebay.torch.TransformError` naming the batch.
+            time), in plan order.  Augmentations drawn from
+            :func:`forebay.torch.sample_rng` (seeded from seed, epoch and sample id) are
+            the same whatever ``workers`` is; in worker processes the global Python,
+            NumPy and torch generators are seeded that way too (in the training process
+            they are left alone).  A transform that raises or a worker that dies raises
+            :class:`~forebay.torch.TransformError` naming the batch.
         worker_start: ``"spawn"`` (default: safe with MPI and threads; the transform
             must be picklable, e.g. defined at module level) or ``"fork"``.
         prefetch: batches fetched ahead by a background thread while the model computes
