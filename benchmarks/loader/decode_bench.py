@@ -9,8 +9,9 @@ contender, side by side in one run:
 * the decode ceiling: the transform alone over every image in one process, divided by
   W (perfect parallel scaling, no loading at all).
 
-One process, per-epoch time after a warm-up epoch, files in the page cache, contenders
-in rotating order, repeated.  W above the core count oversubscribes.
+One process, images per second over an epoch (those really processed: forebay fills its
+last batch with repeats) after a warm-up epoch, files in the page cache, contenders in
+rotating order, repeated.  W above the core count oversubscribes.
 
     python benchmarks/loader/decode_bench.py --out /tmp/decode --samples 1000 --workers 2,4
 """
@@ -50,14 +51,15 @@ class Folder(torch.utils.data.Dataset):
         return T({"image": path.read_bytes(), "label": label})
 
 
-def epoch_time(make, epochs: int) -> float:
-    times = []
+def epoch_rate(make, epochs: int) -> float:
+    """Images per second over an epoch (the images really processed: forebay's last
+    batch is filled with repeats, torch's is short), median after a warm-up."""
+    rates = []
     for e in range(epochs):
         t0 = time.perf_counter()
         n = sum(int(b["label"].shape[0]) for b in make(e))
-        times.append(time.perf_counter() - t0)
-        assert n > 0
-    return statistics.median(times[1:])
+        rates.append(n / (time.perf_counter() - t0))
+    return statistics.median(rates[1:])
 
 
 def main() -> None:
@@ -112,23 +114,22 @@ def main() -> None:
                  "forebay direct": fb("direct")}
         for rep in range(a.reps):
             for name in names[rep % 3:] + names[:rep % 3]:
-                t = epoch_time(makes[name], a.epochs)
-                res.setdefault((w, name), []).append(t)
-                print(f"W={w} rep {rep} {name:<18} {t:.3f} s/epoch "
-                      f"({a.samples / t:,.0f} images/s)", flush=True)
+                r = epoch_rate(makes[name], a.epochs)
+                res.setdefault((w, name), []).append(r)
+                print(f"W={w} rep {rep} {name:<18} {r:,.0f} images/s", flush=True)
         for dl in loaders.values():
             dl.close()
     print(f"\nmachine: {machine()}; {a.samples} JPEGs (~{sum(f.stat().st_size for f, _ in items) / a.samples / 1e3:.0f} KB, "
           f"~450x400), batch {a.batch}, one process; decode alone: {decode_s:.2f} s for all "
           f"({a.samples / decode_s:,.0f} images/s on one core)")
-    print("\n| workers | contender | s per epoch, median (min) | images/s | vs torch DataLoader "
-          "| vs decode ceiling |\n|---:|---|---:|---:|---:|---:|")
-    for (w, name), ts in res.items():
+    print("\n| workers | contender | images/s, median (max) | vs torch DataLoader "
+          "| vs decode ceiling |\n|---:|---|---:|---:|---:|")
+    for (w, name), rs in res.items():
         base = statistics.median(res[(w, "torch DataLoader")])
-        ceiling = decode_s / w
-        med = statistics.median(ts)
-        print(f"| {w} | {name} | {med:.3f} ({min(ts):.3f}) | {a.samples / med:,.0f} | "
-              f"{base / med:.2f}x | {ceiling / med:.2f} |")
+        ceiling = w * a.samples / decode_s
+        med = statistics.median(rs)
+        print(f"| {w} | {name} | {med:,.0f} ({max(rs):,.0f}) | {med / base:.2f}x | "
+              f"{med / ceiling:.2f} |")
 
 
 if __name__ == "__main__":

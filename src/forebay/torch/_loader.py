@@ -21,7 +21,7 @@ from ..comm import all_true, is_mpi
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
 from ._collate import default_collate
-from ._workers import WorkerPool, _Pending, transform_batch
+from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler"]
@@ -221,7 +221,7 @@ class DataLoader:
                 raise InvalidArgumentError("give transform or batch_transform, not both")
             self._pool = WorkerPool(int(workers), self.ds.schema, transform,
                                     batch_transform, collate_fn, seed, worker_start)
-            self.prefetch = max(self.prefetch, 2 * int(workers))   # keep them all busy
+            self.prefetch = max(self.prefetch, 4 * int(workers))   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             from mpi4py import MPI
 
@@ -309,7 +309,9 @@ class DataLoader:
 
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
-        alloc = _pinned_alloc if self.pin_memory else None
+        alloc: Any = _pinned_alloc if self.pin_memory else None
+        if self._pool is not None:
+            alloc = SharedAlloc()        # gathered straight into shared memory
         rec = _trace.active()
         if rec is not None:
             rec.context.epoch, rec.context.step = epoch, step
@@ -323,7 +325,8 @@ class DataLoader:
             batch = self.store.get_many(ids, alloc=alloc)
         out: Any
         if self._pool is not None:
-            out = self._pool.submit(epoch, step, batch)      # resolved by the consumer
+            # resolved by the consumer
+            out = self._pool.submit(epoch, step, batch, alloc.last)
         elif self.transform is not None or self.batch_transform is not None:
             out = transform_batch(batch, self.transform, self.batch_transform,
                                   self.collate_fn, self.plan.seed, epoch)

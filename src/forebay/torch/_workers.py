@@ -94,6 +94,8 @@ def transform_batch(batch: SampleBatch, transform: Optional[Callable],
     """What a worker (or the loader's own thread) does with one batch."""
     from ._collate import collate_samples
 
+    if in_worker and collate_fn is None:
+        collate_fn = collate_shared
     if batch_transform is not None:
         seed_sample(seed, epoch, int(batch.ids[0]) if len(batch.ids) else 0, in_worker)
         return batch_transform(batch)
@@ -109,24 +111,74 @@ def transform_batch(batch: SampleBatch, transform: Optional[Callable],
     return collate_samples(out, collate_fn)
 
 
-def _pack(batch: SampleBatch) -> dict[str, Any]:
+class SharedAlloc:
+    """An ``alloc`` for the store's ``get_many``: the batch is gathered straight into
+    a tensor in shared memory, so sending it to a worker copies nothing (the store's
+    own output buffer is what the worker maps)."""
+
+    def __init__(self) -> None:
+        self.last: Any = None
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        import torch
+
+        t = torch.empty(max(int(nbytes), 1), dtype=torch.uint8).share_memory_()
+        self.last = t
+        return t.numpy()[:nbytes]
+
+
+def _pack(batch: SampleBatch, shared: Any = None) -> dict[str, Any]:
+    """A batch as a few tensors: its one buffer (``shared``, when the store gathered
+    into shared memory) with each field's place in it, or each field's values."""
     import torch
 
     def t(a: np.ndarray) -> Any:
         return torch.from_numpy(np.ascontiguousarray(a))
 
-    return {"ids": t(batch.ids), "fields": {
-        name: (t(f.values.view(np.uint8).reshape(-1)), t(f.offsets), t(f.shapes))
-        for name, f in batch.fields.items()}}
+    msg: dict[str, Any] = {"ids": t(batch.ids), "fields": {}}
+    if shared is not None:
+        base = shared.data_ptr()
+        msg["buffer"] = shared
+        for name, f in batch.fields.items():
+            msg["fields"][name] = (f.values.ctypes.data - base, f.values.nbytes,
+                                   t(f.offsets), t(f.shapes))
+        return msg
+    for name, f in batch.fields.items():
+        msg["fields"][name] = (t(f.values.view(np.uint8).reshape(-1)), t(f.offsets),
+                               t(f.shapes))
+    return msg
 
 
 def _unpack(msg: dict[str, Any], schema: Any) -> SampleBatch:
     fields = {}
+    buf = msg["buffer"].numpy() if "buffer" in msg else None
     for f in schema.fields:
-        v, o, s = msg["fields"][f.name]
-        fields[f.name] = FieldBatch(values=v.numpy().view(f.dtype), offsets=o.numpy(),
+        if buf is not None:
+            start, n, o, s = msg["fields"][f.name]
+            raw = buf[start:start + n]
+        else:
+            v, o, s = msg["fields"][f.name]
+            raw = v.numpy()
+        fields[f.name] = FieldBatch(values=raw.view(f.dtype), offsets=o.numpy(),
                                     shapes=s.numpy())
     return SampleBatch(msg["ids"].numpy(), schema, fields)
+
+
+def collate_shared(samples: list) -> Any:
+    """torch's default collation, with same-shape tensors stacked straight into shared
+    memory (as torch's own workers do): the batch leaves the worker without a copy."""
+    import torch
+    from torch.utils.data import default_collate
+
+    first = samples[0]
+    if isinstance(first, dict):
+        return {k: collate_shared([s[k] for s in samples]) for k in first}
+    if isinstance(first, torch.Tensor) and all(
+            isinstance(x, torch.Tensor) and x.shape == first.shape and x.dtype == first.dtype
+            for x in samples):
+        out = torch.empty((len(samples), *first.shape), dtype=first.dtype).share_memory_()
+        return torch.stack(samples, out=out)
+    return default_collate(samples)
 
 
 def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
@@ -208,12 +260,15 @@ class WorkerPool:
     def workers(self) -> int:
         return len(self._procs)
 
-    def submit(self, epoch: int, step: int, batch: SampleBatch) -> _Pending:
+    def submit(self, epoch: int, step: int, batch: SampleBatch, shared: Any = None
+               ) -> _Pending:
+        """Hand a batch to its worker (``shared``: the shared tensor the store gathered
+        it into, see :class:`SharedAlloc`)."""
         if self._closed:
             raise TransformError("the transform workers are closed")
         wid = step % len(self._procs)
         key = (self.generation, epoch, step)
-        self._inboxes[wid].put((key, _pack(batch)))
+        self._inboxes[wid].put((key, _pack(batch, shared)))
         return _Pending(self, key, wid, batch.ids)
 
     def _wait(self, p: _Pending) -> Any:
