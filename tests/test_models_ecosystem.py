@@ -121,6 +121,9 @@ def test_a_failed_save_publishes_nothing_and_leaves_the_last_version(tmp_path):
 # -- several ranks: DTensor shards saved at one world size, loaded at another ---------------
 
 FULL = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
+# torch's DCP/gloo threads abort a rank at interpreter exit now and then, after its
+# work succeeded (about 1 run in 30 here): the ranks leave at once once done
+DCP_ENV = {"FOREBAY_ABORT_ON_ERROR": "0", "RANK_MAIN_EXIT_AT_ONCE": "1"}
 
 
 def rank_save_sharded(url: str) -> None:
@@ -158,13 +161,12 @@ def rank_load_resharded(url: str) -> None:
 @pytest.mark.mpi
 def test_sharded_save_on_two_ranks_loads_on_three_and_in_one_process(tmp_path):
     url = f"file://{tmp_path / 'repo'}"
-    env = {"FOREBAY_ABORT_ON_ERROR": "0"}
-    assert_ranks_ok(run_torchrun(2, rank_save_sharded, url, env=env), 2)
+    assert_ranks_ok(run_torchrun(2, rank_save_sharded, url, env=DCP_ENV), 2)
     repo = open_repository(url)
     m = repo.manifest("sharded")
     assert sorted(k.split("|")[0] for k in m["tensors"]) == ["b", "step", "w", "w"]
     repo.close()
-    assert_ranks_ok(run_torchrun(3, rank_load_resharded, url, env=env), 3)
+    assert_ranks_ok(run_torchrun(3, rank_load_resharded, url, env=DCP_ENV), 3)
     one = {"w": torch.zeros_like(FULL), "b": torch.zeros(3), "step": 0}
     dcp.load(one, storage_reader=Reader(url, "sharded"), no_dist=True)   # whole, one process
     assert torch.equal(one["w"], FULL) and one["step"] == 11
@@ -192,7 +194,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_version(tmp_path):
     dcp.save({"r0": torch.ones(4, 4), "r1": torch.ones(4, 4)}, storage_writer=Writer(url, "crash"),
              no_dist=True)
     p = run_torchrun(2, rank_dies_while_saving, url, timeout=120,
-                     env={"FOREBAY_ABORT_ON_ERROR": "0"})
+                     env=DCP_ENV)
     assert p.returncode != 0
     repo = open_repository(url)
     assert repo.versions("crash") == [1]
@@ -355,7 +357,7 @@ def test_a_node_reads_each_item_once_when_its_ranks_share_the_load(tmp_path):
     logical = open_repository(url).manifest("replicated")["logical_bytes"]
     before = set(SHM_DIR.glob(".forebay-seg-*"))
     assert_ranks_ok(run_torchrun(3, rank_load_once_per_node, url, tmp_path,
-                                 env={"FOREBAY_ABORT_ON_ERROR": "0"}), 3)
+                                 env=DCP_ENV), 3)
     per = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
     assert sum(p["False"] for p in per) == 3 * logical       # every rank read it all
     assert sum(p["True"] for p in per) == logical            # once for the node

@@ -114,6 +114,14 @@ class DirectStore(SampleStore):
             self._bytes += nbytes
         return batch
 
+    def account(self, ids: np.ndarray) -> None:
+        """Count reads of ``ids`` done on this store's behalf by another process that
+        opened the same dataset (the loader's transform workers in direct mode)."""
+        nbytes = int(self.ds.record_nbytes[ids].sum())
+        with self._lock:
+            self._reads += len(ids)
+            self._bytes += nbytes
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"fetches_by_source": {"pfs": self._reads} if self._reads else {},

@@ -219,8 +219,12 @@ class DataLoader:
                                            "give one (without, the store's batch is ready)")
             if transform is not None and batch_transform is not None:
                 raise InvalidArgumentError("give transform or batch_transform, not both")
+            # direct mode: the workers read the dataset themselves, as torch's read files
+            own = (str(self.ds.path), self.ds.verify_on_read) \
+                if isinstance(self.store, DirectStore) else None
             self._pool = WorkerPool(int(workers), self.ds.schema, transform,
-                                    batch_transform, collate_fn, seed, worker_start)
+                                    batch_transform, collate_fn, seed, worker_start,
+                                    dataset=own)
             self.prefetch = max(self.prefetch, 4 * int(workers))   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             from mpi4py import MPI
@@ -309,6 +313,9 @@ class DataLoader:
 
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
+        if self._pool is not None and isinstance(self.store, DirectStore):
+            self.store.account(self.ds.normalize_ids(ids))    # read by the worker
+            return self._pool.submit_ids(epoch, step, ids)
         alloc: Any = _pinned_alloc if self.pin_memory else None
         if self._pool is not None:
             alloc = SharedAlloc()        # gathered straight into shared memory

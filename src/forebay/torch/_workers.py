@@ -182,21 +182,30 @@ def collate_shared(samples: list) -> Any:
 
 
 def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
-                 batch_transform: Any, collate_fn: Any, seed: int, parent: int) -> None:
-    """A worker: transform batches until told to stop (None) or the loader dies."""
+                 batch_transform: Any, collate_fn: Any, seed: int, parent: int,
+                 dataset: Any = None) -> None:
+    """A worker: transform batches until told to stop (None) or the loader dies.  With
+    ``dataset`` (path, verify_on_read) it reads each batch's samples itself."""
     from ..dataset.sources._base import _die_with_parent
 
     _die_with_parent(parent)           # ignores Ctrl-C; dies with the loader's process
     import torch
 
     torch.set_num_threads(1)
+    ds = None
+    if dataset is not None:
+        from ..dataset import open_dataset
+
+        ds = open_dataset(dataset[0], verify_on_read=dataset[1])
     while True:
         msg = inbox.get()
         if msg is None:
             return
         key, payload = msg
         try:
-            out = transform_batch(_unpack(payload, schema), transform, batch_transform,
+            batch = ds.get_many(payload.numpy()) if ds is not None else \
+                _unpack(payload, schema)
+            out = transform_batch(batch, transform, batch_transform,
                                   collate_fn, seed, key[1], in_worker=True)
             outbox.put((key, out, None))
         except BaseException as e:    # noqa: BLE001 - reported with the batch
@@ -221,7 +230,7 @@ class WorkerPool:
 
     def __init__(self, workers: int, schema: Any, transform: Optional[Callable],
                  batch_transform: Optional[Callable], collate_fn: Optional[Callable],
-                 seed: int, start_method: str = "spawn") -> None:
+                 seed: int, start_method: str = "spawn", dataset: Any = None) -> None:
         import pickle
 
         import torch.multiprocessing as mp
@@ -246,7 +255,8 @@ class WorkerPool:
         self._inboxes = [ctx.Queue() for _ in range(workers)]
         self._procs = [ctx.Process(target=_worker_main, name=f"forebay-transform-{w}",
                                    args=(w, self._inboxes[w], self._outbox, schema, transform,
-                                         batch_transform, collate_fn, seed, os.getpid()),
+                                         batch_transform, collate_fn, seed, os.getpid(),
+                                         dataset),
                                    daemon=True) for w in range(workers)]
         for p in self._procs:
             p.start()
@@ -271,6 +281,18 @@ class WorkerPool:
         self._inboxes[wid].put((key, _pack(batch, shared)))
         return _Pending(self, key, wid, batch.ids)
 
+    def submit_ids(self, epoch: int, step: int, ids: np.ndarray) -> _Pending:
+        """Hand a batch to its worker by sample ids: the worker reads them from the
+        dataset itself (the loader's direct mode: nothing crosses but the ids)."""
+        import torch
+
+        if self._closed:
+            raise TransformError("the transform workers are closed")
+        wid = step % len(self._procs)
+        key = (self.generation, epoch, step)
+        self._inboxes[wid].put((key, torch.from_numpy(np.ascontiguousarray(ids))))
+        return _Pending(self, key, wid, ids)
+
     def _wait(self, p: _Pending) -> Any:
         while True:
             with self._lock:
@@ -280,14 +302,17 @@ class WorkerPool:
             try:
                 key, out, err = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                proc = self._procs[p.wid]
-                if not proc.is_alive():
-                    raise TransformError(
-                        f"transform worker {p.wid} (pid {proc.pid}) died with exit code "
-                        f"{proc.exitcode} while transforming the batch of epoch {p.key[1]} "
-                        f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
-                        f"{'...' if len(p.ids) > 8 else ''})") from None
+                self._check_alive(p)
                 continue
+            except (OSError, EOFError, RuntimeError) as e:
+                # a result whose sender died before handing over its shared memory
+                self._check_alive(p, e)
+                dead = ", ".join(f"transform worker {w} (pid {q.pid}) died with exit code "
+                                 f"{q.exitcode}" for w, q in enumerate(self._procs)
+                                 if not q.is_alive())
+                raise TransformError(f"{dead or 'a transform worker failed'}: a result it "
+                                     f"was sending could not be received "
+                                     f"({type(e).__name__}: {e})") from e
             if key == p.key:
                 break
             if key[0] == self.generation:
@@ -298,6 +323,19 @@ class WorkerPool:
             raise TransformError(f"batch of epoch {p.key[1]} step {p.key[2]}: {msg}\n"
                                  f"(in transform worker {p.wid}:)\n{tb}")
         return out
+
+    def _check_alive(self, p: _Pending, cause: Optional[BaseException] = None) -> None:
+        """Raise if the worker holding ``p`` has died (or dies within a moment when a
+        received result was broken by its death)."""
+        proc = self._procs[p.wid]
+        if cause is not None:
+            proc.join(timeout=5)           # the broken hand-over means it is going
+        if not proc.is_alive():
+            raise TransformError(
+                f"transform worker {p.wid} (pid {proc.pid}) died with exit code "
+                f"{proc.exitcode} while transforming the batch of epoch {p.key[1]} "
+                f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
+                f"{'...' if len(p.ids) > 8 else ''})") from cause
 
     def new_pass(self) -> None:
         """A new pass over an epoch: results of earlier passes nobody took (an epoch
