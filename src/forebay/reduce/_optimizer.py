@@ -40,7 +40,11 @@ class _DistributedOptimizer:
                                      fusion_threshold_bytes=fusion_threshold_bytes,
                                      cache_capacity=cache_capacity, timeout_s=timeout_s,
                                      start=False)
-        _check_same_everywhere(self._fb_coord, named)
+        try:
+            _check_same_everywhere(self._fb_coord, named)
+        except BaseException:
+            self._fb_coord.close()     # nothing of a refused optimizer outlives it
+            raise
         members: dict[int, list[str]] = {}
         for n, p in named:
             if p.requires_grad and group_of.get(p, -1) >= 0:
