@@ -422,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"forebay {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("synth", help="write synthetic source files shaped like the seeds' data",
+    s = sub.add_parser("synth", help="write synthetic source files shaped like the datasets of "
+                       "DDStore, NoPFS and MuMMI (Ising graphs, molecules, ImageNet, CosmoFlow)",
                        description="Write synthetic source files: " + "; ".join(
                            f"{k}: {v[2]}" for k, v in KINDS.items()))
     s.add_argument("kind", choices=sorted(KINDS))
