@@ -1,4 +1,4 @@
-"""Synthetic *source* data shaped like the published systems' datasets, so nothing needs downloading.
+"""Synthetic *source* data shaped like the papers' datasets, so nothing needs downloading.
 
 Each generator writes files in the layout the papers start from (what users have
 before ``forebay ingest``):
