@@ -121,14 +121,6 @@ class TorchComm:
     def Get_size(self) -> int:
         return self._size
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
     # -- arrays -------------------------------------------------------------------------
     def allgather_array(self, a: np.ndarray) -> list[np.ndarray]:
         """Every rank's 1-D array (any lengths, one dtype on every rank)."""

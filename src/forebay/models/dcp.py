@@ -163,6 +163,10 @@ class _OnRepository:
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         return plans
 
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return isinstance(checkpoint_id, str)
+
 
 class Writer(_OnRepository, StorageWriter):
     """A DCP storage writer: each ``dcp.save`` becomes the next version of ``name`` in
@@ -237,13 +241,6 @@ class Writer(_OnRepository, StorageWriter):
             self.version = store.commit(self.name, body, self._token)
         finally:
             self._release()
-
-    def storage_meta(self) -> Any:
-        return None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return isinstance(checkpoint_id, str)
 
 
 class Reader(_OnRepository, StorageReader):
@@ -395,8 +392,3 @@ class Reader(_OnRepository, StorageReader):
                                            f"fit the requested {tuple(target.size())}")
             target.copy_(src)
             planner.commit_tensor(req, target)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return isinstance(checkpoint_id, str)
-
