@@ -575,10 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "RAM and SSD capacity (NoPFS Fig. 9).")
     sm.add_argument("mode", nargs="?", choices=["run", "sweep"], default="run")
     sm.add_argument("--system", default="lassen",
-                    help="preset (lassen) or a TOML profile from forebay calibrate")
+                    help="preset (lassen, hdmlp-thesis) or a TOML profile from forebay "
+                    "calibrate")
     sm.add_argument("--dataset", required=True,
                     help="scenario (mnist, imagenet-1k, openimages, imagenet-22k, cosmoflow, "
-                         "cosmoflow-512) or a packed dataset directory")
+                         "cosmoflow-512), normal:MEAN_MB,SD_MB,COUNT (sizes drawn from a "
+                         "normal distribution) or a packed dataset directory")
     sm.add_argument("--workers", type=positive_int, required=True)
     sm.add_argument("--epochs", type=positive_int, required=True)
     sm.add_argument("--batch", type=positive_int, default=None,

@@ -17,10 +17,11 @@ from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
 from ._engine import SOURCES, timeline
 from ._policies import POLICIES, Workload, simulate_policy
 from ._report import format_sweep, format_table, plot_policies, plot_sweep
-from ._system import System, lassen, load_system, system_from_profile
+from ._system import System, hdmlp_thesis, lassen, load_system, system_from_profile
 from ..errors import InvalidArgumentError
 
-__all__ = ["simulate", "sweep", "System", "lassen", "load_system", "system_from_profile",
+__all__ = ["simulate", "sweep", "System", "lassen", "hdmlp_thesis", "load_system",
+           "system_from_profile",
            "POLICIES", "SCENARIOS", "SOURCES", "DatasetSpec", "Workload", "dataset_sizes",
            "simulate_policy", "timeline",
            "format_sweep", "format_table", "plot_policies", "plot_sweep"]
@@ -34,7 +35,8 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
 
     Args:
         system: a :class:`System`, a preset name (``"lassen"``) or a TOML profile.
-        dataset: a scenario name (:data:`SCENARIOS`) or a packed dataset directory.
+        dataset: a scenario name (:data:`SCENARIOS`), ``normal:MEAN_MB,SD_MB,COUNT`` or
+            a packed dataset directory.
         workers: data-parallel workers N (one per node, as in NoPFS §4).
         batch: per-worker batch size; default the scenario's (32 when a directory).
         scale: simulate this fraction of the samples with every tier capacity scaled

@@ -52,6 +52,8 @@ def dataset_sizes(spec: "str | os.PathLike[str]", *, scale: float = 1.0,
     if not 0 < scale <= 1:
         raise ForebayError(f"scale must be in (0, 1], got {scale}")
     name = str(spec)
+    if name.startswith("normal:"):
+        return _normal(name, scale, seed), None
     if name in SCENARIOS:
         sc = SCENARIOS[name]
         n = max(1, int(round(sc.samples * scale)))
@@ -64,8 +66,8 @@ def dataset_sizes(spec: "str | os.PathLike[str]", *, scale: float = 1.0,
         return np.round(mb * 1e6).astype(np.int64), sc
     path = Path(name)
     if not path.exists():
-        raise ForebayError(f"dataset {name!r}: neither a scenario ({', '.join(SCENARIOS)}) "
-                           f"nor a packed dataset directory")
+        raise ForebayError(f"dataset {name!r}: neither a scenario ({', '.join(SCENARIOS)}), "
+                           f"normal:MEAN_MB,SD_MB,COUNT nor a packed dataset directory")
     from ..dataset import open_dataset
 
     ds = open_dataset(path)
@@ -73,3 +75,31 @@ def dataset_sizes(spec: "str | os.PathLike[str]", *, scale: float = 1.0,
     if scale < 1:
         sizes = sizes[: max(1, int(round(len(sizes) * scale)))]
     return sizes, None
+
+
+def _normal(text: str, scale: float, seed: int) -> np.ndarray:
+    """``normal:MEAN_MB,SD_MB,COUNT``: COUNT sizes from a normal distribution truncated
+    at zero (non-positive draws drawn again, as the HDMLP thesis' simulator does)."""
+    parts = text[len("normal:"):].split(",")
+    try:
+        mean, sd, count = float(parts[0]), float(parts[1]), int(parts[2])
+        if len(parts) != 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ForebayError(f"dataset {text!r}: expected normal:MEAN_MB,SD_MB,COUNT, e.g. "
+                           f"normal:0.027,0.01,10000") from None
+    if not (mean > 0 and sd >= 0 and count > 0 and np.isfinite(mean) and np.isfinite(sd)):
+        raise ForebayError(f"dataset {text!r}: the mean must be positive, the deviation "
+                           f"non-negative and the count a positive integer")
+    n = max(1, int(round(count * scale)))
+    rng = np.random.default_rng(seed)
+    mb = rng.normal(mean, sd, n)
+    for _ in range(1000):
+        bad = mb <= 0
+        if not bad.any():
+            break
+        mb[bad] = rng.normal(mean, sd, int(bad.sum()))
+    else:
+        raise ForebayError(f"dataset {text!r}: too few positive draws; is the deviation "
+                           f"far larger than the mean?")
+    return np.maximum(np.round(mb * 1e6), 1).astype(np.int64)

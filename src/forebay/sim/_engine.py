@@ -23,6 +23,7 @@ buffer of 3 MB batches: ~1,500 steps per run).  Cost O(N * steps).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class Timeline:
     end: np.ndarray     # float64[steps]: when it ends
     compute_s: float
     setup_s: float
+    issue: Optional[np.ndarray] = None   # float64[N, steps]: when each delivery began
 
     @property
     def total_s(self) -> float:
@@ -65,16 +67,22 @@ def _release_steps(nbytes: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def timeline(read_s: np.ndarray, comp_s: np.ndarray, nbytes: np.ndarray,
-             staging_bytes: int, setup_s: float = 0.0) -> Timeline:
+             staging_bytes: int, setup_s: float = 0.0,
+             sync_s: Optional[np.ndarray] = None) -> Timeline:
     """Solve the pipeline for ``[N, S]`` per-worker, per-step delivery times, compute
-    times and batch bytes."""
+    times and batch bytes.  ``sync_s[N, S]``: reads the worker does itself when the
+    step's batch is consumed (not prefetched: DeepIO's uncached samples), after both
+    its prefetched part and the previous step."""
     read_s = np.asarray(read_s, dtype=np.float64)
     n, s = read_s.shape
     cmax = np.asarray(comp_s, dtype=np.float64).max(axis=0) if s else np.zeros(0)
     start = np.empty(s)
     end = np.empty(s)
+    issue = np.empty((n, s))
     if s == 0:
-        return Timeline(start, end, 0.0, setup_s)
+        return Timeline(start, end, 0.0, setup_s, issue)
+    sync = np.zeros((n, s)) if sync_s is None else np.asarray(sync_s, dtype=np.float64)
+    smax = sync.max(axis=0)
     g = _release_steps(np.asarray(nbytes, dtype=np.float64), staging_bytes)
     gmax = g.max(axis=0)             # nondecreasing in h
     p_prev = np.full(n, float(setup_s))
@@ -87,13 +95,17 @@ def timeline(read_s: np.ndarray, comp_s: np.ndarray, nbytes: np.ndarray,
         d = np.cumsum(read_s[:, a:b], axis=1)
         d_before = d - read_s[:, a:b]
         p = d + np.maximum(p_prev[:, None], np.maximum.accumulate(rel - d_before, axis=1))
-        m = p.max(axis=0)
+        issue[:, a:b] = p - read_s[:, a:b]
+        # T[h] = max(max_i P[i,h] + S[i,h], T[h-1] + C[h-1] + max_i S[i,h])
+        m = (p + sync[:, a:b]).max(axis=0)
         c = cmax[a:b]
-        gc = np.cumsum(c) - c            # compute before each step, inside the run
-        t = gc + np.maximum(e_prev, np.maximum.accumulate(m - gc))
+        dstep = c.copy()
+        dstep[:-1] += smax[a + 1:b]
+        gc = np.cumsum(dstep) - dstep    # time added between a and each step of the run
+        t = gc + np.maximum(e_prev + smax[a], np.maximum.accumulate(m - gc))
         start[a:b] = t
         end[a:b] = t + c
         p_prev = p[:, -1]
         e_prev = float(end[b - 1])
         a = b
-    return Timeline(start, end, float(cmax.sum()), float(setup_s))
+    return Timeline(start, end, float(cmax.sum()), float(setup_s), issue)

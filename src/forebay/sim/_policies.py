@@ -79,44 +79,97 @@ class Workload:
 
 
 class _Run:
-    """Per-worker, per-step delivery/compute/bytes and per-source fetch accounting."""
+    """Per-worker, per-step reads by source, solved into a timeline by :meth:`finish`.
 
-    def __init__(self, w: Workload, threads: int, readers: int) -> None:
+    PFS reads are kept as bytes and counts, not seconds: their speed depends on gamma,
+    the number of workers reading the PFS at the same time, which :meth:`finish` finds
+    from the timeline itself (``System.pfs_readers``)."""
+
+    def __init__(self, w: Workload, threads: int) -> None:
         sysm, self.w, self.threads = w.system, w, threads
         s = w.steps * w.plan.epochs
-        self.read = np.zeros((w.n, s))
-        self.nbytes = np.zeros((w.n, s))
+        shape = (w.n, s)
+        self.pfs_mb, self.pfs_n = np.zeros(shape), np.zeros(shape)
+        self.other_s, self.write_mb = np.zeros(shape), np.zeros(shape)
+        self.sync_mb, self.sync_n = np.zeros(shape), np.zeros(shape)
+        self.nbytes = np.zeros(shape)
         ssd = sysm.local_s_per_MB("ssd") if sysm.ssd_read_MBps else np.inf
         pssd = sysm.peer_s_per_MB("ssd") if sysm.ssd_read_MBps else np.inf
-        self.coef = np.array([sysm.pfs_s_per_MB(readers), sysm.local_s_per_MB("ram"), ssd,
+        # source decisions assume every worker reads the PFS (gamma = N), as NoPFS's
+        # implementation does: never more PFS reads than a model knowing gamma exactly
+        self.coef = np.array([sysm.pfs_s_per_MB(w.n), sysm.local_s_per_MB("ram"), ssd,
                               sysm.peer_s_per_MB("ram"), pssd])
         self.wcoef = sysm.write_s_per_MB(threads)
         self.src_s = np.zeros(len(SOURCES))
         self.src_n = np.zeros(len(SOURCES), dtype=np.int64)
         self.setup_s = 0.0
+        self.timeline: Optional[Timeline] = None
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
         return np.where(self.coef[peer_src] < self.coef[F_PFS], peer_src, F_PFS)
 
-    def add(self, rank: int, epoch: int, ids: np.ndarray, src: np.ndarray) -> None:
-        """Worker ``rank`` reads ``ids[h, :]`` at step h of ``epoch`` from ``src``."""
+    def add(self, rank: int, epoch: int, ids: np.ndarray, src: np.ndarray,
+            sync: Optional[np.ndarray] = None) -> None:
+        """Worker ``rank`` reads ``ids[h, :]`` at step h of ``epoch`` from ``src``;
+        ``sync`` marks PFS reads the worker makes itself when it needs the sample (not
+        prefetched)."""
         w = self.w
         sl = slice(epoch * w.steps, (epoch + 1) * w.steps)
         mb = w.mb[ids]
-        fetch = mb * self.coef[src] + np.where(src == F_PFS, w.open_s, 0.0)
-        self.read[rank, sl] = (fetch + mb * self.wcoef).sum(axis=1) / self.threads
+        pfs = src == F_PFS
+        sy = np.zeros(ids.shape, dtype=bool) if sync is None else (sync & pfs)
+        pre = pfs & ~sy
+        self.pfs_mb[rank, sl] = np.where(pre, mb, 0.0).sum(axis=1)
+        self.pfs_n[rank, sl] = pre.sum(axis=1)
+        self.sync_mb[rank, sl] = np.where(sy, mb, 0.0).sum(axis=1)
+        self.sync_n[rank, sl] = sy.sum(axis=1)
+        other = np.where(pfs, 0.0, mb * self.coef[src])
+        self.other_s[rank, sl] = other.sum(axis=1)
+        self.write_mb[rank, sl] = np.where(sy, 0.0, mb).sum(axis=1)
         self.nbytes[rank, sl] = w.sizes[ids].sum(axis=1)
-        self.src_s += np.bincount(src.ravel(), fetch.ravel(), len(SOURCES)) / self.threads
+        self.src_s += np.bincount(src.ravel(), other.ravel(), len(SOURCES)) / self.threads
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
+
+    def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
+        """The timeline and the PFS seconds per worker and step.  gamma starts at N;
+        with ``pfs_readers = "active"`` it is then each step's mean-field count of
+        workers reading: 1 + the other workers' fraction of the step spent with a PFS
+        read in flight (prefetch threads averaged, a worker's own demand reads in
+        full), iterated to a fixed point."""
+        w, sysm = self.w, self.w.system
+        cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
+        comp = w.step_compute_s()[None, :]
+        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads)
+        gamma = np.full(self.pfs_mb.shape, float(w.n))
+        for _ in range(40):
+            coef = sysm.pfs_s_per_MB(gamma)
+            pfs_s = self.pfs_mb * coef + self.pfs_n * w.open_s
+            sync_s = self.sync_mb * coef + self.sync_n * w.open_s
+            read = (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads
+            tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
+            if sysm.pfs_readers == "all" or w.n == 1:
+                break
+            win = np.maximum(np.diff(np.r_[self.setup_s, tl.end]), 1e-12)
+            u = np.minimum(1.0, (pfs_s / self.threads + sync_s) / win[None, :])
+            new = 1.0 + u.sum(axis=0)[None, :] - u
+            if np.abs(new - gamma).max() < 1e-4:
+                break
+            gamma = 0.5 * (gamma + new)
+        self.gamma = gamma
+        return tl, pfs_s + sync_s * self.threads
 
     def finish(self, staging_bytes: Optional[int] = None) -> dict[str, Any]:
         w = self.w
-        cap = w.system.staging_bytes if staging_bytes is None else staging_bytes
-        tl = timeline(self.read, w.step_compute_s()[None, :], self.nbytes, cap, self.setup_s)
-        return _report(w, tl, by_source={k: float(v) / w.n for k, v in
-                                         zip(SOURCES, self.src_s)},
-                       fetches={k: int(v) for k, v in zip(SOURCES, self.src_n)})
+        tl, pfs_s = self.solve(staging_bytes)
+        self.timeline = tl
+        src_s = self.src_s.copy()
+        src_s[F_PFS] = pfs_s.sum() / self.threads
+        res = _report(w, tl, by_source={k: float(v) / w.n for k, v in zip(SOURCES, src_s)},
+                      fetches={k: int(v) for k, v in zip(SOURCES, self.src_n)})
+        has_pfs = (self.pfs_mb + self.sync_mb) > 0
+        res["mean_pfs_readers"] = float(self.gamma[has_pfs].mean()) if has_pfs.any() else 0.0
+        return res
 
 
 def _report(w: Workload, tl: Timeline, *, by_source: dict, fetches: dict) -> dict[str, Any]:
@@ -142,9 +195,8 @@ def _failed(reason: str) -> dict[str, Any]:
 
 
 def _prefetching(w: Workload) -> _Run:
-    """A run with p_0 prefetch threads on every worker, all of which may read the PFS."""
-    p0 = w.system.staging_threads
-    return _Run(w, p0, w.n * p0)
+    """A run with p_0 prefetch threads on every worker."""
+    return _Run(w, w.system.staging_threads)
 
 
 def _local(tier: np.ndarray) -> np.ndarray:
@@ -159,14 +211,18 @@ def _peer(tier: np.ndarray) -> np.ndarray:
 
 def perfect(w: Workload) -> dict[str, Any]:
     """No stalls: compute only (the lower bound)."""
-    comp = w.step_compute_s()[None, :]
-    tl = timeline(np.zeros_like(comp), comp, np.zeros_like(comp), 1 << 62)
+    tl = _compute_only(w)
     return _report(w, tl, by_source={k: 0.0 for k in SOURCES}, fetches={k: 0 for k in SOURCES})
+
+
+def _compute_only(w: Workload) -> Timeline:
+    comp = w.step_compute_s()[None, :]
+    return timeline(np.zeros_like(comp), comp, np.zeros_like(comp), 1 << 62)
 
 
 def naive(w: Workload) -> dict[str, Any]:
     """Every sample from the PFS when needed: one reader per worker, no prefetching."""
-    run = _Run(w, 1, w.n)
+    run = _Run(w, 1)
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)
@@ -185,63 +241,111 @@ def staging(w: Workload) -> dict[str, Any]:
     return run.finish()
 
 
-def deepio(w: Workload) -> dict[str, Any]:
-    """DeepIO, ordered mode: worker k % N caches sample k in RAM (a static partition,
-    in id order, as far as its RAM allows) while epoch 0 reads everything from the
-    PFS; later epochs read cached samples from their worker's memory (RDMA for
-    peers) and the rest from the PFS.  Access frequency plays no part."""
-    run = _prefetching(w)
+def _setup_s(w: Workload, run: _Run, pfs_mb: np.ndarray, pfs_n: np.ndarray, threads: int,
+             peer_mb: Optional[np.ndarray] = None, peer_s_per_MB: float = 0.0) -> float:
+    """A set-up phase before training: worker i loads ``pfs_mb[i]`` MB (``pfs_n[i]``
+    samples) from the PFS, every worker at once (gamma = N), and copies ``peer_mb[i]``
+    from its peers, with ``threads`` threads; the slowest worker's seconds."""
+    sysm = w.system
+    t = pfs_mb * (sysm.pfs_s_per_MB(w.n) + run.wcoef) + pfs_n * w.open_s
+    if peer_mb is not None:
+        t = t + peer_mb * (peer_s_per_MB + run.wcoef)
+    return float(np.max(t) / threads) if len(t) else 0.0
+
+
+def _buckets(w: Workload) -> np.ndarray:
+    """Worker i's contiguous bucket of ids: F // N each, the last takes the rest."""
     f = w.plan.num_samples
-    owner = np.arange(f) % w.n
-    tier = np.full(f, NONE, dtype=np.int8)
-    for r in range(w.n):
-        mine = np.flatnonzero(owner == r)
-        tier[mine] = fill_tiers(mine, w.sizes, w.system.ram_bytes, 0)
+    return np.minimum(np.arange(f) // max(f // w.n, 1), w.n - 1)
+
+
+def _loaded(w: Workload, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(MB, samples) each worker holds under ``owner``."""
+    held = owner >= 0
+    mb = np.bincount(owner[held], w.mb[held], minlength=w.n)
+    return mb, np.bincount(owner[held], minlength=w.n).astype(np.float64)
+
+
+def _deepio(w: Workload, opportunistic: bool) -> dict[str, Any]:
+    run = _prefetching(w)
+    f, sysm = w.plan.num_samples, w.system
+    if w.total_bytes <= w.n * sysm.ram_bytes:
+        owner = _buckets(w)                   # the dataset partitioned over the RAMs
+    else:                                     # each RAM filled with the next ids in turn
+        owner = np.full(f, -1, dtype=np.int64)
+        cum = np.cumsum(w.sizes)
+        start = 0
+        for i in range(w.n):
+            base = cum[start - 1] if start else 0
+            end = int(np.searchsorted(cum, base + sysm.ram_bytes, side="right"))
+            owner[start:end] = i
+            start = end
+    mb, cnt = _loaded(w, owner)
+    run.setup_s = _setup_s(w, run, mb, cnt, sysm.ram_threads)
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)
-            if e == 0:
-                src = np.full(ids.shape, F_PFS)
-            else:
-                t, o = tier[ids], owner[ids]
-                src = np.where(t == NONE, F_PFS, np.where(o == i, F_RAM, run.peer_or_pfs(
-                    np.full(ids.shape, F_PEER_RAM))))
-            run.add(i, e, ids, src)
+            o = owner[ids]
+            src = np.where(o == i, F_RAM, np.where(o >= 0, F_PEER_RAM, F_PFS))
+            if opportunistic:
+                src = np.where(o < 0, F_RAM, src)
+            run.add(i, e, ids, src, sync=src == F_PFS)
     return run.finish()
 
 
+def deepio(w: Workload) -> dict[str, Any]:
+    """DeepIO, ordered mode: before training the workers load the dataset into their
+    RAM, partitioned by id (contiguous buckets; when it does not fit, each RAM filled
+    with the next ids in turn); every epoch follows the global order, cached samples
+    prefetched from the own or a peer's memory (RDMA), uncached ones read from the PFS
+    when needed (not prefetched).  Access frequency plays no part."""
+    return _deepio(w, opportunistic=False)
+
+
+def deepio_opportunistic(w: Workload) -> dict[str, Any]:
+    """DeepIO with entropy-aware opportunistic ordering: as ordered mode, but a sample
+    cached nowhere is replaced by one the worker holds (the access order changes, which
+    may cost accuracy; every step is still charged the plan's compute)."""
+    return _deepio(w, opportunistic=True)
+
+
 def parallel_staging(w: Workload) -> dict[str, Any]:
-    """Data sharding: before training each worker copies its contiguous shard from the
-    PFS into its RAM, then SSD; every epoch it reads only its own shard, shuffled
-    locally (the global access order changes); shard bytes that fit nowhere stay on
-    the PFS."""
+    """Parallel data staging to node-local storage (the SSD; RAM when there is none):
+    before training each worker loads its contiguous shard from the PFS, then copies
+    the other workers' shards from them as far as its storage allows.  A worker that
+    holds the whole dataset follows the global order from its own storage; otherwise
+    it reads only its shard, shuffled locally (the global access order changes)."""
     from ..store import chunk_members
 
     run = _prefetching(w)
     sysm = w.system
+    use_ssd = sysm.ssd_bytes > 0 and bool(sysm.ssd_read_MBps)
+    cap, tier_src = (sysm.ssd_bytes, F_SSD) if use_ssd else (sysm.ram_bytes, F_RAM)
+    threads = sysm.ssd_threads if use_ssd else sysm.ram_threads
+    peer_coef = run.coef[F_PEER_SSD if use_ssd else F_PEER_RAM]
     bounds, _ = chunk_members(w.sizes, w.n)
     b = w.plan.batch_size
-    setup = []
+    pfs_mb, pfs_n, peer_mb = np.zeros(w.n), np.zeros(w.n), np.zeros(w.n)
     for i in range(w.n):
         shard = np.arange(bounds[i], bounds[i + 1])
         if len(shard) == 0:
             shard = np.arange(w.plan.num_samples)  # more workers than samples: share
-        tier = fill_tiers(shard, w.sizes, sysm.ram_bytes, sysm.ssd_bytes)
-        where = np.full(w.plan.num_samples, NONE, dtype=np.int8)
-        where[shard] = tier
-        mb_ram = w.mb[shard[tier == Tier.RAM]].sum()
-        mb_ssd = w.mb[shard[tier == Tier.SSD]].sum()
-        setup.append((mb_ram * (run.coef[F_PFS] + sysm.tier_write_s_per_MB("ram"))
-                      + mb_ssd * (run.coef[F_PFS] + (sysm.tier_write_s_per_MB("ssd")
-                                                   if mb_ssd else 0))
-                      + int((tier != NONE).sum()) * w.open_s) / run.threads)
+        order = np.r_[shard, np.setdiff1d(np.arange(w.plan.num_samples), shard)]
+        fits = np.cumsum(w.sizes[order]) <= cap
+        held = np.zeros(w.plan.num_samples, dtype=bool)
+        held[order[fits]] = True
+        own = held[shard]
+        pfs_mb[i], pfs_n[i] = w.mb[shard[own]].sum(), own.sum()
+        peer_mb[i] = w.mb[held].sum() - pfs_mb[i]
+        everything = bool(held.all())
         for e in range(w.plan.epochs):
-            order = shard[permutation(len(shard), w.plan.seed + 7919 * (i + 1), e)]
-            need = w.steps * b
-            ids = np.resize(order, need).reshape(w.steps, b)
-            t = where[ids]
-            run.add(i, e, ids, np.where(t == NONE, F_PFS, _local(t)))
-    run.setup_s = float(max(setup))
+            if everything:
+                ids = w.batches(i, e)
+            else:
+                order_e = shard[permutation(len(shard), w.plan.seed + 7919 * (i + 1), e)]
+                ids = np.resize(order_e, w.steps * b).reshape(w.steps, b)
+            run.add(i, e, ids, np.where(held[ids], tier_src, F_PFS))
+    run.setup_s = _setup_s(w, run, pfs_mb, pfs_n, threads, peer_mb, peer_coef)
     return run.finish()
 
 
@@ -267,38 +371,45 @@ def lbann(w: Workload) -> dict[str, Any]:
     return run.finish()
 
 
-def _first_reader_tiers(w: Workload) -> tuple[np.ndarray, np.ndarray]:
-    """Each sample cached by the worker that reads it in epoch 0, RAM then SSD, in its
-    read order: ``(holder int64[F] or -1, tier int8[F])``."""
-    f = w.plan.num_samples
-    holder = np.full(f, -1, dtype=np.int64)
-    tier = np.full(f, NONE, dtype=np.int8)
-    for i in range(w.n):
-        s = w.batches(i, 0).reshape(-1)
-        _, first = np.unique(s, return_index=True)
-        s = s[np.sort(first)]
-        s = s[holder[s] < 0]
-        t = fill_tiers(s, w.sizes, w.system.ram_bytes, w.system.ssd_bytes)
-        keep = t != NONE
-        holder[s[keep]] = i
-        tier[s[keep]] = t[keep]
-    return holder, tier
+def lbann_preload(w: Workload) -> dict[str, Any]:
+    """LBANN's data store, preloading mode: before training each worker loads a
+    contiguous bucket of the dataset into its RAM; every epoch reads from the own or the
+    owner's memory.  Fails when the dataset exceeds the workers' aggregate RAM."""
+    sysm = w.system
+    if w.total_bytes > w.n * sysm.ram_bytes:
+        return _failed(f"the dataset ({w.total_bytes / 1e9:.1f} GB) exceeds the workers' "
+                       f"aggregate RAM ({w.n * sysm.ram_bytes / 1e9:.1f} GB)")
+    run = _prefetching(w)
+    owner = _buckets(w)
+    mb, cnt = _loaded(w, owner)
+    run.setup_s = _setup_s(w, run, mb, cnt, sysm.ram_threads)
+    for e in range(w.plan.epochs):
+        for i in range(w.n):
+            ids = w.batches(i, e)
+            run.add(i, e, ids, np.where(owner[ids] == i, F_RAM, F_PEER_RAM))
+    return run.finish()
 
 
 def locality_aware(w: Workload) -> dict[str, Any]:
-    """Yang and Cong's locality-aware loading: epoch 0 reads from the PFS and caches at
-    the reader (RAM, then SSD); later epochs keep the global batches but reassign their
-    samples so each worker takes the ones it holds (up to its batch size); the rest go
-    to the workers with room and come from the holder's memory or the PFS."""
+    """Yang and Cong's locality-aware loading: before training each worker loads a
+    contiguous bucket of the dataset into its RAM, then SSD; every epoch keeps the
+    global batches but reassigns their samples so each worker takes the ones it holds
+    (up to its batch size); the rest go to the workers with room and come from the
+    holder's storage or the PFS."""
     run = _prefetching(w)
-    holder, tier = _first_reader_tiers(w)
+    sysm = w.system
+    owner = _buckets(w)
+    holder = np.full(w.plan.num_samples, -1, dtype=np.int64)
+    tier = np.full(w.plan.num_samples, NONE, dtype=np.int8)
+    for i in range(w.n):
+        mine = np.flatnonzero(owner == i)
+        t = fill_tiers(mine, w.sizes, sysm.ram_bytes, sysm.ssd_bytes)
+        holder[mine[t != NONE]] = i
+        tier[mine] = t
+    mb, cnt = _loaded(w, holder)
+    run.setup_s = _setup_s(w, run, mb, cnt, sysm.ram_threads)
     n, b, h = w.n, w.plan.batch_size, w.steps
     for e in range(w.plan.epochs):
-        if e == 0:
-            for i in range(n):
-                ids = w.batches(i, 0)
-                run.add(i, 0, ids, np.full(ids.shape, F_PFS))
-            continue
         gb = w.plan.global_batches(e)                      # [h, n*b]
         row = np.repeat(np.arange(h), n * b)
         flat = gb.reshape(-1)
@@ -329,42 +440,62 @@ def locality_aware(w: Workload) -> dict[str, Any]:
 def nopfs(w: Workload) -> dict[str, Any]:
     """NoPFS (§5): each worker fills its RAM, then SSD, with the samples it reads most
     often (no coverage: popular samples sit on several workers while others are cached
-    nowhere); presence is guessed, so epoch 0 reads from the PFS; later epochs read
-    from the own tiers, else the fastest of a peer holding the sample and the PFS."""
-    run = _prefetching(w)
-    f = w.plan.num_samples
+    nowhere).  The fills run from time 0 on the tiers' own threads (p_1, p_2), each
+    tier in the order of first access, alongside training; a sample is read from the
+    own tier once filled there, else (from epoch 1, presence being guessed) the faster
+    of a peer holding it and the PFS, else the PFS."""
+    sysm, f = w.system, w.plan.num_samples
+    fill_coef = sysm.pfs_s_per_MB(w.n) + sysm.write_s_per_MB(sysm.staging_threads)
 
-    def held_by(i: int) -> np.ndarray:
+    def held_by(i: int) -> tuple[np.ndarray, np.ndarray]:
         freq = w.plan.frequencies(i)
         first = w.plan.first_access(i)
         cand = np.flatnonzero(freq > 0)
         cand = cand[np.lexsort((cand, first[cand], -freq[cand]))]
         held = np.full(f, NONE, dtype=np.int8)
-        held[cand] = fill_tiers(cand, w.sizes, w.system.ram_bytes, w.system.ssd_bytes)
-        return held
+        held[cand] = fill_tiers(cand, w.sizes, sysm.ram_bytes, sysm.ssd_bytes)
+        ready = np.full(f, np.inf)
+        for t, threads in ((Tier.RAM, sysm.ram_threads), (Tier.SSD, sysm.ssd_threads)):
+            ids = np.flatnonzero(held == t)
+            ids = ids[np.argsort(first[ids], kind="stable")]
+            ready[ids] = np.cumsum(w.mb[ids] * fill_coef + w.open_s) / threads
+        return held, ready
 
-    # two passes (copies per sample, then each worker's reads): O(F) memory, not O(N F)
+    # copies per sample first, then each worker's reads: O(F) memory, not O(N F)
     ram_cnt = np.zeros(f, dtype=np.int32)
     ssd_cnt = np.zeros(f, dtype=np.int32)
     for i in range(w.n):
-        held = held_by(i)
+        held, _ = held_by(i)
         ram_cnt += held == Tier.RAM
         ssd_cnt += held == Tier.SSD
-    for i in range(w.n):
-        held = held_by(i)
-        for e in range(w.plan.epochs):
-            ids = w.batches(i, e)
-            if e == 0:
-                run.add(i, e, ids, np.full(ids.shape, F_PFS))
-                continue
-            mine = held[ids]
-            peer_ram = ram_cnt[ids] - (mine == Tier.RAM) > 0
-            peer_ssd = ssd_cnt[ids] - (mine == Tier.SSD) > 0
-            remote = np.where(peer_ram, run.peer_or_pfs(np.full(ids.shape, F_PEER_RAM)),
-                              np.where(peer_ssd, run.peer_or_pfs(np.full(ids.shape, F_PEER_SSD)),
-                                       F_PFS))
-            run.add(i, e, ids, np.where(mine != NONE, _local(mine), remote))
-    return run.finish()
+    # when each step's delivery begins decides whether a fill is done: start from the
+    # compute-only timeline, then the run's own, until the sources stop changing
+    issue = np.broadcast_to(_compute_only(w).start, (w.n, w.steps * w.plan.epochs))
+    res: dict[str, Any] = {}
+    for _ in range(4):
+        run = _prefetching(w)
+        for i in range(w.n):
+            held, ready = held_by(i)
+            for e in range(w.plan.epochs):
+                ids = w.batches(i, e)
+                sl = slice(e * w.steps, (e + 1) * w.steps)
+                mine = np.where(ready[ids] <= issue[i, sl][:, None], held[ids], NONE)
+                if e == 0:
+                    remote = np.full(ids.shape, F_PFS)
+                else:
+                    peer_ram = ram_cnt[ids] - (held[ids] == Tier.RAM) > 0
+                    peer_ssd = ssd_cnt[ids] - (held[ids] == Tier.SSD) > 0
+                    remote = np.where(peer_ram, run.peer_or_pfs(np.full(ids.shape, F_PEER_RAM)),
+                                      np.where(peer_ssd,
+                                               run.peer_or_pfs(np.full(ids.shape, F_PEER_SSD)),
+                                               F_PFS))
+                run.add(i, e, ids, np.where(mine != NONE, _local(mine), remote))
+        res = run.finish()
+        assert run.timeline is not None and run.timeline.issue is not None
+        if np.allclose(run.timeline.issue, issue, rtol=1e-3, atol=1e-6):
+            break
+        issue = run.timeline.issue
+    return res
 
 
 def forebay_clairvoyant(w: Workload) -> dict[str, Any]:
@@ -424,7 +555,7 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
     bounds, member = chunk_members(w.sizes, width)
     chunk_mb = np.diff(np.r_[0.0, np.cumsum(w.mb)][bounds])
     # every worker loads its chunk at once
-    chunk_s = chunk_mb * (sysm.pfs_s_per_MB(w.n * run.threads)
+    chunk_s = chunk_mb * (sysm.pfs_s_per_MB(w.n)
                           + sysm.tier_write_s_per_MB("ram")) + np.diff(bounds) * w.open_s
     run.setup_s = float(chunk_s.max() / run.threads)
     for e in range(w.plan.epochs):
@@ -439,7 +570,9 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
 
 POLICIES: dict[str, Callable[[Workload], dict[str, Any]]] = {
     "perfect": perfect, "naive": naive, "staging": staging, "deepio": deepio,
-    "parallel-staging": parallel_staging, "lbann": lbann, "locality-aware": locality_aware,
+    "deepio-opportunistic": deepio_opportunistic,
+    "parallel-staging": parallel_staging, "lbann": lbann, "lbann-preload": lbann_preload,
+    "locality-aware": locality_aware,
     "nopfs": nopfs, "forebay-preload": forebay_preload,
     "forebay-clairvoyant": forebay_clairvoyant,
 }

@@ -17,9 +17,11 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
+import numpy as np
+
 from ..store import ProfileError, interpolate, load_profile
 
-__all__ = ["System", "lassen", "load_system"]
+__all__ = ["System", "lassen", "hdmlp_thesis", "load_system", "PFS_READERS", "TIER_READS"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class System:
     ram_threads: int = 4                      # p_1
     ssd_threads: int = 2                      # p_2
     pfs_open_ms: float = 0.0                  # per file opened on the PFS (metadata)
+    pfs_client_MBps: float = float("inf")     # b_fs: one worker's link to the PFS
+    pfs_readers: str = "active"               # how gamma is counted (PFS_READERS)
+    tier_reads: str = "shared"                # a tier's table per thread (TIER_READS)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -59,21 +64,34 @@ class System:
         for key in ("staging_threads", "ram_threads", "ssd_threads"):
             if getattr(self, key) < 1:
                 raise ProfileError(f"system {self.name}: {key} must be >= 1")
+        if self.pfs_readers not in PFS_READERS:
+            raise ProfileError(f"system {self.name}: [model] pfs_readers must be one of "
+                               f"{', '.join(PFS_READERS)}, got {self.pfs_readers!r}")
+        if self.tier_reads not in TIER_READS:
+            raise ProfileError(f"system {self.name}: [model] tier_reads must be one of "
+                               f"{', '.join(TIER_READS)}, got {self.tier_reads!r}")
+        if not self.pfs_client_MBps > 0:
+            raise ProfileError(f"system {self.name}: pfs_client_MBps must be positive")
         if not self.pfs_open_ms >= 0:
             raise ProfileError(f"system {self.name}: pfs_open_ms must be >= 0, got "
                                f"{self.pfs_open_ms!r}")
 
-    # -- per-MB times of one thread (NoPFS §4) ---------------------------------------
-    def pfs_s_per_MB(self, readers: int) -> float:
-        """fetch_{i,0,0}: 1 / (t(gamma) / gamma) with gamma concurrent readers."""
-        readers = max(int(readers), 1)
-        return readers / interpolate(self.pfs_MBps, readers)
+    # -- per-MB times of one read (NoPFS §4) -----------------------------------------
+    def pfs_s_per_MB(self, readers: "float | np.ndarray") -> "float | np.ndarray":
+        """fetch_{i,0,0}: 1 / min(b_fs, t(gamma) / gamma) with gamma concurrent readers
+        (fractional gammas, and arrays of them, interpolate the table)."""
+        g = np.maximum(np.asarray(readers, dtype=np.float64), 1.0)
+        ks = np.array(sorted(self.pfs_MBps), dtype=np.float64)
+        vs = np.array([self.pfs_MBps[int(k)] for k in ks])
+        out = 1.0 / np.minimum(self.pfs_client_MBps, np.interp(g, ks, vs) / g)
+        return float(out) if out.ndim == 0 else out
 
     def local_s_per_MB(self, tier: str) -> float:
-        """fetch_{i,2,j}: 1 / (r_j(p_j) / p_j), tier 'ram' or 'ssd'."""
+        """fetch_{i,2,j}: 1 / (r_j(p_j) / p_j), tier 'ram' or 'ssd' (``tier_reads =
+        "per-read"``: 1 / r_j(p_j), the speed the thesis' simulator gives each read)."""
         p = self.ram_threads if tier == "ram" else self.ssd_threads
         table = self.mem_MBps if tier == "ram" else self.ssd_read_MBps
-        return p / interpolate(table, p)
+        return (p if self.tier_reads == "shared" else 1) / interpolate(table, p)
 
     def peer_s_per_MB(self, tier: str) -> float:
         """fetch_{i,1,j}: 1 / min(b_c, r_j(p_j) / p_j)."""
@@ -108,7 +126,10 @@ class System:
                 "staging_bytes": self.staging_bytes, "ram_bytes": self.ram_bytes,
                 "ssd_bytes": self.ssd_bytes, "threads": [self.staging_threads,
                                                          self.ram_threads, self.ssd_threads],
-                "pfs_open_ms": self.pfs_open_ms}
+                "pfs_open_ms": self.pfs_open_ms,
+                "pfs_client_MBps": (None if self.pfs_client_MBps == float("inf")
+                                    else self.pfs_client_MBps),
+                "pfs_readers": self.pfs_readers, "tier_reads": self.tier_reads}
 
 
 def lassen() -> System:
@@ -125,7 +146,29 @@ def lassen() -> System:
                   staging_threads=8, ram_threads=4, ssd_threads=2, name="lassen")
 
 
-PRESETS = {"lassen": lassen}
+def hdmlp_thesis() -> System:
+    """The cluster of the HDMLP thesis (Boehringer, ETH 2020, §5.2.1), whose Tables
+    5.1-5.4 forebay's validation suite reproduces: 4 nodes, c = 100 MB/s, beta = 200 MB/s,
+    b_c = 10,000 MB/s, b_fs = 2,000 MB/s, a 1,024 MB staging buffer, 50 GB RAM and
+    100 GB SSD (in the thesis' units of 1,024 MB), 2 threads per class, r_0(2) = r_1(2)
+    = 21,164 MB/s, r_2(2) = 86 MB/s, t(1..4) = 66, 86, 129, 146 MB/s.  Its simulator
+    gives every tier read the whole r_j(p) (``tier_reads = "per-read"``)."""
+    gb = 1024 * 10**6
+    return System(compute_MBps=100.0, preprocess_MBps=200.0, network_MBps=10_000.0,
+                  pfs_MBps={1: 66.0, 2: 86.0, 3: 129.0, 4: 146.0}, mem_MBps={2: 21_164.0},
+                  ssd_read_MBps={2: 86.0}, staging_bytes=1024 * 10**6,
+                  ram_bytes=50 * gb, ssd_bytes=100 * gb, staging_threads=2, ram_threads=2,
+                  ssd_threads=2, pfs_client_MBps=2000.0, tier_reads="per-read",
+                  name="hdmlp-thesis")
+
+
+#: how the simulator counts gamma, the PFS readers a read shares t(gamma) with
+PFS_READERS = ("active", "all")
+#: whether a tier's r_j(p) table is shared by its p threads (NoPFS §4) or is the speed
+#: of every read (the thesis' simulator)
+TIER_READS = ("shared", "per-read")
+
+PRESETS = {"lassen": lassen, "hdmlp-thesis": hdmlp_thesis}
 
 
 def load_system(spec: "str | os.PathLike[str]", *, compute_MBps: Optional[float] = None,
@@ -170,6 +213,7 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
         or (max(rma.values()) if rma else max(mem.values()))
     ssd = prof.get("ssd", {})
     tiers = prof.get("tiers", {})
+    model = prof.get("model", {})
     return System(compute_MBps=float(c), preprocess_MBps=float(beta or 1e7),
                   network_MBps=float(bc), pfs_MBps=pfs, mem_MBps=mem,
                   ssd_read_MBps=ssd.get("read_MBps", {}),
@@ -182,5 +226,8 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   ssd_threads=max(1, tiers.get("ssd_threads", 1)),
                   pfs_open_ms=float(pfs_open_ms if pfs_open_ms is not None
                                     else prof.get("pfs", {}).get("open_ms", 0.0)),
+                  pfs_client_MBps=float(prof.get("pfs", {}).get("client_MBps", float("inf"))),
+                  pfs_readers=model.get("pfs_readers", "active"),
+                  tier_reads=model.get("tier_reads", "shared"),
                   name=name)
 

@@ -28,7 +28,9 @@ SCHEMA: dict[str, dict[str, str]] = {
     "ram": {"copy_MBps": "bw"},
     "ssd": {"path": "str", "write_MBps": "bw", "read_MBps": "bw"},
     # open_ms: latency of opening one file (the simulator's --layout files)
-    "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num", "open_ms": "num"},
+    # client_MBps: b_fs, one client's link to the PFS (the simulator caps a read there)
+    "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num", "open_ms": "num0",
+            "client_MBps": "num"},
     "rma": {"get_MBps": "bw", "ranks": "num"},
     # tier settings for the clairvoyant loader (DataLoader(system=...)); sizes in bytes
     # or as "8GiB"; 0 disables a tier
@@ -41,6 +43,9 @@ SCHEMA: dict[str, dict[str, str]] = {
     # training throughput c and preprocessing rate beta in MB/s per worker, network b_c
     "compute": {"MBps": "num", "preprocess_MBps": "num"},
     "network": {"MBps": "num"},
+    # the simulator's model choices (docs/sim.md): how PFS readers are counted and
+    # whether a tier's table is shared by its threads or the speed of each read
+    "model": {"pfs_readers": "str", "tier_reads": "str"},
 }
 
 
@@ -112,9 +117,12 @@ def load_profile(path: "str | os.PathLike[str]") -> dict[str, Any]:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ProfileError(f"{where} = {value!r}: must be a non-negative integer")
                 out[section][key] = value
-            elif kind == "num":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                    raise ProfileError(f"{where} = {value!r}: must be a positive number")
+            elif kind in ("num", "num0"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not np.isfinite(value) or value < 0 or (kind == "num" and value == 0):
+                    raise ProfileError(f"{where} = {value!r}: must be a "
+                                       f"{'positive' if kind == 'num' else 'non-negative'} "
+                                       f"number")
                 out[section][key] = value
             else:
                 out[section][key] = str(value)
