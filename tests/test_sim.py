@@ -79,6 +79,7 @@ def test_cached_policies_hand_computed():
     for name in ("deepio", "lbann-preload", "locality-aware"):
         r = simulate_policy(name, w)
         assert r["setup_s"] == pytest.approx(6.0), name
+        assert r["first_batch_s"] == pytest.approx(7.0), name
         assert r["total_s"] == pytest.approx(6.0 + 1 + 4 * 2), name
         assert r["fetches"] == {"pfs": 0, "ram": 8, "ssd": 0, "peer_ram": 0, "peer_ssd": 0}
     # preload: 4 MB from the PFS into RAM first (4 s; preprocessing comes at delivery),

@@ -182,6 +182,8 @@ def _report(w: Workload, tl: Timeline, *, by_source: dict, fetches: dict) -> dic
             "pfs_reads_per_sample": fetches.get("pfs", 0) / w.plan.num_samples,
             "reads": n_reads, "epoch_s": epoch_s,
             "first_epoch_s": epoch_s[0] if epoch_s else 0.0,
+            # when the first step starts: set-up and the first batch's delivery
+            "first_batch_s": float(tl.start[0]) if len(tl.start) else tl.setup_s,
             "steady_epoch_s": float(np.mean(epoch_s[1:])) if len(epoch_s) > 1 else None,
             # DLIO's accelerator utilisation: compute over the whole run
             "accelerator_utilization": tl.compute_s / tl.total_s if tl.total_s else None,
