@@ -104,6 +104,7 @@ class _Run:
         self.src_n = np.zeros(len(SOURCES), dtype=np.int64)
         self.setup_s = 0.0
         self.timeline: Optional[Timeline] = None
+        self.gamma = np.full(shape, float(w.n))   # PFS readers per read, set by solve()
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
@@ -132,8 +133,9 @@ class _Run:
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
 
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
-        """The timeline and the PFS seconds per worker and step.  gamma starts at N;
-        with ``pfs_readers = "active"`` it is then each step's mean-field count of
+        """The timeline and the PFS thread-seconds per worker and step (a demand read
+        counted once per prefetch thread, so that / threads is the worker's time).
+        gamma starts at N; with ``pfs_readers = "active"`` it is then each step's mean-field count of
         workers reading: 1 + the other workers' fraction of the step spent with a PFS
         read in flight (prefetch threads averaged, a worker's own demand reads in
         full), iterated to a fixed point."""
