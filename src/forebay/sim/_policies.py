@@ -133,12 +133,12 @@ class _Run:
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
 
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
-        """The timeline and the PFS thread-seconds per worker and step (a demand read
-        counted once per prefetch thread, so that / threads is the worker's time).
-        gamma starts at N; with ``pfs_readers = "active"`` it is then each step's
-        mean-field count of workers reading: 1 + the other workers' fraction of the
-        step spent with a PFS read in flight (prefetch threads averaged, a worker's own demand reads in
-        full), iterated to a fixed point."""
+        """The timeline and the PFS thread-seconds per worker and step (a demand
+        read counted once per prefetch thread, so that / threads is the worker's
+        time).  gamma starts at N; with ``pfs_readers = "active"`` it is then each
+        step's mean-field count of workers reading: 1 + the other workers' fraction
+        of the step spent with a PFS read in flight (prefetch threads averaged, a
+        worker's own demand reads in full), iterated to a fixed point."""
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
