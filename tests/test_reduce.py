@@ -515,3 +515,50 @@ def test_stats_bitvector_control_bytes_are_one_vector_per_cycle(tmp_path):
     root = next(r for r in res if r["rank"] == 0)["last"]
     assert root["control_messages"] == 2 * root["cycles"]          # one from each worker
     assert root["control_bytes_received"] > 40 * 2 * 10            # every request, by name
+
+
+def _listening() -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:      # 0A: LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                if width == 8:
+                    addr = ".".join(str(b) for b in bytes.fromhex(hexaddr)[::-1])
+                else:
+                    addr = "::" if int(hexaddr, 16) == 0 else hexaddr
+                out.append((addr, int(hexport, 16)))
+    return out
+
+
+def rank_rendezvous_binds() -> None:
+    from mpi4py import MPI  # noqa: F401 - MPI's own sockets (the launcher's) come first
+    before = set(_listening())
+    rank, world = _init()
+    _out(rank, listening=sorted(set(_listening()) - before), world=world)
+
+
+def test_rendezvous_store_listens_only_on_the_jobs_address():
+    """The store rank 0 serves for the rendezvous is bound to 127.0.0.1 on one host
+    (torch's own TCPStore listens on every interface: any user of the node, or of the
+    network, could reach it)."""
+    out = results(run_ranks(2, rank_rendezvous_binds, timeout=120))
+    assert len(out) == 2 and all(o["world"] == 2 for o in out)
+    r0 = next(o for o in out if o["rank"] == 0)
+    assert r0["listening"], "rank 0 serves the rendezvous store"
+    assert ["127.0.0.1", int(r0["listening"][0][1])] in r0["listening"]
+    wild = [a for o in out for a in o["listening"] if a[0] in ("0.0.0.0", "::")]
+    assert not wild, f"sockets listening on every interface: {wild}"
