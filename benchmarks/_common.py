@@ -66,6 +66,16 @@ def summarize(lat: np.ndarray, samples: int | None = None) -> dict:
             "samples_per_s": float(samples / lat.sum())}
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (VmRSS: its own pages and the shared ones it
+    touched)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

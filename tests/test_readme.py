@@ -67,6 +67,7 @@ PRELUDES = {
     "repo = fm.open_repository(\"file:///local/models\")        # LMDB in": DATA + MODEL,
     "fr.init_process_group()              # rank/size from torchrun": DATA + MODEL + TRAINING,
     "from forebay.sim import simulate": "",
+    "store = DistributedStore.from_arrays(": "",
     "forebay.trace.enable(\"traces/\")          # or:": DATA + "import forebay.torch\nE = 1\n"
                                                        "step = lambda batch: None\n",
 }

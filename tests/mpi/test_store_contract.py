@@ -8,14 +8,16 @@ factory to ``FACTORIES`` and a subclass of :class:`StoreContract`."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 
 import numpy as np
 import pytest
 
 import forebay
-from forebay.errors import SampleIndexError
-from forebay.store import (STATS_KEYS, ClairvoyantStore, DirectStore, DistributedStore,
+from forebay.errors import InvalidArgumentError, RankMismatchError, SampleIndexError
+from forebay.store import (STATS_KEYS, ArrayStore, ClairvoyantStore, DirectStore, DistributedStore,
                            SampleStore, StoreError)
 from forebay.world import LOCAL
 from conftest import assert_ranks_ok, run_ranks, run_torchrun
@@ -29,7 +31,9 @@ def _plan(ds, comm):
 
 
 def _ssd_dir() -> str:
-    return tempfile.mkdtemp(prefix="forebay-ssd-")
+    d = tempfile.mkdtemp(prefix="forebay-ssd-")
+    atexit.register(shutil.rmtree, d, True)        # left empty in /tmp before
+    return d
 
 
 FACTORIES = {
@@ -194,3 +198,134 @@ def test_a_dead_fill_thread_is_reported(dataset):
     with pytest.raises(StoreError, match="injected"):
         st.get_many([0])
     st.close()
+
+
+# ----------------------------------------------------------------------------- ArrayStore
+# The store of named in-memory arrays (DDStore's add/get/update/epochs): the same checks
+# in one process, on every rank of mpiexec -n 2 and -n 3 (shm and rma) and of torchrun.
+
+def _rank_arrays(rank: int) -> dict[str, np.ndarray]:
+    """What rank ``rank`` contributes: row counts differ by rank and by variable (rank
+    0 has no rows of "b")."""
+    rng = np.random.default_rng(100 + rank)
+    n = 5 + 3 * rank
+    return {"x": rng.normal(size=(n, 3, 2)).astype(np.float32),
+            "y": np.arange(n, dtype=np.int64) + 1000 * rank,
+            "b": rng.integers(0, 255, size=(2 * rank, 7), dtype=np.uint8)}
+
+
+def _global(world: int) -> dict[str, np.ndarray]:
+    parts = [_rank_arrays(r) for r in range(world)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def check_array_contract(comm, transport: str = "auto") -> None:
+    """What every ArrayStore does, on one rank of ``comm``."""
+    rank = comm.Get_rank() if comm not in (None, LOCAL) else 0
+    world = comm.Get_size() if comm not in (None, LOCAL) else 1
+    ref = _global(world)
+    store = DistributedStore.from_arrays(_rank_arrays(rank), comm, transport=transport)
+    assert isinstance(store, ArrayStore)
+    if transport != "auto":
+        assert store.stats()["transport"] == transport
+    rng = np.random.default_rng(rank)
+    read = 0
+    for name, want in ref.items():
+        n = len(want)
+        assert store.rows(name) == n
+        for start in range(n + 1):                    # every range start, spans included
+            for count in {0, min(1, n - start), min(3, n - start), n - start}:
+                got = store.get(name, start, count)
+                assert got.dtype == want.dtype and np.array_equal(got, want[start:start + count])
+                read += count
+        out = np.empty_like(want)
+        assert store.get(name, 0, n, out=out) is out and np.array_equal(out, want)
+        read += n
+        ids = rng.integers(-n, n, size=40) if n else np.zeros(0, dtype=np.int64)
+        assert np.array_equal(store.get_rows(name, ids), want[ids])
+        read += len(ids)
+        with pytest.raises(SampleIndexError):
+            store.get(name, n, 1)
+        with pytest.raises(SampleIndexError):
+            store.get_rows(name, [n])
+    with pytest.raises(InvalidArgumentError, match="out must be"):
+        store.get("x", 0, 2, out=np.empty((2, 3, 2), dtype=np.float64))
+    with pytest.raises(KeyError, match="no variable 'z'"):
+        store.get("z", 0)
+    st = store.stats()
+    assert sum(st["rows_by_source"].values()) == read
+    assert (st["rows_by_source"]["peer"] > 0) == (world > 1)
+    with store.epoch():                               # read-only: epochs are free, allowed
+        store.get("y", 0)
+    with pytest.raises(StoreError, match="read-only"):
+        store.update("y", 0, ref["y"][:1])
+    store.close()
+    store.close()                                     # idempotent
+    with pytest.raises(StoreError, match="closed"):
+        store.get("y", 0)
+
+    # mutable: each rank updates its own rows between epochs; all see all after a fence
+    mine = _rank_arrays(rank)
+    lo = sum(len(_rank_arrays(r)["y"]) for r in range(rank))
+    with DistributedStore.from_arrays(mine, comm, transport=transport, mutable=True) as m:
+        with pytest.raises(StoreError, match="inside an epoch"):
+            m.get("y", 0)
+        for round_ in range(3):
+            new = mine["y"] + 10_000 * (round_ + 1)
+            m.update("y", lo, new)
+            with pytest.raises(StoreError, match="within them"):
+                m.update("y", lo + 1, new)            # runs past this rank's rows
+            with m.epoch():
+                want = ref["y"] + 10_000 * (round_ + 1)
+                assert np.array_equal(m.get("y", 0, len(want)), want)
+                assert np.array_equal(m.get_rows("y", np.arange(len(want))[::-1]), want[::-1])
+                with pytest.raises(StoreError, match="inside an epoch"):
+                    m.update("y", lo, new)
+        with pytest.raises(InvalidArgumentError, match="must be int64"):
+            m.update("y", lo, new.astype(np.int32))
+
+
+def rank_array_contract(transport: str) -> None:
+    from forebay.world import resolve_comm
+
+    check_array_contract(resolve_comm(), transport)
+
+
+def rank_array_mismatch() -> None:
+    """Rank 1 passes "x" as float64: every rank raises, naming the variable."""
+    from forebay.world import resolve_comm
+
+    comm = resolve_comm()
+    arrays = _rank_arrays(comm.Get_rank())
+    if comm.Get_rank() == 1:
+        arrays["x"] = arrays["x"].astype(np.float64)
+    with pytest.raises(RankMismatchError, match="variable 'x' '<f4 rows of shape "
+                                                r"\(3, 2\)' on rank 0, '<f8"):
+        DistributedStore.from_arrays(arrays, comm)
+    if comm.Get_rank() == 0:
+        del arrays["b"]
+    with pytest.raises(RankMismatchError, match="variable 'b' None on rank 0"):
+        DistributedStore.from_arrays(arrays, comm)
+
+
+class TestArrayStore:
+    def test_one_process(self):
+        check_array_contract(LOCAL)
+
+    def test_bad_arrays_are_refused(self):
+        for bad, match in (({}, "non-empty mapping"), ({"x": [1, 2]}, "not a numpy array"),
+                           ({"x": np.array(1.0)}, "scalar"),
+                           ({"x": np.array([None, 1])}, "Python objects")):
+            with pytest.raises(InvalidArgumentError, match=match):
+                DistributedStore.from_arrays(bad, LOCAL)
+
+    @pytest.mark.parametrize("ranks,transport", [(2, "shm"), (2, "rma"), (3, "rma"),
+                                                 (3, "shm")])
+    def test_mpiexec(self, ranks, transport):
+        assert_ranks_ok(run_ranks(ranks, rank_array_contract, transport), ranks)
+
+    def test_torchrun(self):
+        assert_ranks_ok(run_torchrun(2, rank_array_contract, "shm"), 2)
+
+    def test_ranks_that_disagree_fail_on_every_rank(self):
+        assert_ranks_ok(run_ranks(2, rank_array_mismatch), 2)

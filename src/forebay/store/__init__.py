@@ -1,5 +1,7 @@
-"""Where samples live: the distributed in-memory store (DDStore) and its layout."""
+"""Where samples live: the distributed in-memory store (DDStore) and its layout, the
+clairvoyant store (NoPFS), and named arrays shared by ranks (``ArrayStore``)."""
 
+from ._arrays import ArrayStore
 from ._base import STATS_KEYS, DirectStore, SampleStore
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
 from ._distributed import (DistributedStore, StoreError, StoreLayout, check_agreement,
@@ -10,7 +12,8 @@ from ._placement import (NONE, RAM, SSD, Placement, compute_coverage, compute_pl
                          fill_tiers)
 from ._profile import ProfileError, calibrate, dump_profile, load_profile
 
-__all__ = ["SampleStore", "DirectStore", "STATS_KEYS", "ClairvoyantStore", "DistributedStore",
+__all__ = ["ArrayStore", "SampleStore", "DirectStore", "STATS_KEYS", "ClairvoyantStore",
+           "DistributedStore",
            "FetchModel", "Placement", "ProfileError", "StoreError", "StoreLayout",
            "MEMORY_HEADROOM", "NONE", "RAM", "SSD", "available_memory", "calibrate",
            "check_agreement", "chunk_members", "compute_coverage", "compute_placement",

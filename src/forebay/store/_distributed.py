@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from . import _tracing as _hooks
+
+if TYPE_CHECKING:
+    from ._arrays import ArrayStore
 
 __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agree",
            "check_agreement", "node_size"]
@@ -142,9 +145,16 @@ def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, A
                 for r, (fp, n, p) in enumerate(sets) if (fp, n) != ref[:2]]
         raise StoreError(f"ranks opened different datasets: rank 0 has {ref[2]} "
                          f"({ref[1]} samples, fingerprint {ref[0]}); " + "; ".join(diff[:4]))
+    raise_mismatches(what, [p for _, p in every])
+
+
+def raise_mismatches(what: str, every: "list[dict[str, Any]]") -> None:
+    """Raise :class:`RankMismatchError` naming each key of the ranks' dicts ``every``
+    (one per rank, in rank order) whose values differ, and each rank's value."""
     diffs = []
-    for key in mine:
-        values = [p.get(key) for _, p in every]
+    keys = list(dict.fromkeys(k for p in every for k in p))
+    for key in keys:
+        values = [p.get(key) for p in every]
         if len({repr(v) for v in values}) > 1:
             by_value: dict[str, list[int]] = {}
             for r, v in enumerate(values):
@@ -206,9 +216,13 @@ def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
             nbytes = int(length[a:b].sum())
             if nbytes == 0:
                 continue
+            p0 = int(pos[a])
+            if b - a == 1:      # one range: a contiguous get, no datatype to build
+                win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t,
+                        (int(disp[a]), nbytes, MPI.BYTE))
+                continue
             dtype = MPI.BYTE.Create_hindexed(length[a:b].tolist(), disp[a:b].tolist()).Commit()
             types.append(dtype)
-            p0 = int(pos[a])
             win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t, [0, 1, dtype])
         win.Flush_all()
     finally:
@@ -287,6 +301,17 @@ class DistributedStore(SampleStore):
             self.close()
             raise
         self.preload_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def from_arrays(arrays: "Mapping[str, np.ndarray]", comm: Any = None, *,
+                    transport: str = "auto", mutable: bool = False) -> "ArrayStore":
+        """A store of named arrays from memory, no dataset and no ingest (DDStore's
+        ``add``): every rank passes the rows it has of each variable (same names,
+        dtypes and row shapes on every rank; row counts may differ), and any rank reads
+        any global row.  Collective.  See :class:`~forebay.store.ArrayStore`."""
+        from ._arrays import ArrayStore
+
+        return ArrayStore(arrays, comm, transport=transport, mutable=mutable)
 
     # -- setup ------------------------------------------------------------------------
     def _setup_groups(self, width: Optional[int], node_aware: bool) -> None:
