@@ -234,6 +234,50 @@ def test_gather_kernel_and_numpy_fallback_agree():
             _native.gather(src, np.array([0]), np.array([1]), src.copy().tobytes(), np.array([0]))
 
 
+def test_batch_kernels_match_numpy_and_refuse_ranges_outside_buffers(tmp_path, monkeypatch):
+    """assemble_batch's C path (batch_layout + gather_fields) gives the numpy path's
+    batches, masks and all; crafted offsets raise ValueError, never read outside."""
+    import forebay.dataset._batch as B
+
+    if not B._FAST:
+        pytest.skip("the C kernel is not built")
+    rng = np.random.default_rng(1)
+    forebay.write_dataset(tmp_path / "d", ({"x": rng.normal(size=(int(rng.integers(0, 5)), 2)),
+                                             "s": rng.bytes(int(rng.integers(0, 40))),
+                                             "k": np.int32(i)} for i in range(60)),
+                          shard_bytes=1 << 10)
+    ds = forebay.open_dataset(tmp_path / "d")
+    batches = [rng.integers(0, len(ds), size=n) for n in (0, 1, 7, 60)]
+    fast = [ds.get_many(ids) for ids in batches]              # several shards: masks
+    monkeypatch.setattr(B, "_FAST", False)
+    slow = [ds.get_many(ids) for ids in batches]
+    assert all(a.equals(b) for a, b in zip(fast, slow))
+    assert all(len(b.fields) == 3 for b in fast)
+    rows = np.ascontiguousarray(ds.rows(np.array([0, 1])))
+    lay = ds.layout
+    nf, ncols = len(ds.schema.fields), rows.shape[1]
+    meta = np.empty(nf + 2 * nf + 3 * nf, np.int64)
+    size = B._native.batch_layout(rows, ncols, lay.nbytes_cols64, lay.itemsizes, 64, meta)
+    src = ds.shard_buffer(0)
+    out = np.zeros(size, np.uint8)
+    dst = meta[nf:3 * nf]
+    with pytest.raises(ValueError, match="out of bounds"):     # a record past the shard
+        B._native.gather_fields(src, rows, ncols, lay.off_cols64, lay.nbytes_cols64,
+                                np.array([len(src) - 1, 0]), None, dst, out)
+    with pytest.raises(ValueError, match="out of bounds"):     # output too small
+        B._native.gather_fields(src, rows, ncols, lay.off_cols64, lay.nbytes_cols64,
+                                rows[:, 0].copy(), None, dst, np.zeros(1, np.uint8))
+    with pytest.raises(ValueError, match="record starts"):     # mask and starts disagree
+        B._native.gather_fields(src, rows, ncols, lay.off_cols64, lay.nbytes_cols64,
+                                rows[:, 0].copy(), np.array([True, False]), dst, out)
+    bad = rows.copy()
+    bad[0, lay.nbytes_cols64[0]] = -8
+    with pytest.raises(ValueError, match="bytes"):
+        B._native.batch_layout(bad, ncols, lay.nbytes_cols64, lay.itemsizes, 64, meta)
+    with pytest.raises(ValueError, match="wrong length"):
+        B._native.batch_layout(rows, ncols, lay.nbytes_cols64, lay.itemsizes, 64, meta[:3])
+
+
 def test_native_extension_is_built_in_dev():
     """make builds the C kernel; if this fails, forebay silently runs the slower fallback."""
     from forebay.dataset._batch import _native

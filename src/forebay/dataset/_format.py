@@ -64,6 +64,9 @@ class IndexLayout:
         self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.intp)
         self.off_cols = np.array([self.off[f.name] for f in schema.fields], dtype=np.intp)
         self.itemsizes = np.array([f.dtype.itemsize for f in schema.fields], dtype=np.int64)
+        #: the same columns as int64 (what the C kernel takes)
+        self.nbytes_cols64 = self.nbytes_cols.astype(np.int64)
+        self.off_cols64 = self.off_cols.astype(np.int64)
 
 
 @dataclass(frozen=True)

@@ -338,11 +338,14 @@ class PackedDataset:
     def normalize_ids(self, ids: "Sequence[int] | np.ndarray") -> np.ndarray:
         """``ids`` as a flat int64 array with negative ids resolved; raises
         :class:`SampleIndexError` naming the first id out of range."""
+        n = len(self)
+        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and \
+                len(ids) and 0 <= ids.min() and ids.max() < n:
+            return ids.copy()                       # already as asked (the batch owns it)
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu" and not (ids.size == 0):
             raise ArgumentTypeError(f"sample ids must be integers, got dtype {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).reshape(-1)
-        n = len(self)
         ids = np.where(ids < 0, ids + n, ids)
         bad = (ids < 0) | (ids >= n)
         if bad.any():
