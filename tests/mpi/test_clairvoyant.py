@@ -341,3 +341,42 @@ def test_fill_thread_counts_are_checked(packed):
     plan = forebay.AccessPlan(len(packed[1]), 1, 4, 1)
     with pytest.raises(StoreError, match="ram_threads must be a positive integer"):
         ClairvoyantStore(packed[0], plan, None, ram_bytes=1 << 20, ram_threads=0)
+
+
+def rank_no_copies_of_node_peers(*args: str) -> None:
+    """With room for the whole dataset on every rank: over shm (ranks of one node read
+    each other's tiers as their own memory) a rank holds only what it covers; over rma
+    (as across nodes) it also makes extra copies of what it reads most."""
+    from mpi4py import MPI
+    import forebay
+    from forebay.store import tier_nbytes
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(args[0])
+    plan = forebay.AccessPlan(len(ds), comm.size, 8, 2, seed=2)
+    sizes = tier_nbytes(ds)
+    held = {}
+    for transport in ("shm", "rma"):
+        st = ClairvoyantStore(ds, plan, comm, ram_bytes=int(sizes.sum()), transport=transport)
+        assert st.wait_filled(timeout=60)
+        comm.Barrier()
+        for e in range(2):
+            for ids in plan.batches(comm.rank, e):
+                assert st.get_many(ids).equals(ds.get_many(ids))
+        p = st.placement
+        held[transport] = (len(p.extra_ram), int(st.nbytes),
+                           int(sizes[p.owner == comm.rank].sum()))
+        st.close()
+    extra, nbytes, covered = held["shm"]
+    assert extra == 0 and nbytes == covered, held
+    assert held["rma"][0] > 0 and held["rma"][1] > covered, held
+    say(f"rank {comm.rank} held ok")
+
+
+def test_ranks_of_a_node_keep_no_copies_of_each_others_samples(packed):
+    """Each rank used to copy nearly the whole dataset into its RAM tier when it had room
+    (3.3 GB of memory on the node for a 1.1 GB dataset), though over shm a peer's tier
+    is read as fast as its own."""
+    p = run_ranks(2, rank_no_copies_of_node_peers, packed[0], timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count("held ok") == 2

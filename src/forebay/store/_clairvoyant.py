@@ -168,14 +168,18 @@ class ClairvoyantStore(SampleStore):
             rams = np.array([int(ram_bytes)], dtype=np.int64)
             ssds = np.array([ssd_bytes], dtype=np.int64)
         self._sizes = tier_nbytes(self.ds)
-        self.placement = compute_placement(plan, self._sizes, rams, ssds, self.rank)
+        self._choose_transport(transport)
+        # on one node every rank reads every tier as its own memory: an extra copy of a
+        # sample another rank of the node holds would only double memory and copies
+        shared = np.arange(self.world) if self.transport == "shm" else None
+        self.placement = compute_placement(plan, self._sizes, rams, ssds, self.rank,
+                                           shares_memory_with=shared)
         self._layout_offsets()
         mine = (len(self._ram_order), self.ssd_nbytes, str(self.ssd_dir or ""))
         every = self.comm.allgather(mine) if self.comm is not None else [mine]
         self._R_all = np.array([r for r, _, _ in every], dtype=np.int64)
         self._ssd_all = np.array([b for _, b, _ in every], dtype=np.int64)
         self._peer_dirs = [Path(d) for _, _, d in every]
-        self._choose_transport(transport)
         self._allocate()
         if fill:
             n = len(self.fill_order)

@@ -202,7 +202,9 @@ def compute_coverage(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray
 
 def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray | list[int]",
                       ssd_bytes: "np.ndarray | list[int]", rank: int,
-                      coverage: "Coverage | None" = None) -> Placement:
+                      coverage: "Coverage | None" = None,
+                      shares_memory_with: "np.ndarray | list[int] | None" = None
+                      ) -> Placement:
     """Placement of a run for ``rank`` (identical coverage on every rank).
 
     Args:
@@ -212,6 +214,10 @@ def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarra
         rank: whose extra copies to compute.
         coverage: :func:`compute_coverage` of the same arguments, when already known
             (a simulator placing every rank computes it once).
+        shares_memory_with: ranks whose tiers ``rank`` reads as its own memory (the
+            ranks of its node, with the shm transport): no extra copy is made of a
+            sample one of them holds (it would cost memory and a copy, and save
+            nothing).
     """
     cov = coverage if coverage is not None else \
         compute_coverage(plan, sizes, ram_bytes, ssd_bytes)
@@ -225,6 +231,8 @@ def compute_placement(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarra
     freq = plan.frequencies(rank)
     own_first = plan.first_access(rank)
     cand = np.flatnonzero((freq > 0) & (cov.owner != rank))
+    if shares_memory_with is not None and len(shares_memory_with):
+        cand = cand[~np.isin(cov.owner[cand], np.asarray(shares_memory_with))]
     cand = cand[np.lexsort((cand, own_first[cand], -freq[cand]))]
     where = fill_tiers(cand, sizes, int(ram[rank] - cov.ram_used[rank]),
                        int(ssd[rank] - cov.ssd_used[rank]))

@@ -1,0 +1,290 @@
+"""forebay's loader modes against the loaders a user would pick instead (issue O).
+
+Every contender is a fresh ``torchrun --standalone --nproc-per-node R`` job over the same
+samples, contenders in rotating order, repeated; the page cache is emptied of the
+contender's files before its job (epoch 1 is cold), later epochs are warm:
+
+* ``forebay direct`` / ``preload`` / ``clairvoyant``: ``forebay.torch.DataLoader`` over
+  the packed dataset (``mode=``), its own vectorised collation;
+* ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
+  ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
+  ImageFolder tree of blobs for images), per-sample collation;
+* ``mosaicml-streaming``: ``StreamingDataset`` over MDS shards in a local directory
+  (``MDSWriter``, 64 MiB shards) + torch ``DataLoader(num_workers=2)``;
+* ``litdata``: ``StreamingDataset`` over ``litdata.optimize`` chunks (64 MB) +
+  ``StreamingDataLoader(num_workers=2)``.
+
+Per job: set-up seconds (the store's preload or placement, the streaming dataset's
+construction), epoch seconds of the slowest rank.  Reported per workload: samples/s
+in the cold epoch with set-up counted and in the warm epochs (median), each as a ratio
+to the best peer of the same round (the fastest of the torch, streaming and litdata
+rows), min and median over rounds.  ``--compute-ms`` sleeps that long per step (an
+accelerator's step, as the host sees it).
+
+The streaming peers are not forebay's dependencies: install them (with the torch pin)
+somewhere on PYTHONPATH, e.g.::
+
+    pip install --no-deps --target /tmp/peerlib mosaicml-streaming==0.13.0 \\
+        litdata==0.2.76 "transformers<5" "huggingface_hub<1" "tokenizers>=0.22,<=0.23" \\
+        regex brotli python-snappy cramjam "zstd<2" "catalogue<3" lightning-utilities \\
+        boto3 botocore s3transfer jmespath requests urllib3 idna certifi \\
+        charset-normalizer pyyaml filelock packaging fsspec
+    PYTHONPATH=/tmp/peerlib python benchmarks/loader/peers_bench.py --out /tmp/peers-run \\
+        --kind imagenet --samples 10000 --reps 3
+
+(``import streaming`` imports its vision datasets, hence torchvision, whose PyPI wheel
+needs CUDA torch; the benchmark imports ``streaming.base`` alone, which does not.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
+from _common import evict, files_under, machine  # noqa: E402
+from _baselines import (image_collate, image_folder_dataset, list_collate,  # noqa: E402
+                        pff_dataset)
+
+BIN = Path(sys.executable).parent
+FOREBAY = ("forebay direct", "forebay preload", "forebay clairvoyant")
+PEERS = ("torch 0 workers", "torch 2 workers", "mosaicml-streaming", "litdata")
+
+
+def _streaming():
+    """``streaming.base`` without ``streaming/__init__`` (which imports torchvision)."""
+    if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None:
+            raise ImportError("mosaicml-streaming is not installed (see the docstring)")
+        pkg = types.ModuleType("streaming")
+        pkg.__path__ = list(spec.submodule_search_locations or [])
+        sys.modules["streaming"] = pkg
+    import streaming.base as sb
+    return sb
+
+
+def _peer_collate(images: bool):
+    return image_collate if images else list_collate
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    images = a.kind == "imagenet"
+    key = "label" if images else "y"
+    bs, c = a.batch_size, a.contender
+    compute = a.compute_ms / 1e3
+
+    def count(batch) -> int:
+        v = batch[key]
+        return int(v.shape[0]) if hasattr(v, "shape") else len(v)
+
+    t0 = time.perf_counter()
+    set_epoch = None
+    if c.startswith("forebay"):
+        from forebay.torch import DataLoader
+        mode = c.split()[1]
+        kw = {"ram_bytes": a.ram_bytes} if mode == "clairvoyant" else {}
+        loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
+                            progress=False, **kw)
+        set_epoch = loader.set_epoch
+    elif c.startswith("torch"):
+        ds = image_folder_dataset(Path(a.pff))[0] if images else pff_dataset(Path(a.pff))[0]
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank,
+                                                      shuffle=True, seed=0)
+        nw = int(c.split()[1])
+        loader = torch.utils.data.DataLoader(
+            ds, batch_size=bs, sampler=sampler, num_workers=nw,
+            persistent_workers=nw > 0, prefetch_factor=4 if nw else None,
+            collate_fn=_peer_collate(images))
+        set_epoch = sampler.set_epoch
+    elif c == "mosaicml-streaming":
+        sb = _streaming()
+        ds = sb.StreamingDataset(local=a.mds, shuffle=True, shuffle_seed=0, batch_size=bs)
+        loader = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=2,
+                                             persistent_workers=True, prefetch_factor=4,
+                                             collate_fn=_peer_collate(images))
+    elif c == "litdata":
+        import litdata
+        ds = litdata.StreamingDataset(a.lit, shuffle=True, seed=0)
+        loader = litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=2,
+                                             collate_fn=_peer_collate(images))
+    else:
+        raise SystemExit(f"unknown contender {c!r}")
+    setup = time.perf_counter() - t0
+
+    def slowest(dt: float) -> float:
+        t = torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    times, counts = [], []
+    setup = slowest(setup)
+    for e in range(a.epochs):
+        if set_epoch is not None:
+            set_epoch(e)
+        dist.barrier()
+        t0 = time.perf_counter()
+        n = 0
+        for batch in loader:
+            n += count(batch)
+            if compute:
+                time.sleep(compute)
+        times.append(slowest(time.perf_counter() - t0))
+        counts.append(n)
+    total = torch.tensor([counts[0]], dtype=torch.int64)
+    dist.all_reduce(total)
+    if rank == 0:
+        print("RESULT " + json.dumps({"epoch_s": times, "setup_s": setup,
+                                      "samples": int(total)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the same samples in each peer's format ----------------------------------------------------
+def _samples(kind: str, pff: Path):
+    if kind == "imagenet":
+        ds = image_folder_dataset(pff)[0]
+        return len(ds), lambda i: {"image": ds[i]["image"], "label": int(ds[i]["label"])}
+    files = sorted(pff.glob("*.pkl"))
+    return len(files), lambda i: pickle.loads(files[i].read_bytes())
+
+
+def write_mds(kind: str, pff: Path, out: Path) -> None:
+    sb = _streaming()
+    n, get = _samples(kind, pff)
+    cols = {"image": "ndarray:uint8", "label": "int"} if kind == "imagenet" else \
+        {k: "ndarray" for k in get(0)}
+    with sb.MDSWriter(out=str(out), columns=cols, size_limit=64 << 20) as w:
+        for i in range(n):
+            w.write(get(i))
+
+
+_LIT: dict = {}
+
+
+def _lit_item(arg):
+    kind, pff, i = arg
+    if (kind, pff) not in _LIT:         # once per optimize worker, not once per sample
+        _LIT[(kind, pff)] = _samples(kind, Path(pff))[1]
+    return _LIT[(kind, pff)](i)
+
+
+def write_litdata(kind: str, pff: Path, out: Path) -> None:
+    import litdata
+    n, _ = _samples(kind, pff)
+    litdata.optimize(fn=_lit_item, inputs=[(kind, str(pff), i) for i in range(n)],
+                     output_dir=str(out), chunk_bytes="64MB", num_workers=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/forebay-peers"))
+    p.add_argument("--kind", default="imagenet", choices=["ising", "imagenet"])
+    p.add_argument("--samples", type=int, default=10000)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="the first is cold")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--compute-ms", type=float, default=0.0)
+    p.add_argument("--ram-bytes", type=int, default=0,
+                   help="clairvoyant RAM tier per rank (default: the whole dataset)")
+    p.add_argument("--contenders", default=",".join(FOREBAY + PEERS))
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--contender", help=argparse.SUPPRESS)
+    for k in ("pff", "packed", "mds", "lit"):
+        p.add_argument(f"--{k}", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    from forebay.dataset.sources import get_source, ingest
+    from forebay.synth import synthesize
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{a.kind}-{a.samples}"
+    paths = {"pff": a.out / f"{stem}-pff", "packed": a.out / f"{stem}.fb",
+             "mds": a.out / f"{stem}-mds", "lit": a.out / f"{stem}-litdata"}
+    if not paths["pff"].exists():
+        synthesize(a.kind, paths["pff"], a.samples, 0, progress=True)
+    if not paths["packed"].exists():
+        src = get_source("imagefolder", paths["pff"]) if a.kind == "imagenet" else \
+            get_source("pickle", paths["pff"], trust_pickle=True)
+        ingest(src, paths["packed"], progress=True)
+    if not paths["mds"].exists():
+        write_mds(a.kind, paths["pff"], paths["mds"])
+    if not paths["lit"].exists():
+        write_litdata(a.kind, paths["pff"], paths["lit"])
+    import forebay
+    if not a.ram_bytes:
+        a.ram_bytes = int(forebay.open_dataset(paths["packed"]).nbytes) + (64 << 20)
+    files = {"forebay": files_under(paths["packed"]), "torch": files_under(paths["pff"]),
+             "mosaicml-streaming": files_under(paths["mds"]),
+             "litdata": files_under(paths["lit"])}
+    contenders = [c for c in a.contenders.split(",") if c]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs: dict[str, list[dict]] = {}
+    for rep in range(a.reps):
+        k = rep % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            evict(files[c.split()[0]])
+            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(a.ranks),
+                   __file__, "--worker", "--contender", c, "--kind", a.kind,
+                   "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
+                   "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]
+            for name, path in paths.items():
+                cmd += [f"--{name}", str(path)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+            if proc.returncode != 0:
+                sys.exit(f"{c} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            r = json.loads(next(line for line in proc.stdout.splitlines()
+                                if line.startswith("RESULT "))[7:])
+            n = r["samples"]
+            r["cold"] = n / (r["setup_s"] + r["epoch_s"][0])
+            r["warm"] = n / float(np.median(r["epoch_s"][1:]))
+            r["rep"] = rep
+            runs.setdefault(c, []).append(r)
+            print(f"rep {rep} {c:<22} set-up {r['setup_s']:6.2f} s, epochs "
+                  f"{', '.join(f'{t:.2f}' for t in r['epoch_s'])} s ({n} samples)", flush=True)
+    print(f"\nmachine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"{a.kind}, {a.samples} samples, {a.ranks} ranks under torchrun, per-rank batch "
+          f"{a.batch_size}, {a.epochs} epochs (the first cold, after evicting the "
+          f"contender's files), compute {a.compute_ms} ms/step, {a.reps} rounds")
+    peers = [c for c in contenders if c in PEERS]
+    print("\n| contender | cold samples/s (set-up counted), median | vs best peer, min / "
+          "median | warm samples/s, median | vs best peer, min / median | set-up s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for c in contenders:
+        row = []
+        for what in ("cold", "warm"):
+            ratios = []
+            for r in runs[c]:
+                best = max(x[what] for p_ in peers for x in runs[p_] if x["rep"] == r["rep"])
+                ratios.append(r[what] / best)
+            row.append(f"{statistics.median(x[what] for x in runs[c]):,.0f} | "
+                       f"{min(ratios):.2f} / {statistics.median(ratios):.2f}")
+        setup = statistics.median(x["setup_s"] for x in runs[c])
+        print(f"| {c} | {row[0]} | {row[1]} | {setup:.2f} |")
+    if a.json:
+        a.json.write_text(json.dumps({"machine": machine(), "args": vars(a) | {
+            "out": str(a.out), "json": str(a.json)}, "runs": runs}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
