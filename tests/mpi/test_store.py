@@ -164,3 +164,38 @@ def test_layout_covers_every_record_once(packed, width):
         assert all(e <= lay.nbytes[m] for _, e in spans)
     # chunks balanced by bytes: no member holds more than its share plus one record
     assert lay.nbytes.max() <= lay.nbytes.sum() / width + 2 * (rec_len.max() + 64)
+
+
+def test_parallel_preload_reads_every_byte_and_names_a_short_file(tmp_path):
+    """Preload reads 16 MiB pieces, several at once: every byte lands where it belongs
+    for any piece count, offset and thread count, and a file shorter than its index
+    says raises StoreError naming the file and byte."""
+    import os
+
+    from forebay.progress import as_progress
+    from forebay.store._distributed import read_parallel
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=(40 << 20) + 12345, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset, n, threads in ((0, len(data), 4), (7, len(data) - 7, 3),
+                                   (100, 5000, 4), (0, len(data), 1)):
+            out = np.zeros(n, dtype=np.uint8)
+            read_parallel(fd, out, offset, path, as_progress(None), threads)
+            assert np.array_equal(out, data[offset:offset + n]), (offset, n, threads)
+        with pytest.raises(StoreError, match=f"{path}: unexpected end of file at byte"):
+            read_parallel(fd, np.zeros(len(data), dtype=np.uint8), 20 << 20, path,
+                          as_progress(None), 4)
+    finally:
+        os.close(fd)
+    with pytest.raises(forebay.errors.InvalidArgumentError, match="read_threads"):
+        DistributedStore(forebay.open_dataset(_tiny(tmp_path)), comm=None, read_threads=0)
+
+
+def _tiny(tmp_path):
+    p = tmp_path / "tiny"
+    forebay.write_dataset(p, ({"x": np.arange(3) + i} for i in range(5)))
+    return p
