@@ -21,9 +21,9 @@ import numpy as np
 
 from ..comm import NodeSegment, fence, is_mpi, node_ranks
 from ..dataset import ALIGNMENT, gather_ranges
-from ..errors import InvalidArgumentError, SampleIndexError
+from ..errors import InvalidArgumentError, NameNotFoundError, SampleIndexError
 from ..world import abort_on_uncaught, resolve_comm
-from ._base import StoreError
+from ._base import Releasable, StoreError
 from ._distributed import raise_mismatches, rma_get
 
 __all__ = ["ArrayStore", "ARRAY_TRANSPORTS"]
@@ -71,7 +71,7 @@ def _describe(arrays: Mapping[str, np.ndarray]) -> "tuple[dict[str, Any], Option
     return desc, None
 
 
-class ArrayStore:
+class ArrayStore(Releasable):
     """Named arrays striped over ranks' memory (see the module docstring); made by
     :meth:`forebay.store.DistributedStore.from_arrays`.
 
@@ -232,7 +232,7 @@ class ArrayStore:
             raise StoreError("a mutable ArrayStore is read inside an epoch (epoch_begin() "
                              "... epoch_end(), or `with store.epoch():`), so no read can "
                              "see a row a peer is updating")
-        raise KeyError(f"no variable {name!r} in the store (it has "
+        raise NameNotFoundError(f"no variable {name!r} in the store (it has "
                        f"{', '.join(map(repr, self.vars))})")
 
     def _out(self, v: _Var, count: int, out: Optional[np.ndarray]) -> np.ndarray:
@@ -370,7 +370,7 @@ class ArrayStore:
                              "between epoch_end() and the next epoch_begin()")
         v = self.vars.get(name)
         if v is None:
-            raise KeyError(f"no variable {name!r} in the store")
+            raise NameNotFoundError(f"no variable {name!r} in the store")
         rows = np.asarray(rows)
         if rows.dtype != v.dtype or rows.shape[1:] != v.row_shape:
             raise InvalidArgumentError(
@@ -455,15 +455,6 @@ class ArrayStore:
             self.comm.Barrier()          # nobody reads our rows any more
             self._seg.close()
             self._seg = None
-
-    def __enter__(self) -> "ArrayStore":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abandon()
 
     def __repr__(self) -> str:
         vs = ", ".join(f"{n}: {v.rows} x {v.row_shape} {v.dtype}" for n, v in self.vars.items())

@@ -14,7 +14,6 @@ from ..errors import ForebayError
 
 __all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS"]
 
-_S = TypeVar("_S", bound="SampleStore")
 
 #: keys every store's stats() has, one meaning each (the same bytes counted the same way
 #: in every mode)
@@ -34,7 +33,34 @@ class StoreError(ForebayError, RuntimeError):
     closed, or its background fill failed."""
 
 
-class SampleStore(abc.ABC):
+class Releasable:
+    """A with-block that releases what it holds: ``close()`` on a normal exit; on an
+    exception (perhaps raised on this rank only) ``abandon()``, which releases only
+    what is local, since a collective close would wait for ranks that never come."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop using the object without any collective (what leaving a ``with`` block
+        by an exception does): background threads stop, later reads raise, memory
+        shared with other ranks stays until the process ends.  Default: close()."""
+        self.close()
+
+
+_R = TypeVar("_R", bound=Releasable)
+
+
+class SampleStore(Releasable, abc.ABC):
     """Where a loader's samples come from.
 
     ``get_many(ids, alloc=None)`` returns a :class:`~forebay.dataset.SampleBatch`
@@ -74,23 +100,6 @@ class SampleStore(abc.ABC):
     @property
     def schema(self):
         return self.ds.schema
-
-    def __enter__(self: _S) -> _S:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # an exception is leaving the block, perhaps on this rank only: a collective
-            # close would wait for ranks that never come, so release what is local only
-            self.abandon()
-
-    def abandon(self) -> None:
-        """Stop using the store without any collective (what leaving a ``with`` block
-        by an exception does): background threads stop, later reads raise, memory
-        shared with other ranks stays until the process ends.  Default: close()."""
-        self.close()
 
 
 class DirectStore(SampleStore):
