@@ -380,3 +380,27 @@ def test_ranks_of_a_node_keep_no_copies_of_each_others_samples(packed):
     p = run_ranks(2, rank_no_copies_of_node_peers, packed[0], timeout=180)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("held ok") == 2
+
+
+def test_a_reader_racing_the_fill_leaves_no_hole_and_reads_each_sample_once(packed):
+    """The fill jumps ahead of a reader that caught up with it (instead of both working
+    on the same chunk, the reader sleeping); whatever it jumps over is loaded by the
+    reader or filled at the end: however the two interleave, the tier ends complete,
+    its prefix published, and each sample was read from the files once."""
+    import numpy as np
+
+    from forebay.store import tier_nbytes
+    ds = forebay.open_dataset(packed[0])
+    plan = forebay.AccessPlan(len(ds), 1, 4, 2, seed=5)
+    for threads in (1, 3):
+        st = ClairvoyantStore(ds, plan, None, ram_bytes=int(tier_nbytes(ds).sum()),
+                              ram_threads=threads)
+        for e in range(2):
+            for ids in plan.batches(0, e):
+                assert st.get_many(ids).equals(ds.get_many(ids))
+        assert st.wait_filled(timeout=60)
+        s = st.stats()
+        assert s["filled"] == s["fill_total"] == len(ds)
+        assert s["pfs_reads"] == len(ds), s
+        assert np.all(st.local_pos >= 0)
+        st.close()

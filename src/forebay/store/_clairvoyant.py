@@ -125,6 +125,12 @@ class ClairvoyantStore(SampleStore):
         self._threads: list[threading.Thread] = []
         self._fill_error: Optional[BaseException] = None
         self._lock = threading.Lock()
+        #: notified whenever positions of this rank's tiers become done (the fill
+        #: threads and the reader wait on each other's writes through it, not by polling)
+        self._done_cv = threading.Condition(self._lock)
+        #: the furthest fill position a batch has needed so far: the fill threads keep
+        #: ahead of it instead of working on what the reader is loading itself
+        self._need_front = -1
         self._publish_lock = threading.Lock()
         self._cursor: dict[str, int] = {}
         self._stats = {"local": 0, "peer": 0, "pfs": 0}
@@ -444,9 +450,10 @@ class ClairvoyantStore(SampleStore):
         rest = ~from_peer
         self._read_into_tier(ids[rest], rows[rest], pos[rest])
         self._sync()  # the data is visible before its state says done
-        with self._lock:
+        with self._done_cv:
             self._state[pos] = _DONE
             self._fill_from_peers += int(from_peer.sum())
+            self._done_cv.notify_all()
 
     def _next_chunk(self, key: str, hi: int) -> Optional[tuple[int, int]]:
         """The next chunk [a, b) of the fill order below ``hi`` for cursor ``key``: at
@@ -455,7 +462,14 @@ class ClairvoyantStore(SampleStore):
         order = self.fill_order
         with self._lock:
             a = self._cursor[key]
+            # a reader that caught up loads what it needs itself: the fill jumps ahead
+            # of it (two batches) rather than race it for the same chunk; whatever it
+            # jumped over that no reader took is filled at the end (_fill_holes)
+            ahead = self._need_front + 2 * self.plan.batch_size
+            if key != "now" and a <= self._need_front < hi:
+                a = min(hi, max(a, ahead))
             if a >= hi:
+                self._cursor[key] = a
                 return None
             b = min(hi, a + _CHUNK_SAMPLES)
             cum = np.cumsum(self._sizes[order[a:b]])
@@ -478,11 +492,8 @@ class ClairvoyantStore(SampleStore):
             t0 = time.perf_counter()
             peers0 = self._fill_from_peers
             self._load(order[a:b][got], pos[got], wait=self.peer_wait)
-            wait = Backoff()
-            while (self._state[a:b] != _DONE).any():  # a reader is writing one of them
-                if self._stop.is_set():
-                    return
-                wait.sleep()
+            if not self._wait_done(pos):   # a reader is writing one of them
+                return
             self._advance()
             rec = _trace.active()
             if rec is not None:
@@ -490,6 +501,31 @@ class ClairvoyantStore(SampleStore):
                          nbytes=int(self._sizes[order[a:b][got]].sum()),
                          args={"tier": "ram" if a < self._R else "ssd",
                                "from_peers": self._fill_from_peers - peers0, "filled": b})
+
+    def _wait_done(self, pos: np.ndarray, timeout: Optional[float] = None) -> bool:
+        """Wait until positions ``pos`` of this rank's tiers are done (written by this
+        rank's reader or fill threads); False if the store stops or ``timeout`` passes."""
+        with self._done_cv:
+            return self._done_cv.wait_for(
+                lambda: self._stop.is_set() or bool((self._state[pos] == _DONE).all()),
+                timeout) and not self._stop.is_set()
+
+    def _fill_holes(self, lo: int, hi: int) -> None:
+        """Fill positions in [lo, hi) the fill jumped over and no reader took, wait
+        for those a reader is still writing, and publish the whole prefix."""
+        order = self.fill_order
+        while not self._stop.is_set():
+            with self._lock:
+                holes = np.flatnonzero(self._state[lo:hi] != _DONE) + lo
+            if not len(holes):
+                self._advance()
+                return
+            chunk = holes[:_CHUNK_SAMPLES]
+            got = self._claim(chunk)
+            self._load(order[chunk[got]], chunk[got], wait=self.peer_wait)
+            if not self._wait_done(chunk):
+                return
+            self._advance()
 
     def _advance(self) -> None:
         """Publish the longest complete prefix of the fill order (chunks finish out of
@@ -543,6 +579,7 @@ class ClairvoyantStore(SampleStore):
     def _fill_loop(self, tier: str, hi: int) -> None:
         try:
             self._fill_chunks(tier, hi)
+            self._fill_holes(0 if tier == "ram" else self._R, hi)
         except BaseException as e:  # surfaced by the next get_many
             self._fill_error = e
 
@@ -724,17 +761,17 @@ class ClairvoyantStore(SampleStore):
         # it now and keep it (the fill will skip it), so the PFS serves it only once
         need = np.flatnonzero(mine & ~local)
         if len(need):
+            front = int(lpos[need].max())
+            if front > self._need_front:
+                self._need_front = front
             u, first = np.unique(lpos[need], return_index=True)
             got = self._claim(u)
             self._load(ids[need[first[got]]], u[got], wait=0.0)
             # the rest are being written by the fill thread right now: wait for it
             # rather than read them twice
             busy = u[~got]
-            deadline = time.perf_counter() + self.peer_wait
-            wait = Backoff()
-            while len(busy) and (self._state[busy] == _WRITING).any() and \
-                    time.perf_counter() < deadline:
-                wait.sleep()
+            if len(busy):
+                self._wait_done(busy, timeout=self.peer_wait)
             local = mine & ((lpos < self._filled) | self._done_at(lpos))
         exchanged: Optional[list] = None
         t_exchange = 0.0
