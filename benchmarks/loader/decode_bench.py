@@ -6,6 +6,10 @@ contender, side by side in one run:
   ``num_workers=W``, persistent workers, prefetch factor 4;
 * forebay preload (the packed dataset in memory) and direct (read from the packed
   shards), ``workers=W``;
+* mosaicml-streaming (``StreamingDataset`` over local MDS shards) and litdata
+  (``StreamingDataset`` over ``optimize`` chunks, ``StreamingDataLoader``), the same
+  transform in their ``__getitem__``, ``num_workers=W``, when importable (see
+  ``peers_bench.py`` for how to install them beside the pinned torch);
 * the decode ceiling: the transform alone over every image in one process, divided by
   W (perfect parallel scaling, no loading at all).
 
@@ -51,6 +55,48 @@ class Folder(torch.utils.data.Dataset):
         return T({"image": path.read_bytes(), "label": label})
 
 
+def _peer_datasets(src: Path, out: Path, items) -> dict:
+    """The JPEGs as MDS shards and litdata chunks, and a factory of each peer's dataset
+    with the transform; {} for a peer that is not installed."""
+    import importlib.util
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peers_bench import _streaming
+
+    made: dict = {}
+    if importlib.util.find_spec("streaming") is not None:
+        sb = _streaming()
+        mds = out / f"{src.name}-mds"
+        if not mds.exists():
+            with sb.MDSWriter(out=str(mds), columns={"image": "bytes", "label": "int"},
+                              size_limit=64 << 20) as w:
+                for f, label in items:
+                    w.write({"image": f.read_bytes(), "label": label})
+
+        class TStreaming(sb.StreamingDataset):
+            def __getitem__(self, i):
+                s = super().__getitem__(i)
+                return T({"image": s["image"], "label": s["label"]})
+        made["mosaicml-streaming"] = lambda: TStreaming(local=str(mds), shuffle=True,
+                                                        shuffle_seed=0)
+    if importlib.util.find_spec("litdata") is not None:
+        import litdata
+        lit = out / f"{src.name}-litdata"
+        if not lit.exists():
+            litdata.optimize(fn=_lit_jpeg, inputs=[(str(f), label) for f, label in items],
+                             output_dir=str(lit), chunk_bytes="64MB", num_workers=1)
+
+        class TLit(litdata.StreamingDataset):
+            def __getitem__(self, i):
+                return T(super().__getitem__(i))
+        made["litdata"] = lambda: TLit(str(lit), shuffle=True, seed=0)
+    return made
+
+
+def _lit_jpeg(arg):
+    path, label = arg
+    return {"image": Path(path).read_bytes(), "label": label}
+
+
 def epoch_rate(make, epochs: int) -> float:
     """Images per second over an epoch (the images really processed: forebay's last
     batch is filled with repeats, torch's is short), median after a warm-up."""
@@ -78,6 +124,7 @@ def main() -> None:
     if not packed.exists():
         ingest(get_source("imagefolder", src), packed)
     items = [(f, i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
+    peers = _peer_datasets(src, a.out, items)
     # the decode ceiling: the transform alone, one process
     ds = forebay.open_dataset(packed)
     t0 = time.perf_counter()
@@ -112,8 +159,20 @@ def main() -> None:
         names = ["torch DataLoader", "forebay preload", "forebay direct"]
         makes = {"torch DataLoader": torch_dl, "forebay preload": fb("preload"),
                  "forebay direct": fb("direct")}
+        for pname, make_ds in peers.items():
+            if pname == "litdata":
+                import litdata
+                pl = litdata.StreamingDataLoader(make_ds(), batch_size=a.batch,
+                                                 num_workers=w)
+            else:
+                pl = torch.utils.data.DataLoader(make_ds(), batch_size=a.batch,
+                                                 num_workers=w, persistent_workers=True,
+                                                 prefetch_factor=4)
+            names.append(pname)
+            makes[pname] = lambda e, pl=pl: iter(pl)
+        k = len(names)
         for rep in range(a.reps):
-            for name in names[rep % 3:] + names[:rep % 3]:
+            for name in names[rep % k:] + names[:rep % k]:
                 r = epoch_rate(makes[name], a.epochs)
                 res.setdefault((w, name), []).append(r)
                 print(f"W={w} rep {rep} {name:<18} {r:,.0f} images/s", flush=True)

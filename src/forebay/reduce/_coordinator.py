@@ -172,6 +172,8 @@ def _close_all() -> None:
     from ._launch import _destroy_at_exit
 
     _destroy_at_exit()
+    import gc
+    gc.collect()        # groups held in reference cycles are freed while Python runs
 
 
 class Coordinator:
@@ -304,6 +306,13 @@ class Coordinator:
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(self.timeout_s + 5 if timeout is None else timeout)
+        elif self._thread.ident is None:
+            # never started (a DistributedOptimizer refused at construction): its groups
+            # are released here, not left to interpreter teardown, where destroying a
+            # gloo group aborts the process about once in 60 exits ("terminate called
+            # without an active exception")
+            self._dead = True
+            self._release_groups()
 
     @property
     def closed(self) -> bool:
@@ -346,7 +355,11 @@ class Coordinator:
     def _release_groups(self) -> None:
         """Destroy our communicators now rather than in interpreter teardown (where gloo's
         worker threads may be torn down mid-flight and abort the process)."""
-        for g in (self.ctrl_group, self.data_group if self._own_data_group else None):
+        groups = (self.ctrl_group, self.data_group if self._own_data_group else None)
+        if self._own_data_group:
+            self.data_group = None
+        self.ctrl_group = None       # no reference keeps a destroyed group alive until exit
+        for g in groups:
             if g is not None:
                 try:
                     dist.destroy_process_group(g)
