@@ -55,40 +55,58 @@ class Folder(torch.utils.data.Dataset):
         return T({"image": path.read_bytes(), "label": label})
 
 
-def _peer_datasets(src: Path, out: Path, items) -> dict:
-    """The JPEGs as MDS shards and litdata chunks, and a factory of each peer's dataset
-    with the transform; {} for a peer that is not installed."""
+def _peer_classes():
+    """The peers' datasets with the transform, as module-level classes (spawned workers
+    unpickle them by name); None for a peer that is not installed."""
     import importlib.util
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from peers_bench import _streaming
-
-    made: dict = {}
+    ts = tl = None
     if importlib.util.find_spec("streaming") is not None:
-        sb = _streaming()
-        mds = out / f"{src.name}-mds"
-        if not mds.exists():
-            with sb.MDSWriter(out=str(mds), columns={"image": "bytes", "label": "int"},
-                              size_limit=64 << 20) as w:
-                for f, label in items:
-                    w.write({"image": f.read_bytes(), "label": label})
+        from peers_bench import _streaming
 
-        class TStreaming(sb.StreamingDataset):
+        class TStreaming(_streaming().StreamingDataset):
             def __getitem__(self, i):
                 s = super().__getitem__(i)
                 return T({"image": s["image"], "label": s["label"]})
-        made["mosaicml-streaming"] = lambda: TStreaming(local=str(mds), shuffle=True,
-                                                        shuffle_seed=0)
+        ts = TStreaming
     if importlib.util.find_spec("litdata") is not None:
+        import litdata
+
+        class TLit(litdata.StreamingDataset):
+            def __getitem__(self, i):
+                return T(super().__getitem__(i))
+        tl = TLit
+    return ts, tl
+
+
+TStreaming, TLit = _peer_classes()
+for _c in (TStreaming, TLit):
+    if _c is not None:
+        _c.__qualname__ = _c.__name__        # importable by name from this module
+
+
+def _peer_datasets(src: Path, out: Path, items) -> dict:
+    """The JPEGs as MDS shards and litdata chunks, and a factory of each peer's dataset
+    with the transform; {} for a peer that is not installed."""
+    made: dict = {}
+    if TStreaming is not None:
+        from peers_bench import _streaming
+        mds = out / f"{src.name}-mds"
+        if not mds.exists():
+            with _streaming().MDSWriter(out=str(mds), columns={"image": "bytes",
+                                                               "label": "int"},
+                                        size_limit=64 << 20) as w:
+                for f, label in items:
+                    w.write({"image": f.read_bytes(), "label": label})
+        made["mosaicml-streaming"] = lambda bs: TStreaming(local=str(mds), shuffle=True,
+                                                           shuffle_seed=0, batch_size=bs)
+    if TLit is not None:
         import litdata
         lit = out / f"{src.name}-litdata"
         if not lit.exists():
             litdata.optimize(fn=_lit_jpeg, inputs=[(str(f), label) for f, label in items],
                              output_dir=str(lit), chunk_bytes="64MB", num_workers=1)
-
-        class TLit(litdata.StreamingDataset):
-            def __getitem__(self, i):
-                return T(super().__getitem__(i))
-        made["litdata"] = lambda: TLit(str(lit), shuffle=True, seed=0)
+        made["litdata"] = lambda bs: TLit(str(lit), shuffle=True, seed=0)
     return made
 
 
@@ -162,10 +180,10 @@ def main() -> None:
         for pname, make_ds in peers.items():
             if pname == "litdata":
                 import litdata
-                pl = litdata.StreamingDataLoader(make_ds(), batch_size=a.batch,
+                pl = litdata.StreamingDataLoader(make_ds(a.batch), batch_size=a.batch,
                                                  num_workers=w)
             else:
-                pl = torch.utils.data.DataLoader(make_ds(), batch_size=a.batch,
+                pl = torch.utils.data.DataLoader(make_ds(a.batch), batch_size=a.batch,
                                                  num_workers=w, persistent_workers=True,
                                                  prefetch_factor=4)
             names.append(pname)
