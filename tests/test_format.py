@@ -257,25 +257,25 @@ def test_batch_kernels_match_numpy_and_refuse_ranges_outside_buffers(tmp_path, m
     lay = ds.layout
     nf, ncols = len(ds.schema.fields), rows.shape[1]
     meta = np.empty(nf + 2 * nf + 3 * nf, np.int64)
-    size = B._native.batch_layout(rows, ncols, lay.nbytes_cols64, lay.itemsizes, 64, meta)
+    size = B._native.batch_layout(rows, ncols, lay.nbytes_cols, lay.itemsizes, 64, meta)
     src = ds.shard_buffer(0)
     out = np.zeros(size, np.uint8)
     dst = meta[nf:3 * nf]
     with pytest.raises(ValueError, match="out of bounds"):     # a record past the shard
-        B._native.gather_fields(src, rows, ncols, lay.off_cols64, lay.nbytes_cols64,
+        B._native.gather_fields(src, rows, ncols, lay.off_cols, lay.nbytes_cols,
                                 np.array([len(src) - 1, 0]), None, dst, out)
     with pytest.raises(ValueError, match="out of bounds"):     # output too small
-        B._native.gather_fields(src, rows, ncols, lay.off_cols64, lay.nbytes_cols64,
+        B._native.gather_fields(src, rows, ncols, lay.off_cols, lay.nbytes_cols,
                                 rows[:, 0].copy(), None, dst, np.zeros(1, np.uint8))
     with pytest.raises(ValueError, match="record starts"):     # mask and starts disagree
-        B._native.gather_fields(src, rows, ncols, lay.off_cols64, lay.nbytes_cols64,
+        B._native.gather_fields(src, rows, ncols, lay.off_cols, lay.nbytes_cols,
                                 rows[:, 0].copy(), np.array([True, False]), dst, out)
     bad = rows.copy()
-    bad[0, lay.nbytes_cols64[0]] = -8
+    bad[0, lay.nbytes_cols[0]] = -8
     with pytest.raises(ValueError, match="bytes"):
-        B._native.batch_layout(bad, ncols, lay.nbytes_cols64, lay.itemsizes, 64, meta)
+        B._native.batch_layout(bad, ncols, lay.nbytes_cols, lay.itemsizes, 64, meta)
     with pytest.raises(ValueError, match="wrong length"):
-        B._native.batch_layout(rows, ncols, lay.nbytes_cols64, lay.itemsizes, 64, meta[:3])
+        B._native.batch_layout(rows, ncols, lay.nbytes_cols, lay.itemsizes, 64, meta[:3])
 
 
 def test_native_extension_is_built_in_dev():

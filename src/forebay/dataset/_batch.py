@@ -216,13 +216,13 @@ def _assemble_native(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     ncols = rows.shape[1] if rows.ndim == 2 else 0
     meta = np.empty(nf + n * nf + (n + 1) * nf, dtype=np.int64)
-    size = _native.batch_layout(rows, ncols, layout.nbytes_cols64, layout.itemsizes,
+    size = _native.batch_layout(rows, ncols, layout.nbytes_cols, layout.itemsizes,
                                 ALIGN, meta)
     dst = meta[nf:nf + n * nf]
     out = np.empty(size, dtype=np.uint8) if alloc is None else alloc(size)
     for src, rec_start, sel in parts:
         t0 = time.perf_counter() if timings is not None else 0.0
-        _native.gather_fields(src, rows, ncols, layout.off_cols64, layout.nbytes_cols64,
+        _native.gather_fields(src, rows, ncols, layout.off_cols, layout.nbytes_cols,
                               np.ascontiguousarray(rec_start, dtype=np.int64),
                               _mask_of(sel, n), dst, out)
         if timings is not None:

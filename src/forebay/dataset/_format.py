@@ -61,12 +61,10 @@ class IndexLayout:
             self.columns += [f"{f.name}.shape{k}" for k in range(f.ndim)]
             self.shape[f.name] = slice(start, start + f.ndim)
         self.ncols = len(self.columns)
-        self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.intp)
-        self.off_cols = np.array([self.off[f.name] for f in schema.fields], dtype=np.intp)
+        # int64: numpy indexes with them, the C kernel reads them as int64_t
+        self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.int64)
+        self.off_cols = np.array([self.off[f.name] for f in schema.fields], dtype=np.int64)
         self.itemsizes = np.array([f.dtype.itemsize for f in schema.fields], dtype=np.int64)
-        #: the same columns as int64 (what the C kernel takes)
-        self.nbytes_cols64 = self.nbytes_cols.astype(np.int64)
-        self.off_cols64 = self.off_cols.astype(np.int64)
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,6 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 300.0,
                                       master_listen_fd=listener.detach())
             else:
                 store = dist.TCPStore(addr, mport_n, size, False, timeout)
-        except OSError as exc:
-            raise ReduceError(f"rank {rank} of {size} could not reach the rendezvous at "
-                              f"{where}: {exc}") from exc
         except Exception as exc:
             raise ReduceError(f"rank {rank} of {size} could not join the rendezvous at "
                               f"{where}: {exc}") from exc

@@ -233,7 +233,7 @@ class ArrayStore(Releasable):
                              "... epoch_end(), or `with store.epoch():`), so no read can "
                              "see a row a peer is updating")
         raise NameNotFoundError(f"no variable {name!r} in the store (it has "
-                       f"{', '.join(map(repr, self.vars))})")
+                                f"{', '.join(map(repr, self.vars))})")
 
     def _out(self, v: _Var, count: int, out: Optional[np.ndarray]) -> np.ndarray:
         if out is None:

@@ -487,14 +487,11 @@ class ClairvoyantStore(SampleStore):
             if chunk is None:
                 return
             a, b = chunk
-            pos = np.arange(a, b)
-            got = self._claim(pos)
             t0 = time.perf_counter()
             peers0 = self._fill_from_peers
-            self._load(order[a:b][got], pos[got], wait=self.peer_wait)
-            if not self._wait_done(pos):   # a reader is writing one of them
+            got = self._fill_positions(np.arange(a, b))
+            if got is None:
                 return
-            self._advance()
             rec = _trace.active()
             if rec is not None:
                 rec.span("cache", "fill", t0, time.perf_counter(), count=int(got.sum()),
@@ -510,22 +507,28 @@ class ClairvoyantStore(SampleStore):
                 lambda: self._stop.is_set() or bool((self._state[pos] == _DONE).all()),
                 timeout) and not self._stop.is_set()
 
+    def _fill_positions(self, pos: np.ndarray) -> Optional[np.ndarray]:
+        """Load the fill positions ``pos`` nobody claimed yet, wait for those a reader
+        is writing, publish the prefix; which ones this thread loaded (None: the store
+        stopped)."""
+        got = self._claim(pos)
+        self._load(self.fill_order[pos[got]], pos[got], wait=self.peer_wait)
+        if not self._wait_done(pos):
+            return None
+        self._advance()
+        return got
+
     def _fill_holes(self, lo: int, hi: int) -> None:
         """Fill positions in [lo, hi) the fill jumped over and no reader took, wait
         for those a reader is still writing, and publish the whole prefix."""
-        order = self.fill_order
         while not self._stop.is_set():
             with self._lock:
                 holes = np.flatnonzero(self._state[lo:hi] != _DONE) + lo
             if not len(holes):
                 self._advance()
                 return
-            chunk = holes[:_CHUNK_SAMPLES]
-            got = self._claim(chunk)
-            self._load(order[chunk[got]], chunk[got], wait=self.peer_wait)
-            if not self._wait_done(chunk):
+            if self._fill_positions(holes[:_CHUNK_SAMPLES]) is None:
                 return
-            self._advance()
 
     def _advance(self) -> None:
         """Publish the longest complete prefix of the fill order (chunks finish out of
