@@ -245,21 +245,23 @@ def _trace_input(path: str) -> None:
 
 
 def cmd_analyze(a: argparse.Namespace) -> int:
-    from .trace import analyze, format_summary
-    from .trace import read_traces
+    from .trace import analyze, format_summary, plot_all, read_traces, write_html
 
     _trace_input(a.trace_dir)
-    ev = read_traces(a.trace_dir)
-    res = analyze(a.trace_dir, events=ev)
+    prog = _progress()
+    prog.start(None, "reading the trace", unit="event")
+    with prog:
+        if a.plots or a.html:   # the plots draw every event: only then are they all held
+            ev = read_traces(a.trace_dir, progress=prog)
+            res = analyze(a.trace_dir, events=ev)
+        else:                   # a stream: memory does not grow with the trace
+            ev, res = None, analyze(a.trace_dir, progress=prog)
     summary = format_summary(res)
     print(summary)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {a.json}")
-    pngs = []
-    if a.plots or a.html:
-        from .trace import plot_all, write_html
-
+    if ev is not None:
         pngs = plot_all(ev, res, a.plots or Path(a.html).with_suffix("").as_posix() + "_plots")
         print("wrote " + ", ".join(str(p) for p in pngs))
         if a.html:

@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._read import Events, read_traces
+from ._read import CHUNK, Columns, Events, Scanner, Strings
 
-__all__ = ["analyze", "classify", "union_length", "format_summary", "CLASSES"]
+__all__ = ["analyze", "classify", "union_length", "format_summary", "CLASSES", "EXACT"]
 
 #: what each time class is made of (categories, lower-case)
 CLASSES = {
@@ -33,54 +33,161 @@ CLASSES = {
 }
 STALL = ("dataloader", "fetch.iter")
 _Q = (0, 25, 50, 75, 100)
+_READS = {"read", "pread", "pread64", "readv", "preadv", "fread"}
+_WRITES = {"write", "pwrite", "pwrite64", "writev", "fwrite"}
+#: values of one kind kept for exact percentiles; beyond, a histogram (see Quantiles)
+EXACT = 1 << 16
+
+
+def _table(strings: Strings, pred: Any) -> np.ndarray:
+    """``pred`` of every distinct string, indexable by code."""
+    return np.fromiter((bool(pred(v)) for v in strings.values), dtype=bool,
+                       count=len(strings.values))
+
+
+def _masks(c: Columns, strings: Strings) -> dict[str, np.ndarray]:
+    """Masks of the time classes, the stalls, sample fetches, dataset-file reads and
+    POSIX calls of one chunk."""
+    t = {k: _table(strings, lambda v, cats=cats: v in cats) for k, cats in CLASSES.items()}
+    cls = {k: m[c.cat_code] for k, m in t.items()}
+    # DFTracer's iteration wrappers: "X.iter" is the wait for the next item (kept),
+    # "X.block" the loop body that follows (the user's work, not I/O)
+    cls["app_io"] &= ~_table(strings, lambda v: v.endswith(".block"))[c.name_code]
+
+    def named(cat: Any, names: Any) -> np.ndarray:
+        return _table(strings, cat)[c.cat_code] & _table(strings, names)[c.name_code]
+
+    cls["stall"] = named(lambda v: v == STALL[0], lambda v: v == STALL[1])
+    cls["item"] = named(lambda v: v == "data", lambda v: v == "item")
+    cls["reads"] = named(lambda v: v == "reader", lambda v: v == "read")
+    posix = lambda v: v in ("posix", "stdio")  # noqa: E731
+    cls["posix"] = named(posix, lambda v: True)
+    cls["posix_read"] = named(posix, lambda v: v in _READS)
+    cls["posix_write"] = named(posix, lambda v: v in _WRITES)
+    return cls
 
 
 def classify(ev: Events) -> dict[str, np.ndarray]:
     """Masks of the time classes (:data:`CLASSES`) and of the stalls."""
-    cls = {c: np.isin(ev.cat, list(cats)) for c, cats in CLASSES.items()}
-    # DFTracer's iteration wrappers: "X.iter" is the wait for the next item (kept),
-    # "X.block" the loop body that follows (the user's work, not I/O)
-    body = np.array([n.endswith(".block") for n in ev.name.tolist()], dtype=bool)
-    cls["app_io"] &= ~body
-    cls["stall"] = (ev.cat == STALL[0]) & (ev.name == STALL[1])
-    return cls
+    m = _masks(ev, ev.strings)
+    return {k: m[k] for k in (*CLASSES, "stall")}
 
 
-def union_length(start: np.ndarray, end: np.ndarray) -> float:
-    """Length of the union of intervals ``[start, end)`` (any order, may overlap)."""
+def _merge(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals ``[start, end)`` (any order, may overlap) as sorted
+    disjoint segments."""
     if len(start) == 0:
-        return 0.0
+        return np.zeros(0), np.zeros(0)
     o = np.argsort(start, kind="stable")
     s, e = start[o], end[o]
     reach = np.maximum.accumulate(e)
     # a new merged segment starts where an interval begins after everything before ended
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] > reach[:-1]
-    seg = np.cumsum(new) - 1
-    seg_start = s[new]
-    seg_end = np.zeros(len(seg_start))
-    np.maximum.at(seg_end, seg, reach)
-    return float((seg_end - seg_start).sum())
+    last = np.ones(len(s), dtype=bool)
+    last[:-1] = new[1:]
+    return s[new], reach[last]
 
 
-def _stats(x: np.ndarray) -> Optional[dict[str, float]]:
-    x = x[~np.isnan(x)]
-    if not len(x):
-        return None
-    q = np.percentile(x, _Q)
-    return {"min": float(q[0]), "p25": float(q[1]), "mean": float(x.mean()),
-            "median": float(q[2]), "p75": float(q[3]), "max": float(q[4])}
+def union_length(start: np.ndarray, end: np.ndarray) -> float:
+    """Length of the union of intervals ``[start, end)`` (any order, may overlap)."""
+    s, e = _merge(start, end)
+    return float((e - s).sum())
 
 
-def _pcts(x: np.ndarray) -> dict[str, float]:
-    p50, p95, p99 = np.percentile(x, [50, 95, 99])
-    return {"count": int(len(x)), "p50": float(p50), "p95": float(p95), "p99": float(p99),
-            "mean": float(x.mean())}
+class _Union:
+    """A union of intervals fed in pieces: memory grows with its disjoint segments
+    (about one per step for a training loop), not with the intervals."""
+
+    def __init__(self) -> None:
+        self.s, self.e = np.zeros(0), np.zeros(0)
+
+    def add(self, s: np.ndarray, e: np.ndarray) -> None:
+        if not len(s):
+            return
+        # segments that end before the new intervals begin stay as they are: a trace
+        # written as events end touches only the last few
+        cut = int(np.searchsorted(self.e, s.min(), side="left"))
+        ts, te = _merge(np.concatenate([self.s[cut:], s]), np.concatenate([self.e[cut:], e]))
+        self.s, self.e = np.concatenate([self.s[:cut], ts]), np.concatenate([self.e[:cut], te])
+
+    def update(self, other: "_Union") -> None:
+        self.add(other.s, other.e)
+
+    def length(self) -> float:
+        return float((self.e - self.s).sum())
 
 
-def _sizes(ev: Events) -> np.ndarray:
+class Quantiles:
+    """Count, mean, min, max and percentiles of a stream of values (NaN ignored).
+
+    Exact (``np.percentile``) up to :data:`EXACT` values; beyond, the values go into a
+    histogram of 1%-wide logarithmic bins (positive and negative, and zero), so a
+    percentile is within 1% of the exact one (one bin), min, max, mean and count stay
+    exact, and memory stays under 80 KiB whatever the count.
+    """
+
+    _LOG = np.log(1.01)
+    _LO, _NB = -1400, 4900        # bins cover 1.01**-1400 (1e-6) .. 1.01**3500 (1e15)
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+        self.lo, self.hi = np.inf, -np.inf
+        self._vals: list[np.ndarray] = []
+        self._hist: Optional[np.ndarray] = None   # [negative bins, zero, positive bins]
+
+    def add(self, x: np.ndarray) -> None:
+        x = x[~np.isnan(x)]
+        if not len(x):
+            return
+        self.n += len(x)
+        self.total += float(x.sum())
+        self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
+        if self._hist is None:
+            self._vals.append(x)
+            if self.n <= EXACT:
+                return
+            x = np.concatenate(self._vals)
+            self._vals = []
+            self._hist = np.zeros(2 * self._NB + 1, dtype=np.int64)
+        self._hist += np.bincount(self._bin(x), minlength=len(self._hist))
+
+    def _bin(self, x: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore"):
+            k = np.floor(np.log(np.abs(x)) / self._LOG) - self._LO
+        k = np.clip(np.nan_to_num(k, neginf=0), 0, self._NB - 1).astype(np.int64)
+        return np.where(x > 0, self._NB + 1 + k, np.where(x < 0, self._NB - 1 - k, self._NB))
+
+    def _value(self, b: np.ndarray) -> np.ndarray:
+        k = np.abs(b - self._NB) - 1
+        v = np.exp((k + self._LO + 0.5) * self._LOG) * np.sign(b - self._NB)
+        return np.clip(v, self.lo, self.hi)
+
+    def percentile(self, q: "tuple[float, ...] | list[float]") -> np.ndarray:
+        if self._hist is None:
+            return np.percentile(np.concatenate(self._vals), q)
+        cum = np.cumsum(self._hist)
+        rank = np.asarray(q, dtype=np.float64) / 100 * (self.n - 1)
+        v = self._value(np.searchsorted(cum, rank, side="right"))
+        v[np.asarray(q) == 0], v[np.asarray(q) == 100] = self.lo, self.hi
+        return v
+
+    def stats(self) -> Optional[dict[str, float]]:
+        if not self.n:
+            return None
+        q = self.percentile(_Q)
+        return {"min": self.lo, "p25": float(q[1]), "mean": self.total / self.n,
+                "median": float(q[2]), "p75": float(q[3]), "max": self.hi}
+
+    def pcts(self) -> dict[str, float]:
+        p50, p95, p99 = self.percentile((50, 95, 99))
+        return {"count": self.n, "p50": float(p50), "p95": float(p95), "p99": float(p99),
+                "mean": self.total / self.n}
+
+
+def _sizes(c: Columns) -> np.ndarray:
     """Bytes of each event: image_size, else ret (POSIX), else size."""
-    n = ev.num
+    n = c.num
     out = n["image_size"].copy()
     for k in ("ret", "size"):
         m = np.isnan(out)
@@ -89,141 +196,227 @@ def _sizes(ev: Events) -> np.ndarray:
     return out
 
 
-def analyze(directory: "str | Path", events: Optional[Events] = None) -> dict[str, Any]:
-    """Summary of every trace file under ``directory`` (see the module docstring)."""
-    ev = read_traces(directory) if events is None else events
-    rank = ev.rank
-    ranks = sorted(set(rank.tolist()))
-    end = ev.ts + ev.dur
-    cls = classify(ev)
-    stall = cls.pop("stall")
-    item = (ev.cat == "data") & (ev.name == "item")
-    sizes = _sizes(ev)
-    out: dict[str, Any] = {"files": len(ev.files), "ranks": len(ranks), "events": len(ev),
-                           "skipped": list(ev.skipped)}
-    per_rank = []
-    for r in ranks:
-        m = rank == r
-        t: dict[str, Any] = {}
-        span_m = m  # the ai_root span covers the traced part of the run
-        t["job_time_s"] = float(end[span_m].max() - ev.ts[span_m].min()) / 1e6 if span_m.any() \
-            else 0.0
-        u = {c: (ev.ts[m & cls[c]], end[m & cls[c]]) for c in cls}
-        comp = union_length(*u["compute"])
-        t["compute_time_s"] = comp / 1e6
-        # DLIO's accelerator utilisation: compute over the rank's job time
-        t["accelerator_utilization"] = (t["compute_time_s"] / t["job_time_s"]
-                                        if t["job_time_s"] > 0 and comp > 0 else None)
-        for c in ("app_io", "io"):
-            alone = union_length(*u[c])
-            both = union_length(np.concatenate([u[c][0], u["compute"][0]]),
-                                np.concatenate([u[c][1], u["compute"][1]]))
-            t[f"{c}_time_s"] = alone / 1e6
-            t[f"unoverlapped_{c}_s"] = (both - comp) / 1e6
-        io_any = m & (cls["io"] | cls["app_io"])
-        both = union_length(np.concatenate([ev.ts[io_any], u["compute"][0]]),
-                            np.concatenate([end[io_any], u["compute"][1]]))
-        t["unoverlapped_compute_s"] = (both - union_length(ev.ts[io_any], end[io_any])) / 1e6
-        t["stall_s"] = float(ev.dur[m & stall].sum()) / 1e6
-        t["steps"] = int((m & stall).sum())
-        t["fetches"] = int((m & item).sum())
-        t["start_us"] = float(ev.ts[span_m].min()) if span_m.any() else float("nan")
-        per_rank.append({"rank": r, **t})
-    keys = ("app_io_time_s", "unoverlapped_app_io_s", "io_time_s", "unoverlapped_io_s",
-            "compute_time_s", "unoverlapped_compute_s", "stall_s")
-    out["job_time_s"] = max((p["job_time_s"] for p in per_rank), default=0.0)
-    for k in keys:
-        out[k] = float(np.mean([p[k] for p in per_rank])) if per_rank else 0.0
-    aus = [p["accelerator_utilization"] for p in per_rank
-           if p["accelerator_utilization"] is not None]
-    out["accelerator_utilization"] = float(np.mean(aus)) if aus else None
-    out["accelerator_utilization_min"] = float(min(aus)) if aus else None
-    out["stall_total_s"] = float(ev.dur[stall].sum()) / 1e6
-    out["steps"] = int(stall.sum())
-    if stall.any():
-        per_step = ev.dur[stall] / 1e3
-        out["stall_per_step_ms"] = {"mean": float(per_step.mean()),
-                                    **{k: float(v) for k, v in zip(
-                                        ("p50", "p95", "p99", "max"),
-                                        np.percentile(per_step, [50, 95, 99, 100]))}}
-    starts = [p["start_us"] for p in per_rank if not np.isnan(p["start_us"])]
-    if len(starts) > 1:
-        spread = (max(starts) - min(starts)) / 1e6
-        if spread > max(60.0, out["job_time_s"]):
-            out["skipped"].append(f"clock skew: ranks' first events are {spread:.0f} s apart "
-                                  f"(longer than the job); each rank's times are measured on "
-                                  f"its own clock")
-    for p in per_rank:
-        p.pop("start_us")
-    # fetches: latency per source (DDStore Table 2) and where samples came from (NoPFS)
-    lat: dict[str, Any] = {}
-    lat_tier: dict[str, Any] = {}
-    srcs: dict[str, Any] = {}
-    n_items = int(item.sum())
-    for s in sorted(set(ev.source[item].tolist())):
-        m = item & (ev.source == s)
-        lat[s or "unknown"] = _pcts(ev.dur[m])
-        b = sizes[m]
-        srcs[s or "unknown"] = {"count": int(m.sum()), "bytes": int(np.nansum(b)),
-                                "share": float(m.sum() / n_items)}
-    for s in sorted(set(ev.tier[item].tolist())):
-        m = item & (ev.tier == s)
-        lat_tier[s or "unknown"] = _pcts(ev.dur[m])
-    out["fetch_latency_us"] = lat
-    out["fetch_latency_by_tier_us"] = lat_tier
-    out["fetch_sources"] = srcs
-    out["fetch_sources_by_rank"] = {
-        int(r): {s: int(((rank == r) & item & (ev.source == s)).sum()) for s in srcs}
-        for r in ranks}
-    # what was read from the dataset files, against the dataset: bytes (the files' size)
-    # and records (NoPFS's PFS reads per sample)
-    reads = (ev.cat == "reader") & (ev.name == "read")
-    out["pfs_read_bytes"] = int(np.nansum(sizes[reads]))
-    out["pfs_reads"] = int(reads.sum())
-    nrec = ev.num["samples"][reads]
-    out["pfs_records_read"] = int(np.where(np.isnan(nrec), 1, nrec).sum())
-    datasets: dict[str, dict] = {}
-    for md in ev.meta:
-        if md.get("name") == "dataset" and "path" in md:
-            datasets[md["path"]] = md
-    if datasets:
-        nbytes = sum(int(m.get("file_bytes", m.get("record_bytes", 0))) for m in
-                     datasets.values())
-        nsamp = sum(int(m.get("samples", 0)) for m in datasets.values())
-        out["dataset_bytes"], out["dataset_samples"] = nbytes, nsamp
-        out["pfs_read_amplification"] = out["pfs_read_bytes"] / nbytes if nbytes else None
-        out["pfs_reads_per_sample"] = out["pfs_records_read"] / nsamp if nsamp else None
-    else:
-        out["dataset_bytes"] = out["dataset_samples"] = None
-        out["pfs_read_amplification"] = out["pfs_reads_per_sample"] = None
-    # POSIX-level I/O from DFTracer (any traced application)
-    posix = np.isin(ev.cat, ["posix", "stdio"])
-    if posix.any():
-        rd = posix & np.isin(ev.name, ["read", "pread", "pread64", "readv", "preadv", "fread"])
-        wr = posix & np.isin(ev.name, ["write", "pwrite", "pwrite64", "writev", "fwrite"])
-        out["posix"] = {"events": int(posix.sum()), "read_bytes": int(np.nansum(sizes[rd])),
-                        "write_bytes": int(np.nansum(sizes[wr])),
-                        "time_s": float(ev.dur[posix].sum()) / 1e6,
-                        "files": len(set(ev.fname[posix].tolist()) - {""})}
-    # per event name
-    by_name = []
-    keyarr = np.array([f"{c}\x00{n}" for c, n in zip(ev.cat.tolist(), ev.name.tolist())],
-                      dtype=object) if len(ev) else np.zeros(0, dtype=object)
-    for key in sorted(set(keyarr.tolist())):
-        m = keyarr == key
-        c, n = key.split("\x00")
-        by_name.append({"cat": c, "name": n, "count": int(m.sum()),
-                        "dur_us": _stats(ev.dur[m]), "size_bytes": _stats(sizes[m])})
-    by_name.sort(key=lambda d: -(d["dur_us"]["mean"] * d["count"] if d["dur_us"] else 0))
-    out["events_by_name"] = by_name
-    out["per_rank"] = per_rank
-    imb = {}
-    for k in ("job_time_s", "io_time_s", "compute_time_s", "stall_s", "fetches"):
-        v = np.array([p[k] for p in per_rank], dtype=np.float64)
-        if len(v) and v.mean() > 0:
-            imb[k] = float(v.max() / v.mean())
-    out["imbalance_max_over_mean"] = imb
-    return out
+_UNIONS = ("compute", "app_io", "io", "app_io+compute", "io+compute", "any", "any+compute")
+
+
+class _Proc:
+    """What the analysis keeps of one process: its span, its busy intervals, counts."""
+
+    def __init__(self) -> None:
+        self.t0, self.t1 = np.inf, -np.inf
+        self.u = {k: _Union() for k in _UNIONS}
+        self.stall_us = 0.0
+        self.steps = self.fetches = 0
+        self.by_source: dict[int, int] = {}
+
+    def update(self, o: "_Proc") -> None:
+        self.t0, self.t1 = min(self.t0, o.t0), max(self.t1, o.t1)
+        for k in _UNIONS:
+            self.u[k].update(o.u[k])
+        self.stall_us += o.stall_us
+        self.steps += o.steps
+        self.fetches += o.fetches
+        for s, n in o.by_source.items():
+            self.by_source[s] = self.by_source.get(s, 0) + n
+
+
+class _Analysis:
+    """The analysis fed chunk by chunk: memory grows with the number of distinct event
+    names, sources and processes and with the busy intervals (one per step), never with
+    the number of events."""
+
+    def __init__(self, strings: Strings) -> None:
+        self.strings = strings
+        self.events = 0
+        self.procs: dict[int, _Proc] = {}
+        self.stall = Quantiles()
+        self.src_lat: dict[int, Quantiles] = {}
+        self.src_bytes: dict[int, float] = {}
+        self.tier_lat: dict[int, Quantiles] = {}
+        self.reads = {"bytes": 0.0, "count": 0, "records": 0.0}
+        self.posix = {"events": 0, "read_bytes": 0.0, "write_bytes": 0.0, "time_us": 0.0}
+        self.posix_files: set[int] = set()
+        self.by_name: dict[tuple[int, int], tuple[Quantiles, Quantiles]] = {}
+
+    def add(self, c: Columns) -> None:
+        if not len(c):
+            return
+        self.events += len(c)
+        m = _masks(c, self.strings)
+        end = c.ts + c.dur
+        sizes = _sizes(c)
+        comp, app, io = m["compute"], m["app_io"], m["io"]
+        any_io = io | app
+        unions = {"compute": comp, "app_io": app, "io": io, "app_io+compute": app | comp,
+                  "io+compute": io | comp, "any": any_io, "any+compute": any_io | comp}
+        for p in np.unique(c.proc).tolist():
+            mp = c.proc == p
+            q = self.procs.setdefault(p, _Proc())
+            q.t0, q.t1 = min(q.t0, float(c.ts[mp].min())), max(q.t1, float(end[mp].max()))
+            for k, sel in unions.items():
+                w = mp & sel
+                q.u[k].add(c.ts[w], end[w])
+            q.stall_us += float(c.dur[mp & m["stall"]].sum())
+            q.steps += int((mp & m["stall"]).sum())
+            q.fetches += int((mp & m["item"]).sum())
+            src, n = np.unique(c.source_code[mp & m["item"]], return_counts=True)
+            for s, k in zip(src.tolist(), n.tolist()):
+                q.by_source[s] = q.by_source.get(s, 0) + k
+        self.stall.add(c.dur[m["stall"]])
+        item = m["item"]
+        for s in np.unique(c.source_code[item]).tolist():
+            w = item & (c.source_code == s)
+            self.src_lat.setdefault(s, Quantiles()).add(c.dur[w])
+            self.src_bytes[s] = self.src_bytes.get(s, 0.0) + float(np.nansum(sizes[w]))
+        for s in np.unique(c.tier_code[item]).tolist():
+            self.tier_lat.setdefault(s, Quantiles()).add(c.dur[item & (c.tier_code == s)])
+        r = m["reads"]
+        nrec = c.num["samples"][r]
+        self.reads["bytes"] += float(np.nansum(sizes[r]))
+        self.reads["count"] += int(r.sum())
+        self.reads["records"] += float(np.where(np.isnan(nrec), 1, nrec).sum())
+        px = m["posix"]
+        if px.any():
+            self.posix["events"] += int(px.sum())
+            self.posix["read_bytes"] += float(np.nansum(sizes[m["posix_read"]]))
+            self.posix["write_bytes"] += float(np.nansum(sizes[m["posix_write"]]))
+            self.posix["time_us"] += float(c.dur[px].sum())
+            self.posix_files.update(np.unique(c.fname_code[px]).tolist())
+        key = c.cat_code.astype(np.int64) << 32 | c.name_code.astype(np.int64)
+        order = np.argsort(key, kind="stable")
+        ks, starts = np.unique(key[order], return_index=True)
+        for k, part in zip(ks.tolist(), np.split(order, starts[1:])):
+            d, z = self.by_name.setdefault((k >> 32, k & 0xFFFFFFFF),
+                                           (Quantiles(), Quantiles()))
+            d.add(c.dur[part])
+            z.add(sizes[part])
+
+    def result(self, procs: list[dict[str, Any]], rank_of: np.ndarray, fname_map: np.ndarray,
+               meta: list[dict[str, Any]], skipped: list[str], nfiles: int) -> dict[str, Any]:
+        val = self.strings.values
+        by_rank: dict[int, _Proc] = {}
+        for p, q in sorted(self.procs.items()):
+            by_rank.setdefault(int(rank_of[p]), _Proc()).update(q)
+        out: dict[str, Any] = {"files": nfiles, "ranks": len(by_rank), "events": self.events,
+                               "skipped": list(skipped)}
+        per_rank = []
+        for r, q in sorted(by_rank.items()):
+            t: dict[str, Any] = {}
+            t["job_time_s"] = (q.t1 - q.t0) / 1e6
+            comp = q.u["compute"].length()
+            t["compute_time_s"] = comp / 1e6
+            # DLIO's accelerator utilisation: compute over the rank's job time
+            t["accelerator_utilization"] = (t["compute_time_s"] / t["job_time_s"]
+                                            if t["job_time_s"] > 0 and comp > 0 else None)
+            for k in ("app_io", "io"):
+                t[f"{k}_time_s"] = q.u[k].length() / 1e6
+                t[f"unoverlapped_{k}_s"] = (q.u[f"{k}+compute"].length() - comp) / 1e6
+            t["unoverlapped_compute_s"] = (q.u["any+compute"].length()
+                                           - q.u["any"].length()) / 1e6
+            t["stall_s"] = q.stall_us / 1e6
+            t["steps"] = q.steps
+            t["fetches"] = q.fetches
+            per_rank.append({"rank": r, **t})
+        keys = ("app_io_time_s", "unoverlapped_app_io_s", "io_time_s", "unoverlapped_io_s",
+                "compute_time_s", "unoverlapped_compute_s", "stall_s")
+        out["job_time_s"] = max((p["job_time_s"] for p in per_rank), default=0.0)
+        for k in keys:
+            out[k] = float(np.mean([p[k] for p in per_rank])) if per_rank else 0.0
+        aus = [p["accelerator_utilization"] for p in per_rank
+               if p["accelerator_utilization"] is not None]
+        out["accelerator_utilization"] = float(np.mean(aus)) if aus else None
+        out["accelerator_utilization_min"] = float(min(aus)) if aus else None
+        out["stall_total_s"] = self.stall.total / 1e6
+        out["steps"] = self.stall.n
+        if self.stall.n:
+            pct = self.stall.percentile((50, 95, 99, 100)) / 1e3
+            out["stall_per_step_ms"] = {"mean": self.stall.total / self.stall.n / 1e3,
+                                        **{k: float(v) for k, v in zip(
+                                            ("p50", "p95", "p99", "max"), pct)}}
+        starts = [q.t0 for q in by_rank.values()]
+        if len(starts) > 1:
+            spread = (max(starts) - min(starts)) / 1e6
+            if spread > max(60.0, out["job_time_s"]):
+                out["skipped"].append(f"clock skew: ranks' first events are {spread:.0f} s "
+                                      f"apart (longer than the job); each rank's times are "
+                                      f"measured on its own clock")
+        # fetches: latency per source (DDStore Table 2) and where samples came from (NoPFS)
+        label = lambda s: val[s] or "unknown"  # noqa: E731
+        n_items = sum(q.n for q in self.src_lat.values())
+        srcs = sorted(self.src_lat, key=lambda s: val[s])
+        out["fetch_latency_us"] = {label(s): self.src_lat[s].pcts() for s in srcs}
+        out["fetch_latency_by_tier_us"] = {
+            label(s): self.tier_lat[s].pcts() for s in sorted(self.tier_lat,
+                                                               key=lambda s: val[s])}
+        out["fetch_sources"] = {label(s): {"count": self.src_lat[s].n,
+                                           "bytes": int(self.src_bytes[s]),
+                                           "share": self.src_lat[s].n / n_items}
+                                for s in srcs}
+        out["fetch_sources_by_rank"] = {r: {label(s): q.by_source.get(s, 0) for s in srcs}
+                                        for r, q in sorted(by_rank.items())}
+        # what was read from the dataset files, against the dataset: bytes (the files'
+        # size) and records (NoPFS's PFS reads per sample)
+        out["pfs_read_bytes"] = int(self.reads["bytes"])
+        out["pfs_reads"] = int(self.reads["count"])
+        out["pfs_records_read"] = int(self.reads["records"])
+        datasets: dict[str, dict] = {}
+        for md in meta:
+            if md.get("name") == "dataset" and "path" in md:
+                datasets[md["path"]] = md
+        if datasets:
+            nbytes = sum(int(m.get("file_bytes", m.get("record_bytes", 0))) for m in
+                         datasets.values())
+            nsamp = sum(int(m.get("samples", 0)) for m in datasets.values())
+            out["dataset_bytes"], out["dataset_samples"] = nbytes, nsamp
+            out["pfs_read_amplification"] = out["pfs_read_bytes"] / nbytes if nbytes else None
+            out["pfs_reads_per_sample"] = out["pfs_records_read"] / nsamp if nsamp else None
+        else:
+            out["dataset_bytes"] = out["dataset_samples"] = None
+            out["pfs_read_amplification"] = out["pfs_reads_per_sample"] = None
+        # POSIX-level I/O from DFTracer (any traced application)
+        if self.posix["events"]:
+            files = {val[int(fname_map[f])] for f in self.posix_files} - {""}
+            out["posix"] = {"events": self.posix["events"],
+                            "read_bytes": int(self.posix["read_bytes"]),
+                            "write_bytes": int(self.posix["write_bytes"]),
+                            "time_s": self.posix["time_us"] / 1e6, "files": len(files)}
+        # per event name
+        by_name: list[dict[str, Any]] = []
+        for (c, n), (d, z) in sorted(self.by_name.items(),
+                                     key=lambda kv: f"{val[kv[0][0]]}\x00{val[kv[0][1]]}"):
+            by_name.append({"cat": val[c], "name": val[n], "count": d.n,
+                            "dur_us": d.stats(), "size_bytes": z.stats()})
+        by_name.sort(key=lambda d: -(d["dur_us"]["mean"] * d["count"] if d["dur_us"] else 0))
+        out["events_by_name"] = by_name
+        out["per_rank"] = per_rank
+        imb = {}
+        for k in ("job_time_s", "io_time_s", "compute_time_s", "stall_s", "fetches"):
+            v = np.array([p[k] for p in per_rank], dtype=np.float64)
+            if len(v) and v.mean() > 0:
+                imb[k] = float(v.max() / v.mean())
+        out["imbalance_max_over_mean"] = imb
+        return out
+
+
+def analyze(directory: "str | Path", events: Optional[Events] = None,
+            progress: Any = None, chunk: int = CHUNK) -> dict[str, Any]:
+    """Summary of every trace file under ``directory`` (see the module docstring), read
+    as a stream of ``chunk`` events at a time: memory grows with the distinct event
+    names and the steps, not with the trace.  ``events`` (from :func:`read_traces`)
+    analyses those instead."""
+    if events is not None:
+        a = _Analysis(events.strings)
+        a.add(events)
+        ident = np.arange(len(events.strings.values), dtype=np.int32)
+        rank_of = np.array([q["rank"] for q in events.procs], dtype=np.int64)
+        return a.result(events.procs, rank_of, ident, events.meta, events.skipped,
+                        len(events.files))
+    sc = Scanner(directory, chunk=chunk, progress=progress)
+    a = _Analysis(sc.strings)
+    for part in sc.chunks():
+        a.add(part)
+    sc.finish()
+    return a.result(sc.procs, sc.rank_of, sc.fname_map, sc.meta, sc.skipped, len(sc.files))
 
 
 def _t(s: float) -> str:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
-__all__ = ["Events", "read_traces", "trace_files"]
+__all__ = ["Columns", "Events", "Scanner", "Strings", "read_traces", "trace_files"]
 
 #: phases: DFTracer 2.x writes integers, Chrome JSON and legacy DFTracer letters
 _COMPLETE = {1, "X"}
@@ -27,27 +28,75 @@ _NUM_ARGS = ("image_idx", "image_size", "epoch", "step", "owner_rank", "hit", "c
 _PATTERNS = ("*.pfw", "*.pfw.gz", "*.json", "*.json.gz")
 
 
-@dataclass
-class Events:
-    """Complete events of every process in a trace directory, as columns."""
+class Strings:
+    """Every distinct string of a trace, numbered in order of first appearance: the
+    string columns hold these numbers (a trace repeats a few names millions of times)."""
 
-    proc: np.ndarray                     # index into ``procs``
-    cat: np.ndarray                      # lower-case category (object array)
-    name: np.ndarray
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.values: list[str] = []
+
+    def code(self, s: str) -> int:
+        c = self.index.get(s)
+        if c is None:
+            c = self.index[s] = len(self.values)
+            self.values.append(s)
+        return c
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        table = np.empty(len(self.values), dtype=object)
+        table[:] = self.values
+        return table[codes] if len(codes) else np.zeros(0, dtype=object)
+
+
+@dataclass
+class Columns:
+    """Complete events as columns; strings as numbers into a :class:`Strings` table."""
+
+    proc: np.ndarray                     # index into the processes (int64)
+    cat_code: np.ndarray                 # lower-case category (int32 codes)
+    name_code: np.ndarray
+    source_code: np.ndarray              # args.source or ""
+    tier_code: np.ndarray                # args.tier or ""
+    fname_code: np.ndarray               # file name (from fname or an FH record) or ""
     ts: np.ndarray                       # microseconds (float64)
     dur: np.ndarray
     tid: np.ndarray
     num: dict[str, np.ndarray]           # numeric args, NaN when absent
-    source: np.ndarray                   # args.source / args.tier or ""
-    tier: np.ndarray
-    fname: np.ndarray                    # file name (from fname or an FH record) or ""
-    procs: list[dict[str, Any]]          # per process: rank, pid, host, files
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+
+@dataclass
+class Events(Columns):
+    """Complete events of every process in a trace directory, as columns."""
+
+    strings: Strings = field(default_factory=Strings)
+    procs: list[dict[str, Any]] = field(default_factory=list)  # rank, pid, host, files
     meta: list[dict[str, Any]] = field(default_factory=list)  # metadata records' args
     skipped: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.ts)
+    @property
+    def cat(self) -> np.ndarray:
+        return self.strings.decode(self.cat_code)
+
+    @property
+    def name(self) -> np.ndarray:
+        return self.strings.decode(self.name_code)
+
+    @property
+    def source(self) -> np.ndarray:
+        return self.strings.decode(self.source_code)
+
+    @property
+    def tier(self) -> np.ndarray:
+        return self.strings.decode(self.tier_code)
+
+    @property
+    def fname(self) -> np.ndarray:
+        return self.strings.decode(self.fname_code)
 
     @property
     def rank(self) -> np.ndarray:
@@ -155,100 +204,175 @@ def _num(v: Any) -> float:
         return float("nan")
 
 
-def read_traces(directory: "str | Path") -> Events:
-    """Every event of every trace file under ``directory``."""
-    files = trace_files(directory)
-    skipped: list[str] = []
-    if not files:
-        skipped.append(f"{directory}: no trace files (*.pfw, *.pfw.gz, *.json, *.json.gz)")
-    cols: dict[str, list] = {k: [] for k in ("proc", "cat", "name", "ts", "dur", "tid",
-                                            "source", "tier", "fname")}
-    nums: dict[str, list] = {k: [] for k in _NUM_ARGS}
-    procs: list[dict[str, Any]] = []
-    proc_of: dict[tuple, int] = {}
-    fh: dict[str, str] = {}  # file hash -> name, from FH records
-    meta: list[dict[str, Any]] = []
-    no_dur = no_ts = bad_events = 0
-    for path in files:
-        for e in _records(path, skipped, skip_exports=len(files) > 1):
-            raw_args = e.get("args")
-            args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
-            ph, pid = e.get("ph"), e.get("pid")
-            if not isinstance(ph, (str, int, type(None))) or \
-                    not isinstance(pid, (str, int, type(None))):
-                bad_events += 1                   # a list or a map where a scalar goes
-                continue
-            key = (str(args.get("hhash", "")), pid)
-            p = proc_of.get(key)
-            if p is None:
-                p = proc_of[key] = len(procs)
-                procs.append({"pid": e.get("pid"), "hhash": key[0], "rank": None,
-                              "files": set(), "tool": None})
-            procs[p]["files"].add(path.name)
-            name = str(e.get("name", ""))
-            if ph in _METADATA:
-                if name == "FH" and "value" in args:
-                    fh[str(args["value"])] = str(args.get("name", ""))
-                elif name == "HH":
-                    procs[p]["host"] = args.get("name")
-                elif name not in ("thread_name", "process_name", "CM", "SH"):
-                    meta.append({"name": name, "proc": p, **args})
-                continue
-            if name == "start" and str(e.get("cat", "")).lower() == "dftracer":
-                rank = args.get("rank")
-                if isinstance(rank, str) and rank.isdigit():   # as some tools write it
-                    rank = int(rank)
-                if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
-                    procs[p]["rank"] = rank
-                elif rank is not None:
-                    bad_events += 1               # a rank that is no rank: ignored
-                procs[p]["tool"] = args.get("tool", "dftracer")
-                continue
-            if name == "end" and str(e.get("cat", "")).lower() == "dftracer":
-                continue
-            if ph not in _COMPLETE:
-                continue
-            ts, dur = _num(e.get("ts")), _num(e.get("dur"))
-            if np.isnan(ts):
-                no_ts += 1
-                continue
-            if np.isnan(dur):
-                no_dur += 1
-                continue
-            cols["proc"].append(p)
-            cols["cat"].append(str(e.get("cat", "")).lower())
-            cols["name"].append(name)
-            cols["ts"].append(ts)
-            cols["dur"].append(dur)
-            cols["tid"].append(e.get("tid", 0))
-            cols["source"].append(str(args.get("source", "")))
-            cols["tier"].append(str(args.get("tier", "")))
-            fn = args.get("fname")
-            if fn is None and "fhash" in args:
-                fn = ("#", str(args["fhash"]))  # resolved once every FH is known
-            cols["fname"].append(fn or "")
-            for k in _NUM_ARGS:
-                nums[k].append(_num(args.get(k)))
-    if bad_events:
-        skipped.append(f"{bad_events} malformed event(s) skipped (ph, pid or rank of the "
-                       f"wrong type)")
-    if no_dur:
-        skipped.append(f"{no_dur} complete event(s) without dur ignored")
-    if no_ts:
-        skipped.append(f"{no_ts} complete event(s) without ts ignored")
-    fnames = [fh.get(f[1], f[1]) if isinstance(f, tuple) else f for f in cols["fname"]]
-    for q in procs:
-        q["files"] = sorted(q["files"])
-    _assign_ranks(procs)
-    obj = lambda xs: np.array(xs, dtype=object) if xs else np.zeros(0, dtype=object)  # noqa: E731
-    return Events(proc=np.array(cols["proc"], dtype=np.int64),
-                  cat=obj(cols["cat"]), name=obj(cols["name"]),
-                  ts=np.array(cols["ts"], dtype=np.float64),
-                  dur=np.array(cols["dur"], dtype=np.float64),
-                  tid=np.array([_num(t) for t in cols["tid"]], dtype=np.float64),
-                  num={k: np.array(v, dtype=np.float64) for k, v in nums.items()},
-                  source=obj(cols["source"]), tier=obj(cols["tier"]), fname=obj(fnames),
-                  procs=procs, meta=meta, skipped=skipped, files=[str(f) for f in files])
+#: events per chunk of columns (a few MiB): the reader never holds more as Python objects
+CHUNK = 1 << 16
+_STR_COLS = ("cat_code", "name_code", "source_code", "tier_code", "fname_code")
+_FH = "\x00fh:"   # a file hash whose FH record may come later: resolved in finish()
+
+
+class Scanner:
+    """Reads the trace files under a directory as a stream of :class:`Columns` chunks.
+
+    ``chunks()`` yields them; after it is exhausted ``finish()`` assigns ranks to the
+    processes and resolves file hashes, and ``procs``, ``rank_of``, ``fname_map``,
+    ``meta`` and ``skipped`` describe the whole trace.  Memory: one chunk, the distinct
+    strings, one record per process; a Chrome JSON document is the exception (read
+    whole, as its format requires).
+    """
+
+    def __init__(self, directory: "str | Path", chunk: int = CHUNK,
+                 progress: Any = None) -> None:
+        self.directory = directory
+        self.files = trace_files(directory)
+        self.chunk = chunk
+        self.progress = progress
+        self.strings = Strings()
+        self.procs: list[dict[str, Any]] = []
+        self.meta: list[dict[str, Any]] = []
+        self.skipped: list[str] = []
+        self.events = 0
+        self.rank_of = np.zeros(0, dtype=np.int64)
+        self.fname_map = np.zeros(0, dtype=np.int32)
+        self._fh: dict[str, str] = {}        # file hash -> name, from FH records
+
+    def chunks(self) -> Iterator[Columns]:
+        code = self.strings.code
+        procs, skipped, meta, fh = self.procs, self.skipped, self.meta, self._fh
+        if not self.files:
+            skipped.append(f"{self.directory}: no trace files (*.pfw, *.pfw.gz, *.json, "
+                           f"*.json.gz)")
+        proc_of: dict[tuple, int] = {}
+        new = self._new_buffers
+        cols, nums = new()
+        no_dur = no_ts = bad_events = 0
+        empty = code("")
+        for path in self.files:
+            for e in _records(path, skipped, skip_exports=len(self.files) > 1):
+                raw_args = e.get("args")
+                args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
+                ph, pid = e.get("ph"), e.get("pid")
+                if not isinstance(ph, (str, int, type(None))) or \
+                        not isinstance(pid, (str, int, type(None))):
+                    bad_events += 1                   # a list or a map where a scalar goes
+                    continue
+                key = (str(args.get("hhash", "")), pid)
+                p = proc_of.get(key)
+                if p is None:
+                    p = proc_of[key] = len(procs)
+                    procs.append({"pid": e.get("pid"), "hhash": key[0], "rank": None,
+                                  "files": set(), "tool": None})
+                procs[p]["files"].add(path.name)
+                name = str(e.get("name", ""))
+                if ph in _METADATA:
+                    if name == "FH" and "value" in args:
+                        fh[str(args["value"])] = str(args.get("name", ""))
+                    elif name == "HH":
+                        procs[p]["host"] = args.get("name")
+                    elif name not in ("thread_name", "process_name", "CM", "SH"):
+                        meta.append({"name": name, "proc": p, **args})
+                    continue
+                cat = str(e.get("cat", "")).lower()
+                if name == "start" and cat == "dftracer":
+                    rank = args.get("rank")
+                    if isinstance(rank, str) and rank.isdigit():   # as some tools write it
+                        rank = int(rank)
+                    if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+                        procs[p]["rank"] = rank
+                    elif rank is not None:
+                        bad_events += 1               # a rank that is no rank: ignored
+                    procs[p]["tool"] = args.get("tool", "dftracer")
+                    continue
+                if name == "end" and cat == "dftracer":
+                    continue
+                if ph not in _COMPLETE:
+                    continue
+                ts, dur = _num(e.get("ts")), _num(e.get("dur"))
+                if ts != ts:                          # NaN
+                    no_ts += 1
+                    continue
+                if dur != dur:
+                    no_dur += 1
+                    continue
+                cols["proc"].append(p)
+                cols["cat_code"].append(code(cat))
+                cols["name_code"].append(code(name))
+                cols["ts"].append(ts)
+                cols["dur"].append(dur)
+                cols["tid"].append(_num(e.get("tid", 0)))
+                src, tier = args.get("source"), args.get("tier")
+                cols["source_code"].append(empty if src is None else code(str(src)))
+                cols["tier_code"].append(empty if tier is None else code(str(tier)))
+                fn = args.get("fname")
+                if fn is None and "fhash" in args:
+                    fn = _FH + str(args["fhash"])
+                cols["fname_code"].append(code(str(fn)) if fn else empty)
+                for k in _NUM_ARGS:
+                    v = args.get(k)
+                    nums[k].append(float("nan") if v is None else _num(v))
+                if len(cols["ts"]) >= self.chunk:
+                    yield self._columns(cols, nums)
+                    cols, nums = new()
+        if len(cols["ts"]):
+            yield self._columns(cols, nums)
+        if bad_events:
+            skipped.append(f"{bad_events} malformed event(s) skipped (ph, pid or rank of the "
+                           f"wrong type)")
+        if no_dur:
+            skipped.append(f"{no_dur} complete event(s) without dur ignored")
+        if no_ts:
+            skipped.append(f"{no_ts} complete event(s) without ts ignored")
+
+    @staticmethod
+    def _new_buffers() -> tuple[dict[str, array], dict[str, array]]:
+        cols: dict[str, array] = {k: array("q" if k == "proc" else "i")
+                                  for k in ("proc", *_STR_COLS)}
+        cols.update({k: array("d") for k in ("ts", "dur", "tid")})
+        return cols, {k: array("d") for k in _NUM_ARGS}
+
+    def _columns(self, cols: dict[str, array], nums: dict[str, array]) -> Columns:
+        a = {k: np.frombuffer(v, dtype=np.int64 if v.typecode == "q" else
+                              np.int32 if v.typecode == "i" else np.float64).copy()
+             for k, v in cols.items()}
+        self.events += len(a["ts"])
+        if self.progress is not None:
+            self.progress.update(len(a["ts"]))
+        return Columns(num={k: np.frombuffer(v, dtype=np.float64).copy()
+                            for k, v in nums.items()}, **a)
+
+    def finish(self) -> None:
+        """After the last chunk: ranks of the processes, file hashes to names."""
+        for q in self.procs:
+            q["files"] = sorted(q["files"])
+        _assign_ranks(self.procs)
+        self.rank_of = np.array([q["rank"] for q in self.procs], dtype=np.int64)
+        values = self.strings.values
+        self.fname_map = np.arange(len(values), dtype=np.int32)
+        for c, s in enumerate(list(values)):
+            if s.startswith(_FH):
+                h = s[len(_FH):]
+                self.fname_map[c] = self.strings.code(self._fh.get(h, h))
+
+
+def read_traces(directory: "str | Path", progress: Any = None) -> Events:
+    """Every event of every trace file under ``directory``, in memory (compact columns:
+    about 150 bytes per event).  :func:`forebay.trace.analyze` does not need this: it
+    reads a trace as a stream."""
+    sc = Scanner(directory, progress=progress)
+    parts = list(sc.chunks())
+    sc.finish()
+    if parts:
+        cols = {k: np.concatenate([getattr(c, k) for c in parts])
+                for k in ("proc", *_STR_COLS, "ts", "dur", "tid")}
+        num = {k: np.concatenate([c.num[k] for c in parts]) for k in _NUM_ARGS}
+    else:
+        cols = {k: np.zeros(0, dtype=np.int64 if k == "proc" else
+                            np.int32 if k in _STR_COLS else np.float64)
+                for k in ("proc", *_STR_COLS, "ts", "dur", "tid")}
+        num = {k: np.zeros(0) for k in _NUM_ARGS}
+    cols["fname_code"] = sc.fname_map[cols["fname_code"]] if len(parts) else \
+        cols["fname_code"]
+    return Events(num=num, strings=sc.strings, procs=sc.procs, meta=sc.meta,
+                  skipped=sc.skipped, files=[str(f) for f in sc.files], **cols)
 
 
 def _assign_ranks(procs: list[dict[str, Any]]) -> None:

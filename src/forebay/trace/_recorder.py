@@ -202,6 +202,9 @@ class Recorder:
         k = len(t0)
         c, n, tid = self.intern(cat), self.intern(name), self._tid()
         with self._lock:
+            # the spans so far first: the file stays in about the order events ended,
+            # which lets `forebay analyze` merge busy intervals as it reads
+            self._move_spans()
             r = self._reserve(k)
             r[:, :4] = (kind, n, c, tid)
             r[:, TS] = np.asarray(t0, dtype=np.float64).view(np.int64)
