@@ -399,6 +399,33 @@ def test_every_malformed_request_gets_an_error_reply(tmp_path, op, meta):
         _stop(p)
 
 
+@pytest.mark.parametrize("meta", [
+    {"tensors": "not a list"},                                              # TypeError
+    {"metadata": 1},                                                        # KeyError
+    {"tensors": [{"nbytes": 16, "hash": "0" * 32, "dtype": "x", "shape": {"a": 1}}]},
+    {"tensors": [{"nbytes": 8, "hash": "0" * 32, "dtype": "u1", "shape": [8]},
+                 {"nbytes": 8, "hash": [], "dtype": "u1", "shape": [8]}]},
+])
+def test_a_malformed_put_with_data_keeps_the_connection_in_step(tmp_path, meta):
+    """A PUT whose metadata fails after its header announced data: an ERR reply, and the
+    data is read and dropped, so the next request on the connection is answered (the
+    attack rerun found the provider reading the data as the next frame's header)."""
+    p, url = _serve(tmp_path, "memory://")
+    try:
+        s = _raw(url)
+        m = _packb(meta)
+        s.sendall(HEADER.pack(MAGIC, 1, OP["PUT"], 0, len(m), 16) + m + b"\x01" * 16)
+        got, reply = _reply(s)
+        assert got == OP["ERR"] and reply["kind"] != "protocol", reply
+        m = _packb({})
+        s.sendall(HEADER.pack(MAGIC, 1, OP["LIST"], 0, len(m), 0) + m)
+        got, reply = _reply(s)
+        assert got == OP["OK"] and reply == {"models": {}}, reply
+        s.close()
+    finally:
+        _stop(p)
+
+
 def test_a_provider_needs_a_token_unless_told_otherwise(tmp_path, cli):
     code, _, err = cli("models", "serve", "--listen", "127.0.0.1:0", "--store", "memory://")
     assert code == 2 and "token is required" in err

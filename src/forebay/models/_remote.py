@@ -93,6 +93,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _drain(sock: socket.socket, n: int) -> None:
+    """Read ``n`` bytes and drop them, 1 MiB at a time."""
+    buf = bytearray(min(n, 1 << 20))
+    while n > 0:
+        got = sock.recv_into(buf, min(n, len(buf)))
+        if got == 0:
+            raise ConnectionClosedError(f"connection closed with {n} bytes of a request left")
+        n -= got
+
+
 def _send(sock: socket.socket, op: int, meta: Any, data: Sequence[Any] = ()) -> None:
     """One frame, scatter-gather: header, meta and every data buffer in sendmsg calls."""
     m = _packb(meta)
@@ -168,6 +178,7 @@ class Provider(socketserver.ThreadingTCPServer):
 
 class _Handler(socketserver.BaseRequestHandler):
     server: Provider
+    _data_left = 0      # bytes of the current request's data not read yet
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -208,11 +219,15 @@ class _Handler(socketserver.BaseRequestHandler):
                 meta = _unpackb(_recv_exact(sock, mlen))
                 if not isinstance(meta, dict):
                     raise ProtocolError("frame metadata must be a map")
+                self._data_left = dlen
                 try:
                     self._dispatch(sock, op, meta, dlen)
                 except ProtocolError:
                     raise
                 except Exception as e:  # noqa: BLE001 - every malformed request gets an ERR
+                    # the request's data not read yet is read and dropped: the next frame
+                    # starts where the client thinks it does
+                    _drain(sock, self._data_left)
                     kind = "notfound" if isinstance(e, ModelNotFoundError) else \
                         "corrupt" if isinstance(e, CorruptModelError) else "error"
                     msg = str(e) if isinstance(e, ModelRepositoryError) else \
@@ -272,7 +287,8 @@ class _Handler(socketserver.BaseRequestHandler):
         for t, n in zip(items, sizes):
             data = np.empty(n, dtype=np.uint8)   # its own buffer: a memory store keeps it
             _recv_into(sock, data.data)
-            if bad is None and tensor_hash(t["dtype"], t["shape"], data) != t["hash"]:
+            self._data_left -= n
+            if bad is None and tensor_hash(str(t["dtype"]), t["shape"], data) != t["hash"]:
                 bad = t["hash"]                  # read the rest: the connection stays usable
             blobs[t["hash"]] = data
         if bad is not None:
