@@ -36,6 +36,33 @@ def test_truncated_shard_is_named_at_open(packed):
     assert isinstance(e.value, ValueError)
 
 
+def test_a_shard_truncated_while_mapped_ends_the_reader_with_sigbus(packed):
+    """The documented behaviour (docs/format.md): a shard cut short under a process that
+    has it mapped kills that process with SIGBUS on access; it never returns bytes from
+    past the new end (zeros, or another file's) as a sample.  A reopen names the
+    truncation.  (A forked child reopens its maps, so the child here opens its own.)"""
+    import os
+    import signal
+
+    path, ragged = packed
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            ds = forebay.open_dataset(path)
+            last = len(ds) - 1
+            code = 4 if bytes(ds[last]["blob"]) != ragged[-1]["blob"] else 5   # mapped
+            sample = ds[last]             # views of the map
+            os.truncate(_record_of(ds, last)[0], 0)
+            code = 6 if bytes(sample["blob"]) else 7     # SIGBUS here: the process ends
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGBUS, status
+    with pytest.raises(errors.TruncatedShardError):
+        forebay.open_dataset(path)
+
+
 def test_missing_shard_file(packed):
     path, _ = packed
     (path / "shard-00000.bin").unlink()
@@ -352,6 +379,21 @@ def test_crafted_index_rows_are_refused_at_open(packed, cli, column, value):
         forebay.open_dataset(path)
     code, out, err = cli("verify", path)
     assert code == 1 and "CORRUPT" in err and "sample 5" in err and "Traceback" not in err
+
+
+def test_a_huge_dimension_of_an_empty_field_is_refused_at_open(packed):
+    """A zero-size field (shape (0, 3)) whose other dimension is set to 2**62: the byte
+    count still matches (0), but numpy cannot make the array; open names the sample (the
+    attack rerun found ds[i] raising numpy's ValueError instead)."""
+    path, ragged = packed
+    ds = forebay.open_dataset(path)
+    i = next(k for k, smp in enumerate(ragged) if smp["x"].shape[0] == 0 and
+             ds._shard_of[k] == 0)
+    row = i - int(ds._shard_start[0])
+    col = ds._layout.shape["x"].start + 1
+    _craft(path, edit_rows=lambda rows: rows.__setitem__((row, col), 2**62))
+    with pytest.raises(errors.CorruptDatasetError, match=f"sample {i}"):
+        forebay.open_dataset(path)
 
 
 @pytest.mark.parametrize("name", ["../other.fb/shard-00000.bin", "/etc/passwd",

@@ -214,6 +214,10 @@ class PackedDataset:
             # shard size; above, the row is wrong anyway
             prod = np.prod(shape.astype(np.float64), axis=1) * f.dtype.itemsize
             field_bad |= prod != fnb.astype(np.float64)
+            # an empty array's other dimensions: numpy refuses a shape whose non-zero
+            # dimensions overflow its index type ("array is too big") even at size 0
+            span = np.prod(np.maximum(shape, 1).astype(np.float64), axis=1)
+            field_bad |= span * max(f.dtype.itemsize, 1) >= 2.0 ** 62
             if field_bad.any():
                 bad, what = field_bad, (f"field {f.name!r} outside its record or its byte "
                                         f"count not its shape's")
