@@ -9,9 +9,13 @@ DEMO   ?= .demo
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c
+# torch: the CPU build on a machine without a GPU (scripts/torch_index.py says where
+# from; FOREBAY_TORCH_INDEX=URL or =none overrides)
+$(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c scripts/torch_index.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+	    $$($(PY) scripts/torch_index.py) -r requirements-dev.txt
+	@$(PY) scripts/torch_index.py --check
 	@touch $(STAMP)
 
 lint: $(STAMP)
