@@ -80,3 +80,33 @@ def test_verify_calls_a_missing_or_truncated_shard_corruption(packed, cli):
     code, _, err = cli("verify", path)
     assert code == 1 and "CORRUPT" in err and "missing" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("blocked, argv, extra", [
+    ("lmdb", "models ls {tmp}/repo", "models"),
+    ("matplotlib", "analyze {tmp}/trace --plots {tmp}/plots", "plots"),
+    ("matplotlib", "simulate --dataset imagenet-1k --workers 4 --epochs 1 --scale 0.001 "
+                   "--policies naive --plot {tmp}/s.png", "plots"),
+])
+def test_a_missing_optional_dependency_is_one_line_naming_the_extra(
+        tmp_path, capsys, monkeypatch, blocked, argv, extra):
+    """An optional package that is not installed (made unimportable here, as if absent):
+    one line naming the package and the pip extra, exit 2, no traceback (`models ls`
+    without lmdb printed ModuleNotFoundError's traceback)."""
+    pytest.importorskip("lmdb")
+    pytest.importorskip("torch")
+    import forebay.models as fm
+    import forebay.trace as trace
+
+    repo = fm.open_repository(str(tmp_path / "repo"))
+    repo.close()
+    rec = trace.Recorder(tmp_path / "trace", rank=0)
+    rec.span("compute", "compute", 1.0, 2.0)
+    rec.close()
+    monkeypatch.setitem(sys.modules, blocked, None)
+    code = main(argv.format(tmp=tmp_path).split())
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert blocked in last and f"forebay[{extra}]" in last, err

@@ -614,6 +614,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: optional dependencies -> the pip extra that brings them (pyproject.toml)
+_EXTRAS = {"lmdb": "models", "msgpack": "models", "safetensors": "models",
+           "matplotlib": "plots", "torch": "torch", "mpi4py": "mpi"}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -634,6 +639,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # what the user can fix (a bad argument, a missing file, a refused path): one
         # line; anything else is a bug in forebay and shows its traceback
         print(f"forebay {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in _EXTRAS:
+            raise
+        print(f"forebay {args.command}: error: this needs the {top!r} package, not "
+              f"installed here: pip install 'forebay[{_EXTRAS[top]}]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("forebay: interrupted", file=sys.stderr)
