@@ -427,6 +427,7 @@ def test_cli_models(tmp_path, cli):
     assert code == 0 and "net" in out and "versions 1..1" in out
     code, out, _ = cli("models", "show", tmp_path / "repo", "net")
     assert code == 0 and "edges from fx" in out and "blocks.2.lin" in out and '"lr": 0.1' in out
+    assert "(no parent)" in out and "None" not in out          # it printed "parent None"
     code, out, _ = cli("models", "verify", tmp_path / "repo")
     assert code == 0 and out.startswith("ok: 1 versions")
     code, out, _ = cli("models", "gc", tmp_path / "repo")

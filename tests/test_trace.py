@@ -98,6 +98,23 @@ def test_ranks_with_skewed_clocks_are_measured_on_their_own(tmp_path):
     assert any("clock skew" in s for s in a["skipped"])
 
 
+def test_the_summary_states_the_stall_per_rank_with_its_steps(tmp_path):
+    """The stall is a mean over ranks: the summary says over how many steps *per rank*
+    (the demo printed one rank's time over both ranks' 128 steps), and an event kind
+    without sizes shows '-' in the bytes column, not nan."""
+    for r, pid in ((0, 100), (1, 200)):
+        _write(tmp_path / f"a-{r}-{pid}.pfw.gz",
+               [_ev("fetch.iter", "dataloader", 0, 1, pid, epoch=0, step=0),
+                _ev("fetch.iter", "dataloader", 5, 1 + r, pid, epoch=0, step=1),
+                _ev("compute", "compute", 1, 4, pid)], rank=r, pid=pid)
+    a = analyze(tmp_path)
+    assert a["stall_s"] == pytest.approx((2 + 3) / 2) and a["steps"] == 4
+    text = trace.format_summary(a)
+    line = next(x for x in text.splitlines() if "data stall" in x)
+    assert "2.500 s" in line and "2 steps per rank (4 in all)" in line, line
+    assert "nan" not in text
+
+
 def test_bad_traces_are_reported_and_the_rest_summarized(tmp_path):
     _write(tmp_path / "good-0-100.pfw.gz", _rank0(), rank=0)
     # garbled line and an event without dur

@@ -48,17 +48,27 @@ class GraphNet(nn.Module):
         return self.head(pooled / counts).squeeze(1)
 
 
-def train(model, opt, batches, y_scale: float) -> tuple[int, float, float, float]:
-    """One epoch; returns (graphs, seconds, seconds stalled waiting for data, mean loss)."""
+def train(model, opt, batches, y_scale: float, stall_clock=None
+          ) -> tuple[int, float, float, float]:
+    """One epoch; returns (graphs, seconds, seconds stalled waiting for data, mean loss).
+
+    The stall is what `forebay analyze` calls the data stall (`fetch.iter`): each wait
+    for a batch, from asking to having it, the first including the epoch's set-up; the
+    last call, which only learns that the epoch is over, is not a step.  A forebay
+    loader times its own waits (``stall_clock``, its cumulative ``stall_seconds``: the
+    figure its trace holds); the loop's own clock around ``next()`` would add the
+    moments the prefetch thread holds the GIL after the batch is ready (~0.5 ms a step
+    here), which land in the epoch's time instead."""
+    s0 = stall_clock() if stall_clock is not None else 0.0
     n, losses, stall = 0, [], 0.0
     t0 = time.perf_counter()
     it = iter(batches)
     while True:
         w = time.perf_counter()
         b = next(it, None)
-        stall += time.perf_counter() - w
         if b is None:
             break
+        stall += time.perf_counter() - w
         g = int(b["y"].shape[0])
         with trace.region("compute"):  # recorded when tracing is on, free otherwise
             pred = model(b["x"].float(), b["pos"].float(), b["edge_index"],
@@ -69,6 +79,8 @@ def train(model, opt, batches, y_scale: float) -> tuple[int, float, float, float
             opt.step()
         n += g
         losses.append(loss.item())
+    if stall_clock is not None:
+        stall = stall_clock() - s0
     return n, time.perf_counter() - t0, stall, float(np.mean(losses))
 
 
@@ -138,8 +150,17 @@ def main() -> None:
                                           m.named_parameters(), coordination=reduce)
 
     results = {}
+
+    def epoch_row(n: int, dt: float, stall: float, loss: float) -> tuple:
+        """Graphs over all ranks, the slowest rank's time, the data stall as `forebay
+        analyze` reports it (the mean over ranks), the mean loss."""
+        return (comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
+                comm.allreduce(stall) / world, comm.allreduce(loss) / world)
+
     if a.trace:
         trace.enable(a.trace)
+    setup = trace.region("setup", cat="setup")     # store, model: marked on the timeline
+    setup.__enter__()
     ram = None
     if a.mode == "clairvoyant":
         from forebay.store import tier_nbytes
@@ -149,12 +170,13 @@ def main() -> None:
                         progress=False, mode=a.mode, ram_bytes=ram)
     y_scale = 100.0
     model, opt = fresh_model(a.reduce)
+    setup.__exit__(None, None, None)
     per_epoch = []
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)
-        n, dt, stall, loss = train(model, opt, loader, y_scale)
-        per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
-                          comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
+        n, dt, stall, loss = train(model, opt, loader, y_scale,
+                                   stall_clock=lambda: loader.stats()["stall_seconds"])
+        per_epoch.append(epoch_row(n, dt, stall, loss))
     fb_stats = loader.stats()
     loader.close()
     if a.reduce != "ddp":
@@ -188,8 +210,7 @@ def main() -> None:
                     b["num_graphs"] = int(b["y"].shape[0])
                     yield b
             n, dt, stall, loss = train(model, opt, batches(), y_scale)
-            per_epoch.append((comm.allreduce(n), comm.allreduce(dt, op=MPI.MAX),
-                              comm.allreduce(stall, op=MPI.MAX), comm.allreduce(loss) / world))
+            per_epoch.append(epoch_row(n, dt, stall, loss))
         if a.reduce != "ddp":
             opt.close()
         results["torch DataLoader (PFF pickles)"] = per_epoch
@@ -197,15 +218,24 @@ def main() -> None:
     if rank == 0:
         print(f"GraphNet on {a.packed.name}: {world} ranks, per-rank batch {a.batch_size}, "
               f"{a.epochs} epochs")
-        print(f"  {'loader':<32} {'epoch':>5} {'graphs/s':>10} {'data stall':>11} {'loss':>8}")
+        n_ds = len(forebay.open_dataset(a.packed))
+        print(f"  {'loader':<32} {'epoch':>5} {'seconds':>8} {'graphs/s':>9} "
+              f"{'data stall':>11} {'loss':>8}")
         for name, rows in results.items():
-            for e, (n, dt, stall, loss) in enumerate(rows):
-                print(f"  {name:<32} {e:>5} {n / dt:>10,.0f} {stall / dt:>10.0%} {loss:>8.4f}")
+            for e, (_n, dt, stall, loss) in enumerate(rows):
+                print(f"  {name:<32} {e:>5} {dt:>8.2f} {n_ds / dt:>9,.0f} "
+                      f"{stall:>6.3f} s {stall / dt:>3.0%} {loss:>8.4f}")
+        print(f"  graphs/s: the dataset's {n_ds:,} graphs per epoch over the slowest rank's "
+              f"epoch time (forebay pads its last step with repeats, counted as time, not "
+              f"as graphs); data stall: waits for a batch, mean over ranks, as `forebay "
+              f"analyze` reports them")
         if len(results) == 2:
-            f, b = (sum(r[0] for r in rows) / sum(r[1] for r in rows) for rows in results.values())
-            print(f"  forebay / torch DataLoader: {f / b:.2f}x graphs/s over the run (the share "
-                  f"of time stalled on data is what a loader can remove; the rest is the "
-                  f"model's compute on this CPU)")
+            f, b = (sum(r[1] for r in rows) for rows in results.values())
+            gf, gb = (sum(r[0] for r in rows) for rows in results.values())
+            print(f"  forebay / torch DataLoader: {b / f:.2f}x the speed over the run (the "
+                  f"stall is what a loader can remove; the rest is the model's compute on "
+                  f"this CPU, {gf / gb - 1:+.1%} for forebay's padded last steps: "
+                  f"{gf:,} graphs computed against {gb:,})")
     if rank == 0 and a.json:
         import json
 

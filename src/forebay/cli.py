@@ -345,7 +345,8 @@ def cmd_models(a: argparse.Namespace) -> int:
                 print(json.dumps(m, indent=1))
                 return 0
             g = m["graph"]
-            print(f"{m['name']} version {m['version']} (parent {m['parent']}), created "
+            parent = f"parent {m['parent']}" if m['parent'] is not None else "no parent"
+            print(f"{m['name']} version {m['version']} ({parent}), created "
                   f"{m['created'][:19]}, metadata {json.dumps(m['metadata'])}")
             print(f"  {len(m['tensors'])} tensors, {human_bytes(m['logical_bytes'])}; "
                   f"{human_bytes(m['new_bytes'])} new in this version")

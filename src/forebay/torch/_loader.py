@@ -379,6 +379,9 @@ class DataLoader:
             rec.context.epoch, rec.context.step = epoch, step  # for the user's regions
 
     def __iter__(self) -> Iterator[Any]:
+        # the training loop's first wait starts here: the epoch's set-up (its plan, the
+        # transform workers' new pass, the prefetch thread) is part of it
+        t_epoch = time.perf_counter()
         epoch, start = self.epoch, self._step
         if start >= len(self):  # never a silent jump to another epoch
             nxt = (f"call loader.set_epoch({epoch + 1}) for the next one, or "
@@ -389,7 +392,6 @@ class DataLoader:
         if self._pool is not None:
             self._pool.new_pass()
         batches = self.plan.batches(self.rank, epoch)
-        t_epoch = time.perf_counter()
         if self._train_t0 is None:
             self._train_t0 = t_epoch
         try:

@@ -419,6 +419,15 @@ def analyze(directory: "str | Path", events: Optional[Events] = None,
     return a.result(sc.procs, sc.rank_of, sc.fname_map, sc.meta, sc.skipped, len(sc.files))
 
 
+def _steps(a: dict[str, Any]) -> str:
+    """The steps behind the (per-rank) stall figure: per rank, not summed over ranks."""
+    per = sorted({p["steps"] for p in a["per_rank"]})
+    if len(per) <= 1:
+        n = per[0] if per else 0
+        return f"{n:,} steps" + (f" per rank ({a['steps']:,} in all)" if a["ranks"] > 1 else "")
+    return f"{per[0]:,}-{per[-1]:,} steps per rank ({a['steps']:,} in all)"
+
+
 def _t(s: float) -> str:
     return f"{s:9.3f} s"
 
@@ -441,7 +450,7 @@ def format_summary(a: dict[str, Any]) -> str:
         f"{_t(a['unoverlapped_app_io_s'])}",
         f"  I/O                      {_t(a['io_time_s'])}   unoverlapped "
         f"{_t(a['unoverlapped_io_s'])}",
-        f"  data stall (fetch.iter)  {_t(a['stall_s'])}   over {a['steps']:,} steps",
+        f"  data stall (fetch.iter)  {_t(a['stall_s'])}   over {_steps(a)}",
     ]
     if "stall_per_step_ms" in a:
         s = a["stall_per_step_ms"]
@@ -474,5 +483,5 @@ def format_summary(a: dict[str, Any]) -> str:
         du, sz = d["dur_us"], d["size_bytes"]
         lines.append(f"  {d['cat'] + '/' + d['name']:<38} {d['count']:>9,} "
                      f"{du['mean']:>12.1f} {du['median']:>12.1f} {du['max']:>12.1f} "
-                     f"{(sz['mean'] if sz else float('nan')):>12.0f}")
+                     + (f"{sz['mean']:>12.0f}" if sz else f"{'-':>12}"))
     return "\n".join(lines)

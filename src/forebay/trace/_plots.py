@@ -17,7 +17,7 @@ from ..errors import MissingDependencyError
 __all__ = ["plot_all", "write_html"]
 
 _COLORS = {"local": "#2a9d8f", "peer": "#e9c46a", "pfs": "#e76f51", "compute": "#457b9d",
-           "io": "#e76f51", "stall": "#d62828", "app_io": "#f4a261"}
+           "io": "#e76f51", "stall": "#d62828", "app_io": "#f4a261", "setup": "#9e9e9e"}
 
 
 def _plt():
@@ -75,8 +75,10 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
     fig, ax = plt.subplots(figsize=(9, 1.0 + 0.7 * nr))
     cls = classify(ev)
     lanes = [("compute", cls["compute"]), ("app-level I/O", cls["app_io"] & ~cls["stall"]),
-             ("I/O", cls["io"]), ("stall", cls["stall"])]
-    colors = [_COLORS["compute"], _COLORS["app_io"], _COLORS["io"], _COLORS["stall"]]
+             ("I/O", cls["io"]), ("stall", cls["stall"]),
+             ("set-up (your `setup` regions)", ev.cat == "setup")]
+    colors = [_COLORS["compute"], _COLORS["app_io"], _COLORS["io"], _COLORS["stall"],
+              _COLORS["setup"]]
     for i, r in enumerate(sorted(set(rank.tolist()))):
         m = rank == r
         t0 = ev.ts[m & (ev.cat != "ai_root")].min()
@@ -84,12 +86,12 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
             s = m & sel
             if s.any():
                 ax.broken_barh(list(zip((ev.ts[s] - t0) / 1e6, ev.dur[s] / 1e6)),
-                               (i + k * 0.21, 0.19), facecolors=color,
+                               (i + k * 0.17, 0.15), facecolors=color,
                                label=lane if i == 0 else None)
     ax.set_yticks([i + 0.4 for i in range(nr)])
     ax.set_yticklabels([f"rank {r}" for r in sorted(set(rank.tolist()))])
     ax.set_xlabel("seconds since the rank's first event")
-    ax.set_title("Timeline: compute, I/O, data stalls")
+    ax.set_title("Timeline: set-up, compute, I/O, data stalls")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     paths.append(_save(fig, out / "timeline.png", plt))
     return paths
