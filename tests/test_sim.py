@@ -426,3 +426,23 @@ def test_model_choices_in_system_files(tmp_path):
     f.write_text(base + '[model]\npfs_readers = "threads"\n')
     with pytest.raises(ProfileError, match="pfs_readers"):
         load_system(f)
+
+
+def test_plots_keep_failed_policies_and_say_scale_compute_and_unit(tmp_path):
+    """simulate.png's title names the scale and the compute rate; a failed policy keeps
+    its row and a failed sweep cell its place; the axis and colour bar use the unit the
+    table prints (fig8 drew 50,000 s where the table said hours)."""
+    pytest.importorskip("matplotlib")
+    from forebay.sim._report import _title, _unit, plot_policies, plot_sweep
+
+    res = simulate("lassen", "mnist", workers=2, epochs=1, scale=0.05,
+                   policies=["naive", "staging", "nopfs"])
+    res["policies"]["staging"]["failed"] = "does not fit"
+    t = _title(res)
+    assert "scale 0.05" in t and "compute" in t and "MB/s" in t, t
+    plot_policies(res, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert _unit(50_000) == ("h", 3600.0) and _unit(90) == ("min", 60.0)
+    plot_sweep({"policy": "nopfs", "ram_bytes": [0, 1 << 30], "ssd_bytes": [0, 1 << 33],
+                "total_s": [[50_000, None], [9_000, 3_900]]}, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > 0

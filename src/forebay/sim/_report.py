@@ -55,62 +55,112 @@ def format_sweep(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _unit(top: float) -> tuple[str, float]:
+    """The unit :func:`_secs` would print ``top`` in, and its seconds."""
+    return ("h", 3600.0) if top >= 3600 else ("min", 60.0) if top >= 60 else ("s", 1.0)
+
+
+def _title(res: dict[str, Any]) -> str:
+    wl, sysm = res["workload"], res["system"]
+    scale = f" at scale {wl['scale']:g}" if wl.get("scale", 1) != 1 else ""
+    comp = f", compute {sysm['compute_MBps']:g} MB/s per worker" \
+        if sysm.get("compute_MBps") else ""
+    return (f"{wl['dataset']}{scale} ({wl['samples']:,} samples, {human_bytes(wl['bytes'])}), "
+            f"{wl['workers']} workers, {wl['epochs']} epochs, system {sysm['name']}{comp}")
+
+
 def plot_policies(res: dict[str, Any], path: str) -> None:
     """NoPFS Fig. 8 style: total time per policy, split into compute and stall, with
-    the fetch time by source stacked beside it."""
+    the fetch time by source stacked beside it.  Each bar carries its value (a fetch
+    time of milliseconds beside one of seconds stays readable); a failed policy keeps
+    its row, marked with why."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n, v in res["policies"].items() if not v["failed"]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    comp = [res["policies"][n]["compute_s"] for n in names]
-    stall = [res["policies"][n]["stall_s"] for n in names]
-    ax1.barh(names, comp, label="compute")
-    ax1.barh(names, stall, left=comp, label="stall (incl. set-up)")
-    ax1.set_xlabel("seconds")
+    pol = res["policies"]
+    names = list(pol)
+    ok = [not pol[n]["failed"] for n in names]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.9 + 0.33 * len(names)))
+    comp = [pol[n]["compute_s"] if k else 0.0 for n, k in zip(names, ok)]
+    stall = [pol[n]["stall_s"] if k else 0.0 for n, k in zip(names, ok)]
+    top = max([c + st for c, st in zip(comp, stall)], default=1.0) or 1.0
+    unit, div = _unit(top)                       # the axis in the table's unit
+    ax1.barh(names, [c / div for c in comp], label="compute")
+    ax1.barh(names, [st / div for st in stall], left=[c / div for c in comp],
+             label="stall (incl. set-up)")
+    for i, n in enumerate(names):
+        text = _secs(comp[i] + stall[i]) if ok[i] else f"failed: {str(pol[n]['failed'])[:70]}"
+        ax1.text((comp[i] + stall[i] + 0.01 * top) / div, i, text, va="center", fontsize=7)
+    ax1.set_xlim(0, top * 1.25 / div)
+    ax1.set_xlabel({"s": "seconds", "min": "minutes", "h": "hours"}[unit])
     ax1.set_title("run time")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=8, loc="lower right")
     ax1.invert_yaxis()
     left = [0.0] * len(names)
     for k in SOURCES:
-        vals = [res["policies"][n]["by_source"].get(k, 0.0) for n in names]
+        vals = [pol[n]["by_source"].get(k, 0.0) if okk else 0.0 for n, okk in zip(names, ok)]
         if any(vals):
             ax2.barh(names, vals, left=left, label=k)
             left = [a + b for a, b in zip(left, vals)]
+    top2 = max(left, default=1.0) or 1.0
+    for i in range(len(names)):
+        if ok[i]:
+            t = left[i]
+            ax2.text(t + 0.01 * top2, i, "0" if t == 0 else _secs(t) if t >= 0.01
+                     else f"{t * 1e3:.2f} ms", va="center", fontsize=7)
+    ax2.set_xlim(0, top2 * 1.25)
     ax2.set_xlabel("prefetch-thread seconds per worker")
     ax2.set_title("fetch time by source")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="lower right")
     ax2.invert_yaxis()
-    wl = res["workload"]
-    fig.suptitle(f"{wl['dataset']}, {wl['workers']} workers, {wl['epochs']} epochs, "
-                 f"system {res['system']['name']}")
+    fig.suptitle(_title(res), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_sweep(res: dict[str, Any], path: str) -> None:
-    """NoPFS Fig. 9 style heat map of total time over RAM x SSD capacity."""
+    """NoPFS Fig. 9 style heat map of total time over RAM x SSD capacity: cells and
+    colour bar in one unit (s, min or h, from the largest cell), a logarithmic colour
+    scale when the cells span more than 10x, failed cells marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import FormatStrFormatter
 
-    grid = np.array([[np.nan if t is None else t for t in row] for row in res["total_s"]])
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    im = ax.imshow(grid, origin="lower", cmap="viridis_r", aspect="auto")
+    grid = np.array([[np.nan if t is None else t for t in row] for row in res["total_s"]],
+                    dtype=np.float64)
+    top = np.nanmax(grid) if np.isfinite(grid).any() else 1.0
+    unit, div = _unit(float(top))
+    g = grid / div
+    fin = g[np.isfinite(g)]
+    norm = LogNorm(vmin=fin.min(), vmax=fin.max()) \
+        if len(fin) and fin.min() > 0 and fin.max() > 10 * fin.min() else None
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    im = ax.imshow(g, origin="lower", cmap="viridis_r", aspect="auto", norm=norm)
     ax.set_xticks(range(len(res["ssd_bytes"])), [human_bytes(s) for s in res["ssd_bytes"]])
     ax.set_yticks(range(len(res["ram_bytes"])), [human_bytes(r) for r in res["ram_bytes"]])
     ax.set_xlabel("SSD per worker")
     ax.set_ylabel("RAM per worker")
-    for (r, c), v in np.ndenumerate(grid):
-        if np.isfinite(v):
-            ax.text(c, r, _secs(v), ha="center", va="center", fontsize=7, color="w")
-    fig.colorbar(im, label="total seconds")
-    ax.set_title(f"{res['policy']}")
+    rgba = np.asarray(im.cmap(np.ma.masked_invalid(im.norm(g))))
+    light = rgba[..., :3] @ np.array([0.299, 0.587, 0.114])
+    for (r, c), v in np.ndenumerate(g):
+        # white on the dark end of the map, black on the light one and on failed cells
+        color = "w" if np.isfinite(v) and light[r, c] < 0.5 else "k"
+        ax.text(c, r, f"{v:.3g}" if np.isfinite(v) else "failed", ha="center", va="center",
+                fontsize=7, color=color)
+    bar = fig.colorbar(im, label=f"total time ({unit}{', log scale' if norm else ''})")
+    fmt = FormatStrFormatter("%.3g")
+    bar.ax.yaxis.set_major_formatter(fmt)
+    bar.ax.yaxis.set_minor_formatter(fmt)
+    ax.set_title(f"{res['policy']}: total time in {unit}" +
+                 (" (all cells equal)" if len(fin) and fin.min() == fin.max() else ""),
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
