@@ -89,7 +89,10 @@ def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_p
     for e in range(EPOCHS):       # each epoch: every sample once, over both ranks
         seen = sum((b for r in tr for b in r["batches"][e * steps:(e + 1) * steps]), [])
         assert sorted(seen) == list(range(N))
-    if want == "shm" or want == "exchange":
+    # preload holds every sample before the first batch, so half come from the peer; in
+    # clairvoyant mode over shared memory the mix depends on how far the fill got when
+    # the reader asked (no peer fetch at all once, under a loaded fresh-clone run)
+    if want == "exchange" or (want == "shm" and mode == "preload"):
         assert all(r["fetches"]["peer"] > 0 for r in tr), tr
     assert _segments() <= before          # no shared segment outlives the job
 

@@ -29,7 +29,8 @@ def test_train_gnn_on_two_ranks(tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = re.findall(r"^\s+(forebay DataLoader \(preload\)|torch DataLoader \(PFF pickles\))"
-                      r"\s+(\d)\s+([\d,]+)\s+\d+%\s+([\d.]+)$", p.stdout, re.M)
+                      r"\s+(\d)\s+[\d.]+\s+([\d,]+)\s+[\d.]+ s\s+\d+%\s+([\d.]+)$",
+                      p.stdout, re.M)
     assert len(rows) == 4, p.stdout
     import math
 
