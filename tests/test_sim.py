@@ -446,3 +446,23 @@ def test_plots_keep_failed_policies_and_say_scale_compute_and_unit(tmp_path):
     plot_sweep({"policy": "nopfs", "ram_bytes": [0, 1 << 30], "ssd_bytes": [0, 1 << 33],
                 "total_s": [[50_000, None], [9_000, 3_900]]}, str(tmp_path / "s.png"))
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_a_profile_without_tiers_is_said_and_ram_ssd_override_it(tmp_path, cli):
+    """A `forebay calibrate` profile has no [tiers]: simulate says the caching policies
+    get nothing to cache in (it used to cache nothing silently), and --ram/--ssd give
+    them capacity."""
+    prof = tmp_path / "sys.toml"
+    prof.write_text('[pfs]\nread_MBps = { "1" = 100.0, "4" = 300.0 }\n'
+                    '[ram]\ncopy_MBps = { "1" = 5000.0 }\n[compute]\nMBps = 500.0\n')
+    args = ("simulate", "--system", prof, "--dataset", "mnist", "--workers", "2",
+            "--epochs", "2", "--scale", "0.05", "--policies", "naive,nopfs")
+    code, out0, err = cli(*args, "--json", tmp_path / "a.json")
+    assert code == 0 and "has no [tiers]" in err and "--ram" in err, err
+    code, out1, err = cli(*args, "--ram", "1GB", "--json", tmp_path / "b.json")
+    assert code == 0 and "[tiers]" not in err, err
+    a, b = (json.loads((tmp_path / f).read_text())["policies"]["nopfs"]
+            for f in ("a.json", "b.json"))
+    assert b["by_source"]["ram"] > 0 == a["by_source"]["ram"]
+    code, _, err = cli(*args, "--ram", "1GB,2GB")
+    assert code == 2 and "one size" in err

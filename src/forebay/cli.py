@@ -219,6 +219,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             plot_sweep(res, a.plot)
             print(f"wrote {a.plot}")
     else:
+        sysm = _capacities(a, sysm)
         names = a.policies.split(",") if a.policies else list(POLICIES)
         res = simulate(sysm, a.dataset, policies=names, progress=_progress(), **kw)
         print(format_table(res))
@@ -229,6 +230,34 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         Path(a.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {a.json}")
     return 0
+
+
+def _capacities(a: argparse.Namespace, sysm: Any) -> Any:
+    """``--ram``/``--ssd`` (one size each) override the system's tier capacities; a
+    system file without ``[tiers]`` (as `forebay calibrate` writes it) and neither flag
+    is said, not silently simulated with nothing to cache in."""
+    import dataclasses
+
+    from .errors import InvalidArgumentError
+    from .sim import PRESETS
+    from .store import load_profile
+
+    over: dict[str, int] = {}
+    for flag, field in (("ram", "ram_bytes"), ("ssd", "ssd_bytes")):
+        v = getattr(a, flag)
+        if v:
+            sizes = _sizes_list(v)
+            if len(sizes) != 1:
+                raise InvalidArgumentError(f"--{flag} takes one size here (a list is for "
+                                           f"'simulate sweep')")
+            over[field] = sizes[0]
+    path = Path(a.system)
+    if not over and a.system not in PRESETS:
+        if "tiers" not in load_profile(path):     # read and checked by load_system already
+            print(f"note: {path} has no [tiers]: the caching policies get 0 B of RAM and "
+                  f"SSD per worker; add [tiers] ram_bytes = ..., ssd_bytes = ... or pass "
+                  f"--ram SIZE --ssd SIZE", file=sys.stderr)
+    return dataclasses.replace(sysm, **over) if over else sysm
 
 
 def _trace_input(path: str) -> None:
@@ -603,8 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--layout", choices=["files", "packed"], default=None,
                     help="samples as a file each on the PFS, or one packed dataset (default: "
                     "files for a scenario, packed for a dataset directory)")
-    sm.add_argument("--ram", help="sweep: RAM capacities per worker, e.g. 0,60GB,120GB")
-    sm.add_argument("--ssd", help="sweep: SSD capacities per worker, e.g. 0,450GB,900GB")
+    sm.add_argument("--ram", help="RAM per worker for caching, overriding the system's "
+                    "(sweep: a list, e.g. 0,60GB,120GB)")
+    sm.add_argument("--ssd", help="SSD per worker for caching, overriding the system's "
+                    "(sweep: a list, e.g. 0,450GB,900GB)")
     sm.add_argument("--json", help="write the results as JSON")
     sm.add_argument("--plot", help="write a PNG (stacked bars; heat map for sweep)")
     sm.set_defaults(func=cmd_simulate)

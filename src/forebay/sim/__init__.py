@@ -17,10 +17,10 @@ from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
 from ._engine import SOURCES, timeline
 from ._policies import POLICIES, Workload, simulate_policy
 from ._report import format_sweep, format_table, plot_policies, plot_sweep
-from ._system import System, hdmlp_thesis, lassen, load_system, system_from_profile
+from ._system import PRESETS, System, hdmlp_thesis, lassen, load_system, system_from_profile
 from ..errors import InvalidArgumentError
 
-__all__ = ["simulate", "sweep", "System", "lassen", "hdmlp_thesis", "load_system",
+__all__ = ["simulate", "sweep", "System", "lassen", "hdmlp_thesis", "load_system", "PRESETS",
            "system_from_profile",
            "POLICIES", "SCENARIOS", "SOURCES", "DatasetSpec", "Workload", "dataset_sizes",
            "simulate_policy", "timeline",
