@@ -466,3 +466,36 @@ def test_a_profile_without_tiers_is_said_and_ram_ssd_override_it(tmp_path, cli):
     assert b["by_source"]["ram"] > 0 == a["by_source"]["ram"]
     code, _, err = cli(*args, "--ram", "1GB,2GB")
     assert code == 2 and "one size" in err
+
+
+def test_plan_finds_the_smallest_capacity_reaching_a_target_au(cli):
+    """`simulate plan --target-au`: the capacity it names reaches the target in the
+    simulator and 2% of the dataset less does not; a target the workload reaches with
+    nothing cached answers 0; one that no capacity reaches says so with the best AU."""
+    from dataclasses import replace
+
+    from forebay.sim import lassen, plan_capacity
+
+    kw = dict(workers=4, epochs=5, scale=0.01)
+    sysm = replace(lassen(), compute_MBps=1500.0)
+    res = plan_capacity(sysm, "imagenet-1k", target_au=0.9, **kw)
+    full = res["dataset_bytes"]
+    for o in res["options"]:
+        assert o["reached"] and 0 < o["bytes"] < full and o["accelerator_utilization"] >= 0.9
+        less = {"ram_bytes": 0, "ssd_bytes": 0, f"{o['tier']}_bytes": o["bytes"] - full // 50}
+        r = simulate(replace(sysm, **less), "imagenet-1k", policies=["forebay-clairvoyant"],
+                     **kw)["policies"]["forebay-clairvoyant"]
+        assert r["accelerator_utilization"] < 0.9, (o, r["accelerator_utilization"])
+    easy = plan_capacity(replace(sysm, compute_MBps=500.0), "imagenet-1k", target_au=0.9,
+                         tiers=["ram"], **kw)
+    assert easy["options"][0]["bytes"] == 0 and easy["options"][0]["reached"]
+    hard = plan_capacity(replace(sysm, compute_MBps=10_000.0), "imagenet-1k",
+                         target_au=0.9, tiers=["ram"], **kw)
+    assert not hard["options"][0]["reached"] and hard["options"][0]["bytes"] == full
+    code, out, err = cli("simulate", "plan", "--target-au", "0.9", "--dataset", "imagenet-1k",
+                         "--workers", "4", "--epochs", "5", "--scale", "0.01",
+                         "--compute-MBps", "1500")
+    assert code == 0 and "RAM" in out and "SSD" in out and "AU 9" in out, (out, err)
+    code, _, err = cli("simulate", "plan", "--dataset", "mnist", "--workers", "2",
+                       "--epochs", "1")
+    assert code == 2 and "--target-au" in err

@@ -207,7 +207,16 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                        pfs_open_ms=a.pfs_open_ms)
     kw = dict(workers=a.workers, epochs=a.epochs, batch=a.batch, scale=a.scale, seed=a.seed,
               layout=a.layout)
-    if a.mode == "sweep":
+    if a.mode == "plan":
+        from .sim import format_plan, plan_capacity
+
+        if a.target_au is None:
+            raise InvalidArgumentError("simulate plan needs --target-au, e.g. 0.9")
+        policy = (a.policies or "forebay-clairvoyant").split(",")[0]
+        res = plan_capacity(sysm, a.dataset, target_au=a.target_au, policy=policy,
+                            progress=_progress(), **kw)
+        print(format_plan(res))
+    elif a.mode == "sweep":
         if not a.ram or not a.ssd:
             raise InvalidArgumentError("simulate sweep needs --ram and --ssd lists, e.g. "
                              "--ram 0,60GB,120GB --ssd 0,450GB,900GB")
@@ -605,7 +614,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Simulate training I/O policies with NoPFS's performance "
                         "model, using forebay's own placement code. 'simulate sweep' varies "
                         "RAM and SSD capacity (NoPFS Fig. 9).")
-    sm.add_argument("mode", nargs="?", choices=["run", "sweep"], default="run")
+    sm.add_argument("mode", nargs="?", choices=["run", "sweep", "plan"], default="run",
+                    help="run: the policies side by side; sweep: a RAM x SSD grid; plan: "
+                    "the smallest RAM or SSD per worker reaching --target-au")
+    sm.add_argument("--target-au", dest="target_au", type=fraction, default=None,
+                    help="plan: the accelerator utilisation to reach, e.g. 0.9")
     sm.add_argument("--system", default="lassen",
                     help="preset (lassen, hdmlp-thesis) or a TOML profile from forebay "
                     "calibrate")

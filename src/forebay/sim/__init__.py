@@ -16,7 +16,7 @@ from ..plan import AccessPlan
 from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
 from ._engine import SOURCES, timeline
 from ._policies import POLICIES, Workload, simulate_policy
-from ._report import format_sweep, format_table, plot_policies, plot_sweep
+from ._report import format_plan, format_sweep, format_table, plot_policies, plot_sweep
 from ._system import PRESETS, System, hdmlp_thesis, lassen, load_system, system_from_profile
 from ..errors import InvalidArgumentError
 
@@ -24,7 +24,8 @@ __all__ = ["simulate", "sweep", "System", "lassen", "hdmlp_thesis", "load_system
            "system_from_profile",
            "POLICIES", "SCENARIOS", "SOURCES", "DatasetSpec", "Workload", "dataset_sizes",
            "simulate_policy", "timeline",
-           "format_sweep", "format_table", "plot_policies", "plot_sweep"]
+           "format_sweep", "format_table", "plot_policies", "plot_sweep", "plan_capacity",
+           "format_plan"]
 
 
 def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,
@@ -111,3 +112,80 @@ def sweep(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike
             row.append(rep["policies"][policy]["total_s"])
         grid.append(row)
     return {"policy": policy, "ram_bytes": rams, "ssd_bytes": ssds, "total_s": grid}
+
+
+def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]",
+                  *, target_au: float, policy: str = "forebay-clairvoyant",
+                  tiers: Iterable[str] = ("ram", "ssd"), rel_tol: float = 0.02,
+                  progress: Any = None, **kw: Any) -> dict[str, Any]:
+    """The smallest RAM (SSD left at 0), and the smallest SSD (RAM at 0), per worker at
+    full scale with which ``policy`` reaches accelerator utilisation ``target_au``:
+    what to ask for before queueing.  A bisection between 0 and the whole dataset per
+    worker, to ``rel_tol`` of the dataset's bytes (AU grows with capacity for the
+    caching policies; each answer is one the simulator ran, never an interpolation).
+
+    Returns ``{"target_au", "policy", "dataset_bytes", "options": [{"tier", "bytes",
+    "accelerator_utilization", "total_s", "reached"}], "runs"}``; an option that cannot
+    reach the target even with the whole dataset per worker says so, with the AU it
+    gets there.
+    """
+    from dataclasses import replace
+
+    from ..progress import as_progress
+
+    if not 0 < target_au <= 1:
+        raise InvalidArgumentError(f"target AU must be in (0, 1], got {target_au}")
+    if policy not in POLICIES:
+        raise InvalidArgumentError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+    sysm = system if isinstance(system, System) else load_system(system)
+    scale = kw.get("scale", 1.0)
+    runs = 0
+
+    def run(ram: int, ssd: int) -> dict[str, Any]:
+        nonlocal runs
+        runs += 1
+        prog.update(1)
+        rep = simulate(replace(sysm, ram_bytes=ram, ssd_bytes=ssd), dataset,
+                       policies=[policy], **kw)
+        r = rep["policies"][policy]
+        r["dataset_bytes"] = rep["workload"]["bytes"]
+        return r
+
+    def au(r: dict[str, Any]) -> float:
+        return -1.0 if r["failed"] or r["accelerator_utilization"] is None \
+            else float(r["accelerator_utilization"])
+
+    prog = as_progress(progress)
+    prog.start(None, desc="plan", unit="run")
+    full = int(run(0, 0)["dataset_bytes"] / scale)     # the dataset at full scale
+    options = []
+    for tier in tiers:
+        if tier not in ("ram", "ssd"):
+            raise InvalidArgumentError(f"tier must be 'ram' or 'ssd', got {tier!r}")
+
+        def at(b: int, tier: str = tier) -> dict[str, Any]:
+            return run(b, 0) if tier == "ram" else run(0, b)
+
+        lo_r, hi_r = at(0), at(full)
+        if au(lo_r) >= target_au:
+            best, b, reached = lo_r, 0, True
+        elif au(hi_r) < target_au:
+            best, b, reached = hi_r, full, False
+        else:
+            lo, hi, best = 0, full, hi_r
+            while hi - lo > rel_tol * full:
+                mid = (lo + hi) // 2
+                r = at(mid)
+                if au(r) >= target_au:
+                    hi, best = mid, r
+                else:
+                    lo = mid
+            b, reached = hi, True
+        options.append({"tier": tier, "bytes": b, "reached": reached,
+                        "accelerator_utilization": best["accelerator_utilization"],
+                        "total_s": best["total_s"], "failed": best["failed"]})
+    prog.close()
+    return {"target_au": target_au, "policy": policy, "dataset_bytes": full,
+            "workers": kw.get("workers"), "epochs": kw.get("epochs"), "scale": scale,
+            "options": options, "runs": runs}
+

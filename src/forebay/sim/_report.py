@@ -55,6 +55,29 @@ def format_sweep(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_plan(res: dict[str, Any]) -> str:
+    """The answer of :func:`plan_capacity` as text."""
+    scale = res.get("scale", 1.0)
+    lines = [f"{res['policy']}: the smallest capacity per worker reaching AU >= "
+             f"{res['target_au']:.0%} (dataset {human_bytes(res['dataset_bytes'])}, "
+             f"{res['workers']} workers, {res['epochs']} epochs; {res['runs']} simulated runs"
+             + (f" at scale {scale:g}, capacities given at full scale" if scale != 1 else "")
+             + ")"]
+    for o in res["options"]:
+        other = "SSD 0" if o["tier"] == "ram" else "RAM 0"
+        au = o["accelerator_utilization"]
+        got = "-" if au is None else f"{au:.1%}"
+        if o["reached"]:
+            lines.append(f"  {o['tier'].upper():<4} {human_bytes(o['bytes']):>10} per worker "
+                         f"({other}): AU {got}, total {o['total_s']:.1f} s")
+        else:
+            lines.append(f"  {o['tier'].upper():<4} not reachable: AU {got} even with the whole "
+                         f"dataset per worker ({other})"
+                         + (f"; {o['failed']}" if o["failed"] else ": the limit is elsewhere "
+                            "(the first epoch's PFS reads, preprocessing, the network)"))
+    return "\n".join(lines)
+
+
 def _unit(top: float) -> tuple[str, float]:
     """The unit :func:`_secs` would print ``top`` in, and its seconds."""
     return ("h", 3600.0) if top >= 3600 else ("min", 60.0) if top >= 60 else ("s", 1.0)
