@@ -567,3 +567,29 @@ def test_percentiles_beyond_the_exact_count_are_within_one_bin():
     small = Quantiles()
     small.add(y[:1000])
     assert np.array_equal(small.percentile([10, 50, 90]), np.percentile(y[:1000], [10, 50, 90]))
+
+
+def test_chrome_export_streams_and_keeps_every_event(tmp_path):
+    """`forebay trace export` writes events as it reads them: every complete event
+    lands once on its rank's track, and Python's peak allocation (tracemalloc) is
+    about the same for three times the events (it held them all before)."""
+    import tracemalloc
+
+    from forebay.trace import export_chrome
+
+    peak, docs = {}, {}
+    for batch in (16, 64):
+        d = tmp_path / str(batch)
+        for r in range(2):
+            _loop_trace(d, 150, batch, rank=r)
+        tracemalloc.start()
+        res = export_chrome(d, tmp_path / f"{batch}.json")
+        peak[batch] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        docs[batch] = json.loads((tmp_path / f"{batch}.json").read_text())
+        # each rank: its steps' events, the whole-run span, the start and end records
+        assert res["events"] == 2 * (150 * (batch + 3) + 3) and res["ranks"] == 2
+    evs = docs[64]["traceEvents"]
+    assert sum(e["ph"] == "X" for e in evs) == 2 * (150 * 67 + 3)
+    assert {e["pid"] for e in evs if e["ph"] == "X"} == {0, 1}
+    assert peak[64] < 1.3 * peak[16], peak
