@@ -34,6 +34,12 @@ BAD = [
     ("simulate --dataset imagenet-1k --workers 4 --epochs 1 --scale 2", "--scale"),
     ("simulate sweep --dataset imagenet-1k --workers 4 --epochs 1 --ram 0,1QB --ssd 0",
      "1QB"),
+    ("simulate --dataset mnist --workers 2 --epochs 1 --json {tmp}/nodir/r.json",
+     "no directory"),
+    ("simulate --dataset mnist --workers 2 --epochs 1 --plot {tmp}/nodir/r.png",
+     "no directory"),
+    ("analyze {tmp}/nope --json {tmp}/nodir/a.json", "no directory"),
+    ("simulate plan --dataset mnist --workers 2 --epochs 1", "--target-au"),
 ]
 
 

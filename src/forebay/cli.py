@@ -664,10 +664,29 @@ _EXTRAS = {"lmdb": "models", "msgpack": "models", "safetensors": "models",
            "matplotlib": "plots", "torch": "torch", "mpi4py": "mpi"}
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Output files (``--json``, ``--plot``, ``--html``) go into directories that exist
+    and can be written: checked before any work, not after it."""
+    import os
+
+    from .errors import InvalidArgumentError
+
+    for attr in ("json", "plot", "html"):
+        v = getattr(args, attr, None)
+        if not v or not isinstance(v, (str, os.PathLike)):
+            continue
+        parent = Path(v).resolve().parent
+        if not parent.is_dir():
+            raise InvalidArgumentError(f"--{attr} {v}: no directory {parent} to write it in")
+        if not os.access(parent, os.W_OK):
+            raise InvalidArgumentError(f"--{attr} {v}: {parent} is not writable")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_outputs(args)
         return args.func(args)
     except ChecksumError as e:
         print(f"forebay: CORRUPT: {e}", file=sys.stderr)
