@@ -10,10 +10,11 @@ DEMO   ?= .demo
 venv: $(STAMP)
 
 # torch: the CPU build on a machine without a GPU (scripts/torch_index.py says where
-# from; FOREBAY_TORCH_INDEX=URL or =none overrides)
+# from; FOREBAY_TORCH_INDEX=URL or =none overrides). -qq: errors only (a machine's pip
+# configuration can print dozens of warnings about its own index locations)
 $(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c scripts/torch_index.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check \
+	$(PY) -m pip install -qq --disable-pip-version-check \
 	    $$($(PY) scripts/torch_index.py) -r requirements-dev.txt
 	@$(PY) scripts/torch_index.py --check
 	@touch $(STAMP)
