@@ -164,8 +164,13 @@ def plot_sweep(res: dict[str, Any], path: str) -> None:
     fin = g[np.isfinite(g)]
     norm = LogNorm(vmin=fin.min(), vmax=fin.max()) \
         if len(fin) and fin.min() > 0 and fin.max() > 10 * fin.min() else None
+    # colours span at least 10% of the largest cell: a 0.5% spread is not drawn as the
+    # whole colour map, and its cells get a digit more
+    lo = min(fin.min(), fin.max() / 1.1) if len(fin) and norm is None else None
+    digits = 3 if not len(fin) or fin.min() <= 0 or fin.max() >= 1.1 * fin.min() else 4
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
-    im = ax.imshow(g, origin="lower", cmap="viridis_r", aspect="auto", norm=norm)
+    im = ax.imshow(g, origin="lower", cmap="viridis_r", aspect="auto", norm=norm,
+                   vmin=lo, vmax=fin.max() if lo is not None else None)
     ax.set_xticks(range(len(res["ssd_bytes"])), [human_bytes(s) for s in res["ssd_bytes"]])
     ax.set_yticks(range(len(res["ram_bytes"])), [human_bytes(r) for r in res["ram_bytes"]])
     ax.set_xlabel("SSD per worker")
@@ -175,8 +180,8 @@ def plot_sweep(res: dict[str, Any], path: str) -> None:
     for (r, c), v in np.ndenumerate(g):
         # white on the dark end of the map, black on the light one and on failed cells
         color = "w" if np.isfinite(v) and light[r, c] < 0.5 else "k"
-        ax.text(c, r, f"{v:.3g}" if np.isfinite(v) else "failed", ha="center", va="center",
-                fontsize=7, color=color)
+        ax.text(c, r, f"{v:.{digits}g}" if np.isfinite(v) else "failed", ha="center",
+                va="center", fontsize=7, color=color)
     bar = fig.colorbar(im, label=f"total time ({unit}{', log scale' if norm else ''})")
     fmt = FormatStrFormatter("%.3g")
     bar.ax.yaxis.set_major_formatter(fmt)
