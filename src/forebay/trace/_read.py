@@ -78,25 +78,12 @@ class Events(Columns):
     skipped: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
-    @property
-    def cat(self) -> np.ndarray:
-        return self.strings.decode(self.cat_code)
-
-    @property
-    def name(self) -> np.ndarray:
-        return self.strings.decode(self.name_code)
-
-    @property
-    def source(self) -> np.ndarray:
-        return self.strings.decode(self.source_code)
-
-    @property
-    def tier(self) -> np.ndarray:
-        return self.strings.decode(self.tier_code)
-
-    @property
-    def fname(self) -> np.ndarray:
-        return self.strings.decode(self.fname_code)
+    # the string columns as object arrays of str
+    cat = property(lambda self: self.strings.decode(self.cat_code))
+    name = property(lambda self: self.strings.decode(self.name_code))
+    source = property(lambda self: self.strings.decode(self.source_code))
+    tier = property(lambda self: self.strings.decode(self.tier_code))
+    fname = property(lambda self: self.strings.decode(self.fname_code))
 
     @property
     def rank(self) -> np.ndarray:
