@@ -78,6 +78,9 @@ def format_plan(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_UNIT_WORD = {"s": "seconds", "min": "minutes", "h": "hours"}
+
+
 def _unit(top: float) -> tuple[str, float]:
     """The unit :func:`_secs` would print ``top`` in, and its seconds."""
     return ("h", 3600.0) if top >= 3600 else ("min", 60.0) if top >= 60 else ("s", 1.0)
@@ -114,27 +117,29 @@ def plot_policies(res: dict[str, Any], path: str) -> None:
     ax1.barh(names, [st / div for st in stall], left=[c / div for c in comp],
              label="stall (incl. set-up)")
     for i, n in enumerate(names):
-        text = _secs(comp[i] + stall[i]) if ok[i] else f"failed: {str(pol[n]['failed'])[:70]}"
+        text = _secs(comp[i] + stall[i]) if ok[i] else f"failed: {str(pol[n]['failed'])[:90]}"
         ax1.text((comp[i] + stall[i] + 0.01 * top) / div, i, text, va="center", fontsize=7)
     ax1.set_xlim(0, top * 1.25 / div)
-    ax1.set_xlabel({"s": "seconds", "min": "minutes", "h": "hours"}[unit])
+    ax1.set_xlabel(_UNIT_WORD[unit])
     ax1.set_title("run time")
     ax1.legend(fontsize=8, loc="lower right")
     ax1.invert_yaxis()
     left = [0.0] * len(names)
+    top2 = max((sum(pol[n]["by_source"].values()) for n, okk in zip(names, ok) if okk),
+               default=1.0) or 1.0
+    unit2, div2 = _unit(top2)
     for k in SOURCES:
         vals = [pol[n]["by_source"].get(k, 0.0) if okk else 0.0 for n, okk in zip(names, ok)]
         if any(vals):
-            ax2.barh(names, vals, left=left, label=k)
+            ax2.barh(names, [v / div2 for v in vals], left=[x / div2 for x in left], label=k)
             left = [a + b for a, b in zip(left, vals)]
-    top2 = max(left, default=1.0) or 1.0
     for i in range(len(names)):
         if ok[i]:
             t = left[i]
-            ax2.text(t + 0.01 * top2, i, "0" if t == 0 else _secs(t) if t >= 0.01
+            ax2.text((t + 0.01 * top2) / div2, i, "0" if t == 0 else _secs(t) if t >= 0.01
                      else f"{t * 1e3:.2f} ms", va="center", fontsize=7)
-    ax2.set_xlim(0, top2 * 1.25)
-    ax2.set_xlabel("prefetch-thread seconds per worker")
+    ax2.set_xlim(0, top2 * 1.25 / div2)
+    ax2.set_xlabel(f"prefetch-thread {_UNIT_WORD[unit2]} per worker")
     ax2.set_title("fetch time by source")
     ax2.legend(fontsize=8, loc="lower right")
     ax2.invert_yaxis()
