@@ -112,6 +112,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="forebay loader's batches fetched ahead (0: in the loop; default: "
+                        "the loader's)")
     p.add_argument("--trace", type=Path, help="trace the forebay run into this directory "
                    "(then: forebay analyze DIR)")
     p.add_argument("--reduce", choices=["ddp", "bitvector", "master"], default="ddp",
@@ -166,8 +169,9 @@ def main() -> None:
         from forebay.store import tier_nbytes
 
         ram = int(tier_nbytes(forebay.open_dataset(a.packed)).sum() * a.ram_share)
+    extra = {} if a.prefetch is None else {"prefetch": a.prefetch}
     loader = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
-                        progress=False, mode=a.mode, ram_bytes=ram)
+                        progress=False, mode=a.mode, ram_bytes=ram, **extra)
     y_scale = 100.0
     model, opt = fresh_model(a.reduce)
     setup.__exit__(None, None, None)
