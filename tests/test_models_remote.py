@@ -426,6 +426,27 @@ def test_a_malformed_put_with_data_keeps_the_connection_in_step(tmp_path, meta):
         _stop(p)
 
 
+def test_a_stderr_nobody_reads_never_stops_the_provider(tmp_path):
+    """The provider logs every dropped client: with its stderr a pipe nobody reads, the
+    pipe fills (64 KiB) and a logging call that waited on it would hold every handler
+    (the attack rerun's harness stalled so). 1,500 bad clients, then a real one is
+    served: the log is written by one thread and dropped when it falls behind."""
+    p, url = _serve(tmp_path, "memory://")     # stderr: a pipe this test never reads
+    try:
+        host, port = url[len("tcp://"):].rsplit(":", 1)
+        for _ in range(1500):                  # each logs ~100 bytes: > 2x the pipe
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 16)
+            s.recv(4096)                       # the ERR reply, then the provider hangs up
+            s.close()
+        r = fm.RemoteRepository(url, TOKEN, timeout=30)
+        r.save("m", net())
+        assert r.versions("m") == [1]
+        r.close()
+    finally:
+        _stop(p)
+
+
 def test_a_provider_needs_a_token_unless_told_otherwise(tmp_path, cli):
     code, _, err = cli("models", "serve", "--listen", "127.0.0.1:0", "--store", "memory://")
     assert code == 2 and "token is required" in err

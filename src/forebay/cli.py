@@ -320,12 +320,69 @@ def cmd_trace_export(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_serve(a: argparse.Namespace) -> int:
+def _log_without_blocking() -> Any:
+    """Log records to stderr from one thread, through a bounded queue: a stderr nobody
+    reads (a full pipe) stalls that thread only, never a provider's handlers (they
+    drop records while the queue is full).  Returns a function that flushes what it can
+    within 2 s and stops the thread; it returns False if the thread is stuck on stderr."""
     import logging
+    import logging.handlers
+    import queue
+    import threading
 
+    class Dropping(logging.handlers.QueueHandler):
+        def enqueue(self, record: logging.LogRecord) -> None:
+            try:
+                self.queue.put_nowait(record)
+            except queue.Full:
+                pass                    # the log is behind: this record is dropped
+
+    q: "queue.Queue[Optional[logging.LogRecord]]" = queue.Queue(10_000)
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+
+    def write() -> None:
+        while (record := q.get()) is not None:
+            out.handle(record)
+
+    t = threading.Thread(target=write, name="forebay-log", daemon=True)
+    t.start()
+    handler = Dropping(q)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+    def stop() -> bool:
+        root.removeHandler(handler)
+        try:
+            q.put(None, timeout=2)
+        except queue.Full:
+            return False
+        t.join(timeout=2)
+        return not t.is_alive()
+
+    return stop
+
+
+def cmd_models_serve(a: argparse.Namespace) -> int:
+    import os
+
+    stop_log = _log_without_blocking()
+    code = 2
+    try:
+        code = _serve_models(a)       # the store is closed when this returns
+    finally:
+        if not stop_log():
+            # stderr is a pipe nobody reads: the interpreter's own flush at exit would
+            # wait on it forever; everything else is done
+            sys.stdout.flush()
+            os._exit(code)
+    return code
+
+
+def _serve_models(a: argparse.Namespace) -> int:
     from .models import serve, token_from_file
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     token = token_from_file(a.token_file)
     if not token and not a.no_token:
         print("forebay models serve: a token is required, even on 127.0.0.1, which every "
