@@ -111,7 +111,8 @@ def sweep(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike
                            policies=[policy], **kw)
             row.append(rep["policies"][policy]["total_s"])
         grid.append(row)
-    return {"policy": policy, "ram_bytes": rams, "ssd_bytes": ssds, "total_s": grid}
+    return {"policy": policy, "ram_bytes": rams, "ssd_bytes": ssds, "total_s": grid,
+            "scale": kw.get("scale", 1.0)}
 
 
 def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]",

@@ -46,7 +46,9 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def format_sweep(res: dict[str, Any]) -> str:
-    head = f"{res['policy']}: total time, rows RAM, columns SSD (per worker)"
+    head = (f"{res['policy']}: total time, rows RAM, columns SSD (per worker"
+            + (f", at full scale; simulated at scale {res['scale']:g})"
+               if res.get("scale", 1) != 1 else ")"))
     cols = "".join(f"{human_bytes(s):>12}" for s in res["ssd_bytes"])
     lines = [head, f"{'':>12}{cols}"]
     for r, row in zip(res["ram_bytes"], res["total_s"]):
