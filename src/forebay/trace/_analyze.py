@@ -39,37 +39,60 @@ _WRITES = {"write", "pwrite", "pwrite64", "writev", "fwrite"}
 EXACT = 1 << 16
 
 
-def _table(strings: Strings, pred: Any) -> np.ndarray:
-    """``pred`` of every distinct string, indexable by code."""
-    return np.fromiter((bool(pred(v)) for v in strings.values), dtype=bool,
-                       count=len(strings.values))
+#: what the masks test of each distinct string (a category or an event name)
+_PREDICATES: dict[str, Any] = {
+    **{k: (lambda v, cats=cats: v in cats) for k, cats in CLASSES.items()},
+    "block": lambda v: v.endswith(".block"),
+    "dataloader": lambda v: v == STALL[0], "fetch.iter": lambda v: v == STALL[1],
+    "data": lambda v: v == "data", "item": lambda v: v == "item",
+    "reader": lambda v: v == "reader", "read": lambda v: v == "read",
+    "posix": lambda v: v in ("posix", "stdio"), "any": lambda v: True,
+    "reads": lambda v: v in _READS, "writes": lambda v: v in _WRITES,
+}
 
 
-def _masks(c: Columns, strings: Strings) -> dict[str, np.ndarray]:
+class _Tables:
+    """Each predicate of every distinct string, indexable by code; extended only for
+    the strings added since (a trace of many files has many distinct names)."""
+
+    def __init__(self, strings: Strings) -> None:
+        self.strings = strings
+        self.t: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        have = self.t.get(key, np.zeros(0, dtype=bool))
+        values = self.strings.values
+        if len(have) < len(values):
+            pred = _PREDICATES[key]
+            new = np.fromiter((bool(pred(v)) for v in values[len(have):]), dtype=bool,
+                              count=len(values) - len(have))
+            have = self.t[key] = np.concatenate([have, new])
+        return have
+
+
+def _masks(c: Columns, t: _Tables) -> dict[str, np.ndarray]:
     """Masks of the time classes, the stalls, sample fetches, dataset-file reads and
     POSIX calls of one chunk."""
-    t = {k: _table(strings, lambda v, cats=cats: v in cats) for k, cats in CLASSES.items()}
-    cls = {k: m[c.cat_code] for k, m in t.items()}
+    cls = {k: t[k][c.cat_code] for k in CLASSES}
     # DFTracer's iteration wrappers: "X.iter" is the wait for the next item (kept),
     # "X.block" the loop body that follows (the user's work, not I/O)
-    cls["app_io"] &= ~_table(strings, lambda v: v.endswith(".block"))[c.name_code]
+    cls["app_io"] &= ~t["block"][c.name_code]
 
-    def named(cat: Any, names: Any) -> np.ndarray:
-        return _table(strings, cat)[c.cat_code] & _table(strings, names)[c.name_code]
+    def named(cat: str, name: str) -> np.ndarray:
+        return t[cat][c.cat_code] & t[name][c.name_code]
 
-    cls["stall"] = named(lambda v: v == STALL[0], lambda v: v == STALL[1])
-    cls["item"] = named(lambda v: v == "data", lambda v: v == "item")
-    cls["reads"] = named(lambda v: v == "reader", lambda v: v == "read")
-    posix = lambda v: v in ("posix", "stdio")  # noqa: E731
-    cls["posix"] = named(posix, lambda v: True)
-    cls["posix_read"] = named(posix, lambda v: v in _READS)
-    cls["posix_write"] = named(posix, lambda v: v in _WRITES)
+    cls["stall"] = named("dataloader", "fetch.iter")
+    cls["item"] = named("data", "item")
+    cls["reads"] = named("reader", "read")
+    cls["posix"] = named("posix", "any")
+    cls["posix_read"] = named("posix", "reads")
+    cls["posix_write"] = named("posix", "writes")
     return cls
 
 
 def classify(ev: Events) -> dict[str, np.ndarray]:
     """Masks of the time classes (:data:`CLASSES`) and of the stalls."""
-    m = _masks(ev, ev.strings)
+    m = _masks(ev, _Tables(ev.strings))
     return {k: m[k] for k in (*CLASSES, "stall")}
 
 
@@ -227,6 +250,7 @@ class _Analysis:
 
     def __init__(self, strings: Strings) -> None:
         self.strings = strings
+        self.tables = _Tables(strings)
         self.events = 0
         self.procs: dict[int, _Proc] = {}
         self.stall = Quantiles()
@@ -242,7 +266,7 @@ class _Analysis:
         if not len(c):
             return
         self.events += len(c)
-        m = _masks(c, self.strings)
+        m = _masks(c, self.tables)
         end = c.ts + c.dur
         sizes = _sizes(c)
         comp, app, io = m["compute"], m["app_io"], m["io"]
