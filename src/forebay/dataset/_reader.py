@@ -24,6 +24,8 @@ __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
 _EMPTY = np.zeros(0, dtype=np.uint8)
 _PAGE = mmap.PAGESIZE
 _HAVE_MADVISE = hasattr(mmap, "MADV_WILLNEED")
+#: Linux maps the cached pages around a faulting one, in aligned windows of this size
+_FAULT_AROUND = max(_PAGE, 64 << 10)
 READAHEAD = ("record", "os")
 _live: "weakref.WeakSet[PackedDataset]" = weakref.WeakSet()
 
@@ -173,6 +175,35 @@ class PackedDataset:
         if self.readahead == "record" and _HAVE_MADVISE:
             self._map(k)
             self._prefetch(k, starts, ends)
+
+    def release(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Unmap the pages of samples ``ids`` (rows ``rows``) from this process
+        (madvise DONTNEED on the read-only shared map): for a caller that has copied
+        them elsewhere (a tier), so the node does not hold them twice.  The page cache
+        keeps them; a later read of the same bytes faults them back in, unchanged.  The
+        ranges are widened to the kernel's fault-around window (64 KiB, aligned): a
+        fault maps the cached pages around it, which would otherwise stay mapped."""
+        if not _HAVE_MADVISE or not len(ids):
+            return
+        shard = self._shard_of[ids]
+        rec = rows[:, IndexLayout.REC_OFF]
+        end = rec + rows[:, IndexLayout.REC_LEN]
+        for s in np.unique(shard).tolist():
+            mm = self._mmaps[s]
+            if mm is None:
+                continue
+            sel = shard == s
+            a = (rec[sel] // _FAULT_AROUND) * _FAULT_AROUND
+            b = np.minimum(-(-end[sel] // _FAULT_AROUND) * _FAULT_AROUND, len(mm))
+            o = np.argsort(a, kind="stable")
+            a, b = a[o], np.maximum.accumulate(b[o])
+            new = np.ones(len(a), dtype=bool)
+            new[1:] = a[1:] > b[:-1]          # ranges that touch or overlap are one call
+            last = np.ones(len(a), dtype=bool)
+            last[:-1] = new[1:]
+            for x, y in zip(a[new].tolist(), b[last].tolist()):
+                if y > x:
+                    mm.madvise(mmap.MADV_DONTNEED, x, y - x)
 
     def record_parts(self, ids: np.ndarray, rows: np.ndarray
                      ) -> list[tuple[np.ndarray, np.ndarray, Any]]:

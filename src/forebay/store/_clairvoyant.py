@@ -420,6 +420,9 @@ class ClairvoyantStore(SampleStore):
             if self.ds.verify_on_read:   # checked once, as it enters the tier
                 self.ds.check_records(ids[tsel], buf, dst[tsel],
                                       where=f"(read into rank {self.rank}'s tier)")
+            # the tier holds them now: the map's copy leaves this process (it stays in
+            # the page cache), so the node does not hold each filled sample twice
+            self.ds.release(ids[tsel], rows[tsel])
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):
