@@ -593,3 +593,41 @@ def test_chrome_export_streams_and_keeps_every_event(tmp_path):
     assert sum(e["ph"] == "X" for e in evs) == 2 * (150 * 67 + 3)
     assert {e["pid"] for e in evs if e["ph"] == "X"} == {0, 1}
     assert peak[64] < 1.3 * peak[16], peak
+
+
+def _chrome_doc(n: int, indent=None) -> str:
+    evs = [{"name": "item", "cat": "data", "ph": "X", "pid": 7, "tid": 7, "ts": 10 * i,
+            "dur": 10, "args": {"source": "pfs", "image_size": 100}} for i in range(n)]
+    return json.dumps({"displayTimeUnit": "ms", "traceEvents": evs,
+                       "otherData": {"producer": "some tool"}}, indent=indent)
+
+
+def test_chrome_json_documents_are_read_one_event_at_a_time(tmp_path):
+    """A Chrome/Perfetto JSON document, one line or pretty-printed over many, is read
+    event by event: every event counted, Python's peak allocation the same for four
+    times the document (it was parsed whole), and a document cut short keeps the
+    events before the cut and says so."""
+    import tracemalloc
+
+    peak = {}
+    for n in (10_000, 40_000):
+        d = tmp_path / str(n)
+        d.mkdir()
+        (d / "t.json").write_text(_chrome_doc(n))
+        tracemalloc.start()
+        a = analyze(d, chunk=4096)        # the columns' chunk small: the reading is measured
+        peak[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert a["fetch_sources"]["pfs"]["count"] == n and not a["skipped"], a["skipped"]
+    assert peak[40_000] < 1.5 * peak[10_000], peak
+    pretty = tmp_path / "pretty"
+    pretty.mkdir()
+    (pretty / "t.json").write_text(_chrome_doc(500, indent=2))
+    assert analyze(pretty)["fetch_sources"]["pfs"]["count"] == 500
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    text = _chrome_doc(1000)
+    (cut / "t.json").write_text(text[: len(text) // 2])
+    a = analyze(cut)
+    assert 400 < a["fetch_sources"]["pfs"]["count"] < 600
+    assert any("not valid JSON after" in s and "kept" in s for s in a["skipped"]), a["skipped"]

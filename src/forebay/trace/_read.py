@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from array import array
 from dataclasses import dataclass, field
@@ -136,30 +137,20 @@ def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iter
     """Event objects of one file in any of the accepted layouts (``skip_exports``: not
     from a ``forebay trace export`` of traces that are read too)."""
     garbled: list[int] = []
-    first = True
+    try:
+        with _open_text(path) as f:
+            head = f.read(4096).lstrip()
+    except (EOFError, OSError, zlib.error):
+        head = ""
+    if head.startswith("{") and '"traceEvents"' in head:
+        # a Chrome/Perfetto JSON object (on one line or many): its events one at a time
+        if skip_exports and _is_export(path):
+            skipped.append(f"{path.name}: an export of the traces beside it, not read twice")
+            return
+        yield from _chrome_events(path, skipped)
+        return
     for n, line in _lines(path, skipped):
         s = line.strip()
-        if first and s.startswith("{") and '"traceEvents"' in s[:4096]:
-            # a Chrome/Perfetto JSON object: read it whole
-            text = "".join(ln for _, ln in _lines(path, skipped))
-            try:
-                doc = json.loads(text)
-            except ValueError as err:
-                skipped.append(f"{path.name}: not valid JSON ({err})")
-                return
-            other = doc.get("otherData") if isinstance(doc, dict) else None
-            if skip_exports and isinstance(other, dict) and \
-                    other.get("producer") == "forebay trace export":
-                skipped.append(f"{path.name}: an export of the traces beside it, not read "
-                               f"twice")
-                return
-            events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
-            if not isinstance(events, list):
-                skipped.append(f"{path.name}: traceEvents is not a list of events")
-                return
-            yield from (e for e in events if isinstance(e, dict))
-            return
-        first = False
         if not s or s in ("[", "]"):
             continue
         if s.startswith("[") and s != "[":
@@ -182,6 +173,80 @@ def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iter
     if garbled:
         skipped.append(f"{path.name}: {len(garbled)} garbled line(s) skipped (first at line "
                        f"{garbled[0]})")
+
+
+def _open_text(path: Path) -> Any:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    return opener(path, "rt", encoding="utf-8", errors="replace")
+
+
+def _is_export(path: Path) -> bool:
+    """Whether a Chrome JSON file is a ``forebay trace export`` (its ``otherData``
+    comes last: the tail is read, a stream for a gzip)."""
+    tail = ""
+    try:
+        with _open_text(path) as f:
+            while chunk := f.read(1 << 20):
+                tail = (tail + chunk)[-4096:]
+    except (EOFError, OSError, zlib.error):
+        return False
+    return re.search(r'"producer"\s*:\s*"forebay trace export"', tail) is not None
+
+
+def _chrome_events(path: Path, skipped: list[str]) -> Iterator[dict]:
+    """The objects of a Chrome JSON document's ``traceEvents`` array, decoded one at a
+    time from a buffer read in pieces: memory holds one event (at most MAX_LINE
+    characters), never the document."""
+    dec = json.JSONDecoder()
+    buf, pos, n, done = "", 0, 0, False
+    try:
+        with _open_text(path) as f:
+            def more() -> bool:
+                nonlocal buf, pos
+                chunk = f.read(1 << 20)
+                buf, pos = buf[pos:] + chunk, 0
+                return bool(chunk)
+
+            while '"traceEvents"' not in buf and more():
+                pass
+            key = buf.find('"traceEvents"')
+            pos = key + len('"traceEvents"')
+            while True:                   # the ':' and the '[' after the key
+                while pos < len(buf) and buf[pos] in " \t\r\n:":
+                    pos += 1
+                if pos < len(buf) or not more():
+                    break
+            if key < 0 or pos >= len(buf) or buf[pos] != "[":
+                skipped.append(f"{path.name}: traceEvents is not a list of events")
+                return
+            pos += 1
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n,":
+                    pos += 1
+                if pos >= len(buf):
+                    if not more():
+                        break
+                    continue
+                if buf[pos] == "]":
+                    done = True
+                    break
+                try:
+                    e, end = dec.raw_decode(buf, pos)
+                except (ValueError, RecursionError):
+                    if len(buf) - pos < MAX_LINE and more():
+                        continue          # the event goes on in the next piece
+                    break
+                pos = end
+                n += 1
+                if isinstance(e, dict):
+                    yield e
+    except (EOFError, OSError, zlib.error) as err:
+        skipped.append(f"{path.name}: unreadable after {n} events ({type(err).__name__}: "
+                       f"{err}); the {n} events before were kept")
+        return
+    if not done:
+        skipped.append(f"{path.name}: not valid JSON after {n} events; the {n} events "
+                       f"before were kept")
 
 
 def _num(v: Any) -> float:
