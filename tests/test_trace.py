@@ -602,12 +602,17 @@ def _chrome_doc(n: int, indent=None) -> str:
                        "otherData": {"producer": "some tool"}}, indent=indent)
 
 
-def test_chrome_json_documents_are_read_one_event_at_a_time(tmp_path):
+def test_chrome_json_documents_are_read_one_event_at_a_time(tmp_path, monkeypatch):
     """A Chrome/Perfetto JSON document, one line or pretty-printed over many, is read
-    event by event: every event counted, Python's peak allocation the same for four
-    times the document (it was parsed whole), and a document cut short keeps the
-    events before the cut and says so."""
+    event by event: every event counted, Python's peak allocation grows by less than
+    2 MB for 30,000 more events (parsed whole, it grew by ~27 MB), and a document cut
+    short keeps the events before the cut and says so.  (EXACT lowered: the exact
+    percentiles would otherwise keep up to 65,536 values of a kind.)"""
     import tracemalloc
+
+    import forebay.trace._analyze as an
+
+    monkeypatch.setattr(an, "EXACT", 1024)
 
     peak = {}
     for n in (10_000, 40_000):
@@ -619,7 +624,7 @@ def test_chrome_json_documents_are_read_one_event_at_a_time(tmp_path):
         peak[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert a["fetch_sources"]["pfs"]["count"] == n and not a["skipped"], a["skipped"]
-    assert peak[40_000] < 1.5 * peak[10_000], peak
+    assert peak[40_000] - peak[10_000] < 2 << 20, peak
     pretty = tmp_path / "pretty"
     pretty.mkdir()
     (pretty / "t.json").write_text(_chrome_doc(500, indent=2))
