@@ -15,6 +15,7 @@ import xxhash
 
 from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, DatasetNotFoundError,
                       InvalidArgumentError, SampleIndexError, TruncatedShardError)
+from .._intervals import merge_intervals
 from ..progress import Progress, as_progress
 from ._batch import SampleBatch, _native, assemble_batch
 from ._format import IndexLayout, Manifest, checksum
@@ -193,15 +194,11 @@ class PackedDataset:
             if mm is None:
                 continue
             sel = shard == s
-            a = (rec[sel] // _FAULT_AROUND) * _FAULT_AROUND
-            b = np.minimum(-(-end[sel] // _FAULT_AROUND) * _FAULT_AROUND, len(mm))
-            o = np.argsort(a, kind="stable")
-            a, b = a[o], np.maximum.accumulate(b[o])
-            new = np.ones(len(a), dtype=bool)
-            new[1:] = a[1:] > b[:-1]          # ranges that touch or overlap are one call
-            last = np.ones(len(a), dtype=bool)
-            last[:-1] = new[1:]
-            for x, y in zip(a[new].tolist(), b[last].tolist()):
+            # ranges that touch or overlap are one call
+            a, b = merge_intervals((rec[sel] // _FAULT_AROUND) * _FAULT_AROUND,
+                                   np.minimum(-(-end[sel] // _FAULT_AROUND) * _FAULT_AROUND,
+                                              len(mm)))
+            for x, y in zip(a.tolist(), b.tolist()):
                 if y > x:
                     mm.madvise(mmap.MADV_DONTNEED, x, y - x)
 

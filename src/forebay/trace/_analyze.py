@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._intervals import merge_intervals
 from ._read import CHUNK, Columns, Events, Scanner, Strings
 
 __all__ = ["analyze", "classify", "union_length", "format_summary", "CLASSES", "EXACT"]
@@ -96,25 +97,9 @@ def classify(ev: Events) -> dict[str, np.ndarray]:
     return {k: m[k] for k in (*CLASSES, "stall")}
 
 
-def _merge(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of intervals ``[start, end)`` (any order, may overlap) as sorted
-    disjoint segments."""
-    if len(start) == 0:
-        return np.zeros(0), np.zeros(0)
-    o = np.argsort(start, kind="stable")
-    s, e = start[o], end[o]
-    reach = np.maximum.accumulate(e)
-    # a new merged segment starts where an interval begins after everything before ended
-    new = np.ones(len(s), dtype=bool)
-    new[1:] = s[1:] > reach[:-1]
-    last = np.ones(len(s), dtype=bool)
-    last[:-1] = new[1:]
-    return s[new], reach[last]
-
-
 def union_length(start: np.ndarray, end: np.ndarray) -> float:
     """Length of the union of intervals ``[start, end)`` (any order, may overlap)."""
-    s, e = _merge(start, end)
+    s, e = merge_intervals(start, end)
     return float((e - s).sum())
 
 
@@ -131,7 +116,8 @@ class _Union:
         # segments that end before the new intervals begin stay as they are: a trace
         # written as events end touches only the last few
         cut = int(np.searchsorted(self.e, s.min(), side="left"))
-        ts, te = _merge(np.concatenate([self.s[cut:], s]), np.concatenate([self.e[cut:], e]))
+        ts, te = merge_intervals(np.concatenate([self.s[cut:], s]),
+                                 np.concatenate([self.e[cut:], e]))
         self.s, self.e = np.concatenate([self.s[:cut], ts]), np.concatenate([self.e[:cut], te])
 
     def update(self, other: "_Union") -> None:
