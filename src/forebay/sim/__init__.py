@@ -158,7 +158,8 @@ def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.
 
     prog = as_progress(progress)
     prog.start(None, desc="plan", unit="run")
-    full = int(run(0, 0)["dataset_bytes"] / scale)     # the dataset at full scale
+    nothing = run(0, 0)                          # no capacity: the same for every tier
+    full = int(nothing["dataset_bytes"] / scale)     # the dataset at full scale
     options = []
     for tier in tiers:
         if tier not in ("ram", "ssd"):
@@ -167,7 +168,7 @@ def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.
         def at(b: int, tier: str = tier) -> dict[str, Any]:
             return run(b, 0) if tier == "ram" else run(0, b)
 
-        lo_r, hi_r = at(0), at(full)
+        lo_r, hi_r = nothing, at(full)
         if au(lo_r) >= target_au:
             best, b, reached = lo_r, 0, True
         elif au(hi_r) < target_au:
