@@ -109,11 +109,15 @@ def trace_files(directory: "str | Path") -> list[Path]:
 MAX_LINE = 16 << 20
 
 
-def _lines(path: Path, skipped: list[str]) -> Iterator[tuple[int, str]]:
+def _open_text(path: Path) -> Any:
     opener = gzip.open if path.name.endswith(".gz") else open
+    return opener(path, "rt", encoding="utf-8", errors="replace")
+
+
+def _lines(path: Path, skipped: list[str]) -> Iterator[tuple[int, str]]:
     n = long = 0
     try:
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        with _open_text(path) as f:
             while True:
                 line = f.readline(MAX_LINE)
                 if not line:
@@ -175,19 +179,19 @@ def _records(path: Path, skipped: list[str], skip_exports: bool = False) -> Iter
                        f"{garbled[0]})")
 
 
-def _open_text(path: Path) -> Any:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    return opener(path, "rt", encoding="utf-8", errors="replace")
-
-
 def _is_export(path: Path) -> bool:
     """Whether a Chrome JSON file is a ``forebay trace export`` (its ``otherData``
-    comes last: the tail is read, a stream for a gzip)."""
+    comes last: the tail is read; a gzip is decompressed to its end to get there)."""
     tail = ""
     try:
-        with _open_text(path) as f:
-            while chunk := f.read(1 << 20):
-                tail = (tail + chunk)[-4096:]
+        if path.name.endswith(".gz"):
+            with _open_text(path) as f:
+                while chunk := f.read(1 << 20):
+                    tail = (tail + chunk)[-4096:]
+        else:
+            with open(path, "rb") as fb:
+                fb.seek(max(0, path.stat().st_size - 4096))
+                tail = fb.read().decode("utf-8", errors="replace")
     except (EOFError, OSError, zlib.error):
         return False
     return re.search(r'"producer"\s*:\s*"forebay trace export"', tail) is not None
