@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +14,7 @@ import pytest
 
 import forebay
 from forebay.dataset import ALIGNMENT, FieldBatch
-from forebay.errors import SchemaError
+from forebay.errors import SchemaError, TruncatedShardError
 from conftest import assert_sample_equal, as_array
 
 DTYPES = ["?", "i1", "u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8",
@@ -314,3 +315,56 @@ def test_release_unmaps_copied_records_and_a_reread_is_unchanged(tmp_path):
     ds.release(ids, ds.rows(ids))
     assert _mapped_rss(shard) < 64 << 10
     assert all(bytes(ds[i]["b"]) == samples[i]["b"] for i in ids)
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.sync()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_warm_reads_the_extents_samples_fill_once_in_parts(tmp_path):
+    """``warm`` reads whole extents sequentially into the page cache (ranks split
+    them), skips what is cached, and the samples read afterwards are unchanged."""
+    rng = np.random.default_rng(1)
+    samples = [{"b": rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()}
+               for _ in range(2000)]
+    forebay.write_dataset(tmp_path / "d", samples, shard_bytes=2 << 20)
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert ds.small_records
+    extent = 256 << 10
+    every = ds.warm_extents(extent=extent)
+    # every extent of every shard, in file order, each at most `extent` bytes
+    sizes = [s.data_nbytes for s in ds.manifest.shards]
+    assert sum(n for _, _, n in every) == sum(sizes)
+    assert all(n <= extent and at % extent == 0 for _, at, n in every)
+    # a sample set that fills no extent to 90% (every other sample) warms nothing
+    assert ds.warm_extents(np.arange(0, len(ds), 2), extent=extent) == []
+    for k in range(len(sizes)):
+        _evict(ds.shard_path(k))
+    parts = [ds.warm(part=p, parts=3, extent=extent) for p in range(3)]
+    assert sum(r["extents"] + r["cached"] for r in parts) == len(every)
+    read, cached = sum(r["bytes"] for r in parts), sum(r["cached"] for r in parts)
+    assert read <= sum(sizes) and (cached > 0 or read == sum(sizes))   # tmpfs: all cached
+    again = ds.warm(extent=extent)          # all in the page cache now
+    assert again["bytes"] == 0 and again["cached"] == len(every)
+    stop = threading.Event()
+    stop.set()
+    assert ds.warm(stop=stop, extent=extent)["extents"] == 0
+    ids = rng.permutation(len(ds))[:500]
+    batch = ds.get_many(ids)
+    assert all(bytes(batch.sample(j)["b"]) == samples[i]["b"] for j, i in enumerate(ids))
+
+
+def test_warm_names_a_shard_truncated_after_opening(tmp_path):
+    samples = [{"b": np.full(1000, i % 251, dtype=np.uint8)} for i in range(1000)]
+    forebay.write_dataset(tmp_path / "d", samples)
+    ds = forebay.open_dataset(tmp_path / "d")
+    path = ds.shard_path(0)
+    _evict(path)
+    os.truncate(path, 100_000)
+    with pytest.raises(TruncatedShardError, match="shard-00000"):
+        ds.warm(extent=64 << 10)

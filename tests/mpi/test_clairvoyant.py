@@ -404,3 +404,54 @@ def test_a_reader_racing_the_fill_leaves_no_hole_and_reads_each_sample_once(pack
         assert s["pfs_reads"] == len(ds), s
         assert np.all(st.local_pos >= 0)
         st.close()
+
+
+def rank_warm(*args: str) -> None:
+    """One rank of the warm-up test (run by run_ranks)."""
+    argv = ["rank", *args]
+    import numpy as np
+    from mpi4py import MPI
+    import forebay
+    from forebay.store import tier_nbytes
+    from forebay.torch import DataLoader
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(argv[1])
+    assert ds.small_records
+    for mode in ("direct", "clairvoyant"):
+        kw = {"ram_bytes": int(tier_nbytes(ds).sum())} if mode == "clairvoyant" else {}
+        dl = DataLoader(ds, 8, comm=comm, seed=2, epochs=2, mode=mode, warm_files=True,
+                        collate_fn=lambda b: b, **kw)
+        for e in range(2):
+            dl.set_epoch(e)
+            for step, batch in enumerate(dl):
+                assert batch.equals(ds.get_many(dl.plan.batches(comm.rank, e)[step]))
+        store = dl.store
+        dl.close()                      # joins the warm-up thread
+        w = store.warmed or {"extents": 0, "cached": 0, "bytes": 0}
+        handled = comm.allreduce(w["extents"] + w["cached"])
+        every = len(ds.warm_extents(np.arange(len(ds))))
+        say(f"rank {comm.rank} {mode} warm {handled} of {every} "
+            f"bytes {w['bytes']} stats {store.stats()['warmed_bytes']}")
+
+
+def test_ranks_split_the_page_cache_warm_up_and_batches_stay_exact(packed):
+    """Small records in random order cost a file-system request each; the loader reads
+    the files' extents sequentially ahead (each rank a share), in direct and
+    clairvoyant mode: every extent once over the ranks, batches unchanged."""
+    p = run_ranks(2, rank_warm, packed[0], timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = [line for line in p.stdout.splitlines() if " warm " in line]
+    assert len(lines) == 4
+    for line in lines:
+        handled, every = line.split(" warm ")[1].split(" bytes")[0].split(" of ")
+        assert handled == every and int(every) > 0, line
+        got, stats = line.split(" bytes ")[1].split(" stats ")
+        assert got == stats, line
+
+
+def test_warm_files_is_checked(packed):
+    from forebay.errors import InvalidArgumentError
+    from forebay.torch import DataLoader
+    with pytest.raises(InvalidArgumentError, match="warm_files"):
+        DataLoader(packed[0], 8, comm=forebay.world.LOCAL, mode="direct", warm_files="yes")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -18,7 +20,7 @@ from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, Dat
 from .._intervals import merge_intervals
 from ..progress import Progress, as_progress
 from ._batch import SampleBatch, _native, assemble_batch
-from ._format import IndexLayout, Manifest, checksum
+from ._format import ALIGNMENT, IndexLayout, Manifest, checksum
 
 __all__ = ["PackedDataset", "open_dataset", "VerifyReport"]
 
@@ -28,7 +30,36 @@ _HAVE_MADVISE = hasattr(mmap, "MADV_WILLNEED")
 #: Linux maps the cached pages around a faulting one, in aligned windows of this size
 _FAULT_AROUND = max(_PAGE, 64 << 10)
 READAHEAD = ("record", "os")
+#: bytes of one sequential read of :meth:`PackedDataset.warm`
+WARM_EXTENT = 16 << 20
+#: records under this size on average are read one request each in random order at a
+#: fraction of a device's bandwidth: what ``warm_files="auto"`` warms
+WARM_RECORD_MAX = 64 << 10
 _live: "weakref.WeakSet[PackedDataset]" = weakref.WeakSet()
+
+
+def _load_mincore() -> Any:
+    try:
+        f = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return f
+
+
+_mincore = _load_mincore()
+
+
+def _cached(buf: np.ndarray, start: int, length: int) -> bool:
+    """Whether every page of ``buf[start:start + length]`` (a read-only file map,
+    ``start`` page-aligned) is in the page cache (mincore); False where unknown."""
+    if _mincore is None or length <= 0:
+        return False
+    vec = np.zeros(-(-length // _PAGE), dtype=np.uint8)
+    if _mincore(buf.ctypes.data + start, length, vec.ctypes.data) != 0:
+        return False
+    return bool((vec & 1).all())
 
 
 def _reset_after_fork() -> None:
@@ -176,6 +207,89 @@ class PackedDataset:
         if self.readahead == "record" and _HAVE_MADVISE:
             self._map(k)
             self._prefetch(k, starts, ends)
+
+    @property
+    def small_records(self) -> bool:
+        """Whether the records average under 64 KiB (``WARM_RECORD_MAX``): random reads
+        of one record each are then bound by the file system's requests per second,
+        not its bandwidth (what the loaders' ``warm_files="auto"`` warms)."""
+        return len(self) > 0 and float(self.record_nbytes.mean()) < WARM_RECORD_MAX
+
+    def warm_extents(self, ids: "np.ndarray | None" = None, *, min_fraction: float = 0.9,
+                     extent: int = WARM_EXTENT) -> list[tuple[int, int, int]]:
+        """``(shard, offset, length)`` of the shard extents (``extent`` bytes, aligned)
+        whose bytes are at least ``min_fraction`` records of samples ``ids`` (default:
+        every sample), in file order: what :meth:`warm` reads."""
+        want = np.ones(len(self), dtype=bool)
+        if ids is not None:
+            want[:] = False
+            want[np.asarray(ids, dtype=np.int64)] = True
+        off, ln = self._index[:, IndexLayout.REC_OFF], self._index[:, IndexLayout.REC_LEN]
+        ln = ln + (-ln) % ALIGNMENT          # with the padding to the next record
+        out = []
+        for k, sh in enumerate(self.manifest.shards):
+            lo = int(self._shard_start[k])
+            sel = want[lo:lo + sh.num_samples]
+            if sh.data_nbytes == 0 or not sel.any():
+                continue
+            n = -(-sh.data_nbytes // extent)
+            got = np.bincount(off[lo:lo + sh.num_samples][sel] // extent,
+                              weights=ln[lo:lo + sh.num_samples][sel], minlength=n)[:n]
+            length = np.minimum(extent, sh.data_nbytes - np.arange(n, dtype=np.int64) * extent)
+            for j in np.flatnonzero(got >= min_fraction * length).tolist():
+                out.append((k, j * extent, int(length[j])))
+        return out
+
+    def warm(self, ids: "np.ndarray | None" = None, *, part: int = 0, parts: int = 1,
+             stop: "threading.Event | None" = None, min_fraction: float = 0.9,
+             extent: int = WARM_EXTENT) -> dict[str, Any]:
+        """Read the extents of :meth:`warm_extents` into the page cache with large
+        sequential reads (``preadv`` of ``extent`` bytes), so that later random reads
+        of those samples are memory copies instead of one small request each: on a
+        file system that serves few requests per second (a parallel file system, a
+        throttled disk) small samples read in random order are request-bound, a
+        sequential read is bandwidth-bound.  Reads every ``parts``-th extent from the
+        ``part``-th (ranks split the work); skips extents already cached (mincore) and
+        stops early when ``stop`` is set.  Returns ``{"bytes", "extents", "cached",
+        "seconds"}``.  Nothing is verified or kept here: the page cache holds the
+        bytes, the usual reads check them."""
+        t_start = time.perf_counter()
+        todo = self.warm_extents(ids, min_fraction=min_fraction, extent=extent)[part::parts]
+        buf = bytearray(extent)
+        done = cached = nbytes = 0
+        fds: dict[int, int] = {}
+        from .. import trace as _trace
+        try:
+            for k, at, n in todo:
+                if stop is not None and stop.is_set():
+                    break
+                if _cached(self._map(k), at, n):
+                    cached += 1
+                    continue
+                if k not in fds:
+                    fds[k] = os.open(self._shard_paths[k], os.O_RDONLY)
+                t0 = time.perf_counter()
+                got = 0
+                while got < n:
+                    r = os.preadv(fds[k], [memoryview(buf)[got:n]], at + got)
+                    if r <= 0:
+                        raise TruncatedShardError(f"{self._shard_paths[k]}: ends at "
+                                                  f"{at + got} bytes, the manifest records "
+                                                  f"{self.manifest.shards[k].data_nbytes}")
+                    got += r
+                rec = _trace.active()
+                if rec is not None:
+                    # a read ahead of the samples' own reads: it delivers none itself
+                    rec.file_reads(self._shard_paths[k], np.array([at]), np.array([n]),
+                                   np.array([t0]), np.array([time.perf_counter() - t0]),
+                                   samples=0)
+                done += 1
+                nbytes += n
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return {"bytes": nbytes, "extents": done, "cached": cached,
+                "seconds": time.perf_counter() - t_start}
 
     def release(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Unmap the pages of samples ``ids`` (rows ``rows``) from this process

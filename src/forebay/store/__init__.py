@@ -2,7 +2,7 @@
 clairvoyant store (NoPFS), and named arrays shared by ranks (``ArrayStore``)."""
 
 from ._arrays import ArrayStore
-from ._base import STATS_KEYS, DirectStore, SampleStore
+from ._base import STATS_KEYS, DirectStore, SampleStore, warm_enabled
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
 from ._distributed import (DistributedStore, StoreError, StoreLayout, check_agreement,
                            chunk_members, default_comm, node_size)
@@ -18,4 +18,4 @@ __all__ = ["ArrayStore", "SampleStore", "DirectStore", "STATS_KEYS", "Clairvoyan
            "MEMORY_HEADROOM", "NONE", "RAM", "SSD", "available_memory", "calibrate",
            "check_agreement", "chunk_members", "compute_coverage", "compute_placement",
            "default_comm", "dump_profile", "fill_tiers", "interpolate", "load_profile", "node_size",
-           "tier_nbytes"]
+           "tier_nbytes", "warm_enabled"]

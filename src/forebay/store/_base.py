@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Optional, Sequence, TypeVar
 import numpy as np
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..errors import ForebayError
+from ..errors import ForebayError, InvalidArgumentError
 
 __all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS"]
 
@@ -102,20 +102,57 @@ class SampleStore(Releasable, abc.ABC):
         return self.ds.schema
 
 
+def warm_enabled(warm_files: "bool | str", ds: PackedDataset) -> bool:
+    """The stores' and loaders' ``warm_files`` argument resolved for dataset ``ds``:
+    ``"auto"`` warms datasets of small records (:attr:`PackedDataset.small_records`)."""
+    if warm_files == "auto":
+        return ds.small_records
+    if not isinstance(warm_files, bool):
+        raise InvalidArgumentError(f"warm_files must be True, False or 'auto', got "
+                                   f"{warm_files!r}")
+    return warm_files
+
+
 class DirectStore(SampleStore):
     """Every batch read from the dataset's memory-mapped shards (no cache, no
-    communication): the loader's ``mode="direct"``."""
+    communication): the loader's ``mode="direct"``.
 
-    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]") -> None:
+    ``warm=(part, parts)`` also reads that share of the whole dataset into the page
+    cache with large sequential reads, in a background thread
+    (:meth:`PackedDataset.warm`): for ranks of one node that will read every sample,
+    so that the batches' random reads are memory copies instead of one small request
+    each.  A read error there is raised by the next ``get_many``."""
+
+    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", *,
+                 warm: "tuple[int, int] | None" = None) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self._closed = False
         self._lock = threading.Lock()
         self._reads = 0
         self._bytes = 0
+        self._stop = threading.Event()
+        self._warm_error: Optional[BaseException] = None
+        #: what the warm-up read, once it is done
+        self.warmed: dict[str, Any] = {}
+        self._warm: Optional[threading.Thread] = None
+        if warm is not None:
+            self._warm = threading.Thread(target=self._warm_loop, args=warm,
+                                          name="forebay-warm", daemon=True)
+            self._warm.start()
+
+    def _warm_loop(self, part: int, parts: int) -> None:
+        try:
+            self.warmed = self.ds.warm(part=part, parts=parts, stop=self._stop)
+        except BaseException as e:
+            self._warm_error = e
 
     def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc: Any = None) -> SampleBatch:
         if self._closed:
             raise StoreError("the store is closed")
+        if self._warm_error is not None:
+            raise StoreError(f"reading the dataset's files ahead failed: "
+                             f"{type(self._warm_error).__name__}: {self._warm_error}"
+                             ) from self._warm_error
         batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
         nbytes = int(self.ds.record_nbytes[batch.ids].sum())
         with self._lock:
@@ -134,10 +171,14 @@ class DirectStore(SampleStore):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"fetches_by_source": {"pfs": self._reads} if self._reads else {},
-                    "pfs_reads": self._reads, "pfs_bytes": self._bytes}
+                    "pfs_reads": self._reads, "pfs_bytes": self._bytes,
+                    "warmed_bytes": int(self.warmed.get("bytes", 0))}
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
+        if self._warm is not None:
+            self._warm.join()
 
     def __repr__(self) -> str:
         return f"DirectStore({self.ds.path})"

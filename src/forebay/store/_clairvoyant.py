@@ -46,7 +46,8 @@ from ..errors import ChecksumError, InvalidArgumentError
 from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_agreement,
                            node_size, rma_get, shared_segment)
-from ._base import SampleStore
+from ._base import SampleStore, warm_enabled
+from ._memory import MEMORY_HEADROOM, available_memory
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
 from . import _tracing as _hooks
@@ -99,6 +100,16 @@ class ClairvoyantStore(SampleStore):
             also caches, before reading it from the PFS instead.
         on_pfs_read: called after every read from the dataset files with (bytes,
             samples, seconds): an instrumentation hook (tracing, PFS emulation).
+        warm_files: on one node (transports ``shm`` and local), also read the
+            dataset's extents that the node's tiers will hold (90% or more of their
+            bytes) into the page cache with large sequential reads, in a background
+            thread per rank, when they fit in the node's available memory beside the
+            tiers: the fill's and the reader's per-sample reads are then memory copies
+            instead of one small request each (:meth:`PackedDataset.warm`).  ``"auto"``
+            (default): when the records are small (``PackedDataset.small_records``);
+            larger ones read one request each already move most of a device's
+            bandwidth, and the warm-up's copies would only take CPU from the fill.
+            Off with ``on_pfs_read`` (an emulated file system charges every read).
 
     Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
     """
@@ -110,7 +121,8 @@ class ClairvoyantStore(SampleStore):
                  ssd_dir: "str | os.PathLike[str] | None" = None, ssd_bytes: int = 0,
                  fill: bool = True, peer_wait: float = 1.0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
-                 model: Any = None, ram_threads: int = 1, ssd_threads: int = 1) -> None:
+                 model: Any = None, ram_threads: int = 1, ssd_threads: int = 1,
+                 warm_files: "bool | str" = "auto") -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
@@ -187,6 +199,12 @@ class ClairvoyantStore(SampleStore):
         self._ssd_all = np.array([b for _, b, _ in every], dtype=np.int64)
         self._peer_dirs = [Path(d) for _, _, d in every]
         self._allocate()
+        #: what the page-cache warm-up read (PackedDataset.warm), once it is done
+        self.warmed: dict[str, Any] = {}
+        # (not under on_pfs_read: an emulated file system charges every sample read)
+        if fill and on_pfs_read is None and warm_enabled(warm_files, self.ds) and \
+                self.transport in ("local", "shm"):
+            self._start_warm()
         if fill:
             n = len(self.fill_order)
             for tier, lo, hi, k in (("ram", 0, self._R, ram_threads),
@@ -357,6 +375,27 @@ class ClairvoyantStore(SampleStore):
                 self.transport = "rma"
             else:
                 self._segment, self._seg_base = mapped
+
+    def _start_warm(self) -> None:
+        """Start this rank's share of the node's page-cache warm-up: the extents its
+        tiers (all ranks of the node) cover, if they fit in memory beside the tiers."""
+        covered = np.flatnonzero(self.placement.owner >= 0)
+        extents = self.ds.warm_extents(covered)
+        need = sum(n for _, _, n in extents)
+        avail = available_memory()
+        tiers = int(self.placement.ram_used.sum())
+        if not extents or avail is None or need + tiers > MEMORY_HEADROOM * avail:
+            return
+        t = threading.Thread(target=self._warm_loop, args=(covered,),
+                             name="forebay-warm", daemon=True)
+        self._threads.append(t)
+
+    def _warm_loop(self, ids: np.ndarray) -> None:
+        try:
+            self.warmed = self.ds.warm(ids, part=self.rank, parts=self.world,
+                                       stop=self._stop)
+        except BaseException as e:  # surfaced by the next get_many
+            self._fill_error = e
 
     @staticmethod
     def _remove_stale_tiers(directory: Path, token: str) -> None:
@@ -876,7 +915,8 @@ class ClairvoyantStore(SampleStore):
                     "filled_from_peers": self._fill_from_peers,
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
                     "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs,
-                    "transport": self.transport, "exchange_sent": self._exchange_sent}
+                    "transport": self.transport, "exchange_sent": self._exchange_sent,
+                    "warmed_bytes": int(self.warmed.get("bytes", 0))}
 
     def abandon(self) -> None:
         if self.comm is None:

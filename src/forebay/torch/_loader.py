@@ -16,7 +16,7 @@ from .. import trace as _trace
 from ..dataset import IndexLayout, PackedDataset, SampleBatch, open_dataset
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
-                     available_memory)
+                     available_memory, warm_enabled)
 from ..comm import all_true, is_mpi
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
@@ -92,6 +92,14 @@ class DataLoader:
             (default 1 each).
         on_pfs_read: hook called with (bytes, samples, seconds) after each read of
             the dataset files by the store (tracing, emulating a slower file system).
+        warm_files: read the dataset's extents this node will read into the page cache
+            ahead, with large sequential reads in a background thread per rank (direct
+            mode when every rank is on one node, clairvoyant mode for the extents the
+            node's tiers cover; when they fit in available memory; not with
+            ``on_pfs_read``, whose emulation charges every sample read).  On a file
+            system that serves few requests per second, small samples read in random
+            order then cost a memory copy each instead of a request.  ``"auto"``
+            (default): for datasets of small records (under 64 KiB on average).
         width, node_aware, transport: replica groups of the store and how peers' memory
             is read (see :class:`~forebay.store.DistributedStore`).
 
@@ -152,7 +160,8 @@ class DataLoader:
                  worker_start: str = "spawn",
                  pin_memory: bool = False, progress: Any = None,
                  system: "Optional[str | os.PathLike[str]]" = None,
-                 verify_on_read: Optional[bool] = None) -> None:
+                 verify_on_read: Optional[bool] = None,
+                 warm_files: "bool | str" = "auto") -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
@@ -192,6 +201,7 @@ class DataLoader:
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
         self.store: SampleStore
+        warm = on_pfs_read is None and warm_enabled(warm_files, self.ds)
         if mode == "auto":
             mode = self.mode = _choose_mode(self.ds, self.comm, width)
         if mode == "preload":
@@ -205,9 +215,10 @@ class DataLoader:
                                           ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
                                           transport=transport, on_pfs_read=on_pfs_read,
                                           model=fetch_model, ram_threads=ram_threads or 1,
-                                          ssd_threads=ssd_threads or 1)
+                                          ssd_threads=ssd_threads or 1,
+                                          warm_files=warm)
         else:
-            self.store = DirectStore(self.ds)
+            self.store = DirectStore(self.ds, warm=self._direct_warm(warm))
         self.collate_fn = collate_fn
         self.transform = transform
         self.batch_transform = batch_transform
@@ -469,6 +480,17 @@ class DataLoader:
         finally:
             stop.set()
             t.join()
+
+    def _direct_warm(self, wanted: bool) -> "Optional[tuple[int, int]]":
+        """Direct mode's share of the page-cache warm-up: when every rank is on one node
+        (the node reads every sample) and the files fit in half the available memory."""
+        if not wanted or node_size(self.comm) != self.world:
+            return None
+        avail = available_memory()
+        need = sum(n for _, _, n in self.ds.warm_extents())
+        if avail is None or need > 0.5 * avail:
+            return None
+        return (self.rank, self.world)
 
     def stats(self) -> dict[str, Any]:
         """Where batches came from and what waiting cost: ``stall_seconds`` (time the
