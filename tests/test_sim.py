@@ -170,6 +170,17 @@ def test_clairvoyant_reads_each_sample_from_the_pfs_once():
         * plan.global_batch
 
 
+def test_parallel_staging_trains_on_what_it_staged():
+    # each worker's storage holds 30 of the 100 samples (less than its 50-sample
+    # shard): it stages them in set-up and then reads nothing from the PFS
+    sizes = np.full(100, 10**6)
+    plan = AccessPlan(100, 2, 5, 3, seed=1)
+    sysm = replace(lassen(), ram_bytes=0, ssd_bytes=30 * 10**6)
+    r = simulate_policy("parallel-staging", Workload(sizes, plan, sysm))
+    assert r["setup_s"] > 0 and r["fetches"]["pfs"] == 0
+    assert r["fetches"]["ssd"] == plan.epochs * plan.steps_per_epoch * plan.global_batch
+
+
 def test_lassen_mnist_naive_is_slowest():
     # every worker counted as a PFS reader all the time: the closed form below
     rep = simulate(replace(lassen(), pfs_readers="all"), "mnist", workers=4, epochs=3,
@@ -345,6 +356,20 @@ def test_thesis_tables_5_2_and_5_3_rankings():
     assert t["deepio"] / t["perfect"] == pytest.approx(23_948.24 / 7_655.25, rel=0.05)
 
 
+def test_thesis_table_5_4_ranking():
+    # Table 5.4 (1.2 TB, twice the aggregate storage): as published, except NoPFS and
+    # DeepIO opportunistic (1.105x and 1.055x the bound there), which forebay's model
+    # puts within 1% of each other in the other order (docs/sim.md)
+    p = thesis_run(3.0, 0.2, 400_000, 5, scale=0.01)
+    t = {k: v["total_s"] for k, v in p.items() if not v["failed"]}
+    assert p["lbann"]["failed"] and p["lbann-preload"]["failed"]
+    assert max(t["nopfs"], t["deepio-opportunistic"]) < t["parallel-staging"] \
+        < t["locality-aware"] < t["staging"] < t["deepio"] < t["naive"]
+    # parallel staging trains on what it staged: set-up, then no PFS read
+    assert t["parallel-staging"] / t["perfect"] == pytest.approx(16_861.82 / 15_204.78,
+                                                                 rel=0.05)
+
+
 def test_active_readers_against_every_worker_reading():
     # one worker: gamma is 1 either way
     w1 = one_worker(toy())
@@ -361,6 +386,28 @@ def test_active_readers_against_every_worker_reading():
     assert 1.0 < act["mean_pfs_readers"] < 4.0 and worst["mean_pfs_readers"] == 4.0
     # the worst case is the closed form: 8 steps x (2 x (2 s fetch + 0.5 s write) + 2 s)
     assert worst["total_s"] == pytest.approx(8 * (2 * 2.5 + 2))
+
+
+def test_a_worker_filling_its_tiers_counts_as_a_pfs_reader():
+    """NoPFS's fill threads read the PFS from time 0; the thesis' simulator counts a
+    node whose fill is reading among the PFS clients of the others' demand reads."""
+    from forebay.sim._engine import F_PFS, F_RAM
+    from forebay.sim._policies import _prefetching
+
+    plan = AccessPlan(num_samples=16, world_size=2, batch_size=2, epochs=1)
+    w = Workload(np.full(16, 10**6), plan, toy(pfs_MBps={1: 1.0, 2: 1.0}))  # shared
+    runs = []
+    for fill_until in (0.0, 1e6):
+        run = _prefetching(w)
+        for i in range(2):     # worker 0 reads the PFS, worker 1 only its own RAM
+            ids = w.batches(i, 0)
+            run.add(i, 0, ids, np.full(ids.shape, F_PFS if i == 0 else F_RAM))
+        run.fill_until = np.array([0.0, fill_until])
+        runs.append(run.finish())
+    alone, shared = runs
+    assert alone["mean_pfs_readers"] == pytest.approx(1.0, abs=1e-3)   # a fixed point
+    assert shared["mean_pfs_readers"] == pytest.approx(2.0, abs=1e-3)
+    assert shared["total_s"] > alone["total_s"]
 
 
 def test_b_fs_caps_one_client():

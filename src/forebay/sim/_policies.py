@@ -105,6 +105,9 @@ class _Run:
         self.setup_s = 0.0
         self.timeline: Optional[Timeline] = None
         self.gamma = np.full(shape, float(w.n))   # PFS readers per read, set by solve()
+        #: seconds from time 0 during which each worker's background fill threads read
+        #: the PFS: it counts as a reader then, whatever its demand reads
+        self.fill_until = np.zeros(w.n)
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
@@ -138,7 +141,8 @@ class _Run:
         time).  gamma starts at N; with ``pfs_readers = "active"`` it is then each
         step's mean-field count of workers reading: 1 + the other workers' fraction
         of the step spent with a PFS read in flight (prefetch threads averaged, a
-        worker's own demand reads in full), iterated to a fixed point."""
+        worker's own demand reads in full; all of it while the worker's fill threads
+        read, ``fill_until``), iterated to a fixed point."""
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
@@ -152,8 +156,13 @@ class _Run:
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all" or w.n == 1:
                 break
-            win = np.maximum(np.diff(np.r_[self.setup_s, tl.end]), 1e-12)
+            lo = np.r_[self.setup_s, tl.end[:-1]]
+            win = np.maximum(tl.end - lo, 1e-12)
             u = np.minimum(1.0, (pfs_s / self.threads + sync_s) / win[None, :])
+            if self.fill_until.any():
+                filling = np.clip((self.fill_until[:, None] - lo[None, :]) / win[None, :],
+                                  0.0, 1.0)
+                u = np.maximum(u, filling)
             new = 1.0 + u.sum(axis=0)[None, :] - u
             if np.abs(new - gamma).max() < 1e-4:
                 break
@@ -315,10 +324,12 @@ def deepio_opportunistic(w: Workload) -> dict[str, Any]:
 
 def parallel_staging(w: Workload) -> dict[str, Any]:
     """Parallel data staging to node-local storage (the SSD; RAM when there is none):
-    before training each worker loads its contiguous shard from the PFS, then copies
-    the other workers' shards from them as far as its storage allows.  A worker that
-    holds the whole dataset follows the global order from its own storage; otherwise
-    it reads only its shard, shuffled locally (the global access order changes)."""
+    before training each worker loads its contiguous shard from the PFS (as much of it
+    as fits), then copies the other workers' shards from them as far as its storage
+    allows.  A worker that holds the whole dataset follows the global order from its
+    own storage; otherwise it trains on what it staged, shuffled locally each epoch
+    (the access order changes and samples no worker staged are never read; as in the
+    thesis, whose workers draw their samples from what they hold)."""
     from ..store import chunk_members
 
     run = _prefetching(w)
@@ -346,7 +357,8 @@ def parallel_staging(w: Workload) -> dict[str, Any]:
             if everything:
                 ids = w.batches(i, e)
             else:
-                order_e = shard[permutation(len(shard), w.plan.seed + 7919 * (i + 1), e)]
+                pool = np.flatnonzero(held) if held.any() else shard
+                order_e = pool[permutation(len(pool), w.plan.seed + 7919 * (i + 1), e)]
                 ids = np.resize(order_e, w.steps * b).reshape(w.steps, b)
             run.add(i, e, ids, np.where(held[ids], tier_src, F_PFS))
     run.setup_s = _setup_s(w, run, pfs_mb, pfs_n, threads, peer_mb, peer_coef)
@@ -468,16 +480,20 @@ def nopfs(w: Workload) -> dict[str, Any]:
     # copies per sample first, then each worker's reads: O(F) memory, not O(N F)
     ram_cnt = np.zeros(f, dtype=np.int32)
     ssd_cnt = np.zeros(f, dtype=np.int32)
+    fill_until = np.zeros(w.n)
     for i in range(w.n):
-        held, _ = held_by(i)
+        held, ready = held_by(i)
         ram_cnt += held == Tier.RAM
         ssd_cnt += held == Tier.SSD
+        done = ready[np.isfinite(ready)]
+        fill_until[i] = done.max() if len(done) else 0.0
     # when each step's delivery begins decides whether a fill is done: start from the
     # compute-only timeline, then the run's own, until the sources stop changing
     issue = np.broadcast_to(_compute_only(w).start, (w.n, w.steps * w.plan.epochs))
     res: dict[str, Any] = {}
     for _ in range(4):
         run = _prefetching(w)
+        run.fill_until = fill_until      # the thesis counts a filling node as a reader
         for i in range(w.n):
             held, ready = held_by(i)
             for e in range(w.plan.epochs):
