@@ -28,6 +28,75 @@ def evict(paths: Iterable[Path]) -> int:
     return total
 
 
+class ThrottledDevice:
+    """A slow shared file system for unmodified programs: a block-I/O cgroup that caps
+    the reads of the block device holding ``path`` at ``mbps`` MB/s and ``iops``
+    requests/s.  Every process started through :meth:`wrap` (and its children) reads
+    through the cap; the page cache is not capped (evict first for a cold read).
+    Needs root and the cgroup v1 ``blkio`` controller or cgroup v2 ``io`` (raises
+    ``SystemExit`` naming what is missing).  Use as a context manager: the cgroup is
+    removed at exit."""
+
+    def __init__(self, path: Path, mbps: float, iops: int = 0) -> None:
+        st = os.stat(path)
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        sysdev = Path(f"/sys/dev/block/{dev}")
+        if (sysdev / "partition").exists():        # caps apply to the whole disk
+            dev = (sysdev.resolve().parent / "dev").read_text().strip()
+        elif not sysdev.exists():
+            raise SystemExit(f"{path} is not on a block device (st_dev {dev}): nothing to "
+                             f"throttle")
+        self.dev, self.mbps, self.iops = dev, mbps, iops
+        name = f"forebay-bench-{os.getpid()}"
+        v1, v2 = Path("/sys/fs/cgroup/blkio"), Path("/sys/fs/cgroup")
+        bps = int(mbps * 1e6)
+        try:
+            if (v1 / "blkio.throttle.read_bps_device").exists():
+                self.group = v1 / name
+                self.group.mkdir(exist_ok=True)
+                (self.group / "blkio.throttle.read_bps_device").write_text(f"{dev} {bps}")
+                if iops:
+                    (self.group / "blkio.throttle.read_iops_device").write_text(
+                        f"{dev} {iops}")
+            elif "io" in (v2 / "cgroup.controllers").read_text().split() \
+                    if (v2 / "cgroup.controllers").exists() else False:
+                self.group = v2 / name
+                self.group.mkdir(exist_ok=True)
+                (self.group / "io.max").write_text(
+                    f"{dev} rbps={bps}" + (f" riops={iops}" if iops else ""))
+            else:
+                raise SystemExit("no block-I/O cgroup controller here (cgroup v1 blkio or "
+                                 "v2 io): cannot throttle the device")
+        except PermissionError as e:
+            raise SystemExit(f"throttling the device needs root: {e}") from None
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside the cgroup."""
+        procs = self.group / "cgroup.procs"
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *cmd]
+
+    def join(self) -> None:
+        """Move this process (and the children it starts from now on) into the cgroup;
+        it leaves again at exit."""
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        self._joined = True
+
+    def describe(self) -> str:
+        return (f"device {self.dev} read-capped at {self.mbps:g} MB/s"
+                + (f" and {self.iops} IOPS" if self.iops else "") + " (block-I/O cgroup)")
+
+    def __enter__(self) -> "ThrottledDevice":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if getattr(self, "_joined", False):   # back to the parent group first
+                (self.group.parent / "cgroup.procs").write_text(str(os.getpid()))
+            self.group.rmdir()
+        except OSError:
+            pass
+
+
 def drop_all_caches() -> bool:
     """Also drop dentries and inodes (echo 3 > /proc/sys/vm/drop_caches): the next open()
     of a file must read directory and inode blocks, as on a parallel file system where

@@ -18,6 +18,13 @@ last batch with repeats) after a warm-up epoch, files in the page cache, contend
 rotating order, repeated.  W above the core count oversubscribes.
 
     python benchmarks/loader/decode_bench.py --out /tmp/decode --samples 1000 --workers 2,4
+
+A slow shared file system (root only): ``--throttle MBPS[,IOPS]`` caps this process's
+and its workers' reads from the data's disk (a block-I/O cgroup), and
+``--evict-each-epoch`` empties the page cache of the contender's files before every
+epoch, so each epoch reads them from the capped disk (pages a process keeps mapped stay:
+forebay direct's workers map the packed shards).  Preload's set-up (reading the packed
+dataset once, at the loader's creation) is then reported beside the epoch rates.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import machine  # noqa: E402
+from _common import ThrottledDevice, evict, files_under, machine  # noqa: E402
 
 import forebay  # noqa: E402
 from forebay.dataset.sources import get_source, ingest  # noqa: E402
@@ -115,11 +122,14 @@ def _lit_jpeg(arg):
     return {"image": Path(path).read_bytes(), "label": label}
 
 
-def epoch_rate(make, epochs: int) -> float:
+def epoch_rate(make, epochs: int, cold: "list[Path] | None" = None) -> float:
     """Images per second over an epoch (the images really processed: forebay's last
-    batch is filled with repeats, torch's is short), median after a warm-up."""
+    batch is filled with repeats, torch's is short), median after a warm-up; ``cold``:
+    files evicted from the page cache before every epoch."""
     rates = []
     for e in range(epochs):
+        if cold:
+            evict(cold)
         t0 = time.perf_counter()
         n = sum(int(b["label"].shape[0]) for b in make(e))
         rates.append(n / (time.perf_counter() - t0))
@@ -134,7 +144,24 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3, help="the first is a warm-up")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--throttle", metavar="MBPS[,IOPS]",
+                   help="cap reads from the data's disk (block-I/O cgroup; root)")
+    p.add_argument("--evict-each-epoch", action="store_true",
+                   help="empty the page cache of the contender's files before every epoch")
     a = p.parse_args()
+    throttle = None
+    if a.throttle:
+        mbps, _, iops = a.throttle.partition(",")
+        throttle = ThrottledDevice(a.out if a.out.exists() else a.out.parent, float(mbps),
+                                   int(iops or 0))
+    try:
+        run(a, throttle)
+    finally:
+        if throttle is not None:
+            throttle.__exit__()
+
+
+def run(a, throttle) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
     if not src.exists():
@@ -143,6 +170,13 @@ def main() -> None:
         ingest(get_source("imagefolder", src), packed)
     items = [(f, i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
     peers = _peer_datasets(src, a.out, items)
+    files = {"torch DataLoader": [f for f, _ in items], "forebay preload": [],
+             "forebay direct": files_under(packed),
+             "mosaicml-streaming": files_under(a.out / f"{src.name}-mds"),
+             "litdata": files_under(a.out / f"{src.name}-litdata")}
+    if throttle is not None:
+        throttle.join()             # this process and the workers it starts from now on
+    setup: dict = {}
     # the decode ceiling: the transform alone, one process
     ds = forebay.open_dataset(packed)
     t0 = time.perf_counter()
@@ -161,9 +195,13 @@ def main() -> None:
 
         loaders = {}
         for mode in ("preload", "direct"):
+            if a.evict_each_epoch:
+                evict(files_under(packed))
+            t0 = time.perf_counter()
             loaders[mode] = DataLoader(packed, a.batch, comm=None, mode=mode, seed=0,
                                        epochs=a.epochs * a.reps, workers=w, transform=T,
                                        progress=False)
+            setup[(w, f"forebay {mode}")] = time.perf_counter() - t0
         counter = {"preload": 0, "direct": 0}
 
         def fb(mode, loaders=loaders, counter=counter):
@@ -191,14 +229,19 @@ def main() -> None:
         k = len(names)
         for rep in range(a.reps):
             for name in names[rep % k:] + names[:rep % k]:
-                r = epoch_rate(makes[name], a.epochs)
+                r = epoch_rate(makes[name], a.epochs,
+                               files[name] if a.evict_each_epoch else None)
                 res.setdefault((w, name), []).append(r)
                 print(f"W={w} rep {rep} {name:<18} {r:,.0f} images/s", flush=True)
         for dl in loaders.values():
             dl.close()
     print(f"\nmachine: {machine()}; {a.samples} JPEGs (~{sum(f.stat().st_size for f, _ in items) / a.samples / 1e3:.0f} KB, "
           f"~450x400), batch {a.batch}, one process; decode alone: {decode_s:.2f} s for all "
-          f"({a.samples / decode_s:,.0f} images/s on one core)")
+          f"({a.samples / decode_s:,.0f} images/s on one core)"
+          + (f"; {throttle.describe()}" if throttle is not None else "")
+          + ("; files evicted before every epoch" if a.evict_each_epoch else ""))
+    for (w, name), t in setup.items():
+        print(f"W={w} {name}: set-up {t:.2f} s")
     print("\n| workers | contender | images/s, median (max) | vs torch DataLoader "
           "| vs decode ceiling |\n|---:|---|---:|---:|---:|")
     for (w, name), rs in res.items():

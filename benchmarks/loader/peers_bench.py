@@ -21,6 +21,14 @@ to the best peer of the same round (the fastest of the torch, streaming and litd
 rows), min and median over rounds.  ``--compute-ms`` sleeps that long per step (an
 accelerator's step, as the host sees it).
 
+``--throttle MBPS[,IOPS]`` runs every job in a block-I/O cgroup that caps reads from
+the data's disk (root only; unmodified peers read through it too): a slow shared file
+system.  ``--evict-each-epoch`` also empties the page cache of the contender's files
+before every epoch, not only the first (a file system whose data this node does not
+keep between epochs, the case NoPFS is for); the kernel does not drop pages a process
+has mapped, so a contender that keeps its files mapped (forebay direct) still reads
+them from memory after its first epoch.
+
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
 somewhere on PYTHONPATH, e.g.::
 
@@ -53,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import evict, files_under, machine  # noqa: E402
+from _common import ThrottledDevice, evict, files_under, machine  # noqa: E402
 from _baselines import (image_collate, image_folder_dataset, list_collate,  # noqa: E402
                         pff_dataset)
 
@@ -135,9 +143,13 @@ def worker(a) -> None:
 
     times, counts = [], []
     setup = slowest(setup)
+    mine = {"forebay": a.packed, "torch": a.pff, "mosaicml-streaming": a.mds,
+            "litdata": a.lit}[c.split()[0]]
     for e in range(a.epochs):
         if set_epoch is not None:
             set_epoch(e)
+        if e and a.evict_each_epoch and rank == 0:
+            evict(files_under(Path(mine)))
         dist.barrier()
         t0 = time.perf_counter()
         n = 0
@@ -205,6 +217,10 @@ def main() -> None:
     p.add_argument("--ram-bytes", type=int, default=0,
                    help="clairvoyant RAM tier per rank (default: the whole dataset)")
     p.add_argument("--contenders", default=",".join(FOREBAY + PEERS))
+    p.add_argument("--throttle", metavar="MBPS[,IOPS]",
+                   help="cap reads from the data's disk (block-I/O cgroup; root)")
+    p.add_argument("--evict-each-epoch", action="store_true",
+                   help="empty the page cache of the contender's files before every epoch")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", help=argparse.SUPPRESS)
@@ -240,6 +256,19 @@ def main() -> None:
     contenders = [c for c in a.contenders.split(",") if c]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs: dict[str, list[dict]] = {}
+    throttle = None
+    if a.throttle:
+        mbps, _, iops = a.throttle.partition(",")
+        throttle = ThrottledDevice(paths["packed"], float(mbps), int(iops or 0))
+    try:
+        _rounds(a, contenders, paths, files, env, runs, throttle)
+    finally:
+        if throttle is not None:
+            throttle.__exit__()
+    _report(a, contenders, runs, throttle)
+
+
+def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
     for rep in range(a.reps):
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
@@ -248,8 +277,11 @@ def main() -> None:
                    __file__, "--worker", "--contender", c, "--kind", a.kind,
                    "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]
+            cmd += ["--evict-each-epoch"] if a.evict_each_epoch else []
             for name, path in paths.items():
                 cmd += [f"--{name}", str(path)]
+            if throttle is not None:
+                cmd = throttle.wrap(cmd)
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
             if proc.returncode != 0:
                 sys.exit(f"{c} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -258,29 +290,38 @@ def main() -> None:
             n = r["samples"]
             r["cold"] = n / (r["setup_s"] + r["epoch_s"][0])
             r["warm"] = n / float(np.median(r["epoch_s"][1:]))
+            r["run"] = n * len(r["epoch_s"]) / (r["setup_s"] + sum(r["epoch_s"]))
             r["rep"] = rep
             runs.setdefault(c, []).append(r)
             print(f"rep {rep} {c:<22} set-up {r['setup_s']:6.2f} s, epochs "
                   f"{', '.join(f'{t:.2f}' for t in r['epoch_s'])} s ({n} samples)", flush=True)
+
+
+def _report(a, contenders, runs, throttle) -> None:
     print(f"\nmachine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"{a.kind}, {a.samples} samples, {a.ranks} ranks under torchrun, per-rank batch "
           f"{a.batch_size}, {a.epochs} epochs (the first cold, after evicting the "
-          f"contender's files), compute {a.compute_ms} ms/step, {a.reps} rounds")
-    peers = [c for c in contenders if c in PEERS]
+          f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
+          f"), compute {a.compute_ms} ms/step, {a.reps} rounds"
+          + (f"; {throttle.describe()}" if throttle is not None else ""))
+    # ratios to the best peer of each round (no peer run: to the best contender)
+    peers = [c for c in contenders if c in PEERS] or contenders
     print("\n| contender | cold samples/s (set-up counted), median | vs best peer, min / "
-          "median | warm samples/s, median | vs best peer, min / median | set-up s |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "median | warm samples/s, median | vs best peer, min / median | whole run "
+          "(set-up + every epoch) vs best peer, min / median | set-up s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for c in contenders:
         row = []
-        for what in ("cold", "warm"):
+        for what in ("cold", "warm", "run"):
             ratios = []
             for r in runs[c]:
                 best = max(x[what] for p_ in peers for x in runs[p_] if x["rep"] == r["rep"])
                 ratios.append(r[what] / best)
-            row.append(f"{statistics.median(x[what] for x in runs[c]):,.0f} | "
-                       f"{min(ratios):.2f} / {statistics.median(ratios):.2f}")
+            rate = f"{statistics.median(x[what] for x in runs[c]):,.0f} | " \
+                if what != "run" else ""
+            row.append(f"{rate}{min(ratios):.2f} / {statistics.median(ratios):.2f}")
         setup = statistics.median(x["setup_s"] for x in runs[c])
-        print(f"| {c} | {row[0]} | {row[1]} | {setup:.2f} |")
+        print(f"| {c} | {' | '.join(row)} | {setup:.2f} |")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine(), "args": vars(a) | {
             "out": str(a.out), "json": str(a.json)}, "runs": runs}, indent=1, default=str))
