@@ -368,3 +368,17 @@ def test_warm_names_a_shard_truncated_after_opening(tmp_path):
     os.truncate(path, 100_000)
     with pytest.raises(TruncatedShardError, match="shard-00000"):
         ds.warm(extent=64 << 10)
+
+
+def test_a_failed_warm_up_fails_the_next_batch_with_its_cause(tmp_path):
+    from forebay.store import DirectStore, StoreError
+    samples = [{"b": np.full(1000, i % 251, dtype=np.uint8)} for i in range(1000)]
+    forebay.write_dataset(tmp_path / "d", samples)
+    ds = forebay.open_dataset(tmp_path / "d")
+    os.truncate(ds.shard_path(0), 100_000)       # after opening: the index still agrees
+    store = DirectStore(ds, warm=(0, 1))
+    store._warm.join()
+    with pytest.raises(StoreError, match="reading the dataset's files ahead failed: "
+                                         "TruncatedShardError: .*shard-00000"):
+        store.get_many([1, 2])
+    store.close()

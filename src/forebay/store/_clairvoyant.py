@@ -136,6 +136,7 @@ class ClairvoyantStore(SampleStore):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fill_error: Optional[BaseException] = None
+        self._warm_error: Optional[BaseException] = None
         self._lock = threading.Lock()
         #: notified whenever positions of this rank's tiers become done (the fill
         #: threads and the reader wait on each other's writes through it, not by polling)
@@ -395,7 +396,7 @@ class ClairvoyantStore(SampleStore):
             self.warmed = self.ds.warm(ids, part=self.rank, parts=self.world,
                                        stop=self._stop)
         except BaseException as e:  # surfaced by the next get_many
-            self._fill_error = e
+            self._warm_error = e
 
     @staticmethod
     def _remove_stale_tiers(directory: Path, token: str) -> None:
@@ -645,6 +646,10 @@ class ClairvoyantStore(SampleStore):
         return self._filled == len(self.fill_order) or bool(self._threads)
 
     def _raise_fill_error(self) -> None:
+        if self._warm_error is not None:
+            err = self._warm_error
+            raise StoreError(f"reading the dataset's files ahead (warm_files) failed: "
+                             f"{type(err).__name__}: {err}") from err
         err = self._fill_error
         if err is None:
             return
