@@ -646,10 +646,10 @@ class ClairvoyantStore(SampleStore):
         return self._filled == len(self.fill_order) or bool(self._threads)
 
     def _raise_fill_error(self) -> None:
-        if self._warm_error is not None:
-            err = self._warm_error
+        warm = self._warm_error
+        if warm is not None:
             raise StoreError(f"reading the dataset's files ahead (warm_files) failed: "
-                             f"{type(err).__name__}: {err}") from err
+                             f"{type(warm).__name__}: {warm}") from warm
         err = self._fill_error
         if err is None:
             return
