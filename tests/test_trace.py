@@ -262,6 +262,33 @@ def test_traced_loader_writes_dftracer_lines_matching_its_stats(tmp_path, small,
     assert rec.closed
 
 
+def label_only(s):
+    """A transform for worker processes (module level: spawned workers import it)."""
+    return {"y": int(s["y"])}
+
+
+def test_transform_workers_reads_are_in_the_trace(tmp_path, small):
+    """In direct mode the transform workers read the samples themselves; their reads
+    are this rank's reads in the trace (one data/item and one reader/read each)."""
+    from forebay.torch import DataLoader
+
+    d = tmp_path / "tr"
+    trace.enable(d, prefix="run")
+    dl = DataLoader(small, 16, epochs=1, mode="direct", workers=2, transform=label_only,
+                    warm_files=False, progress=False)
+    got = [int(y) for b in dl for y in b["y"]]
+    stats = dl.stats()
+    dl.close()
+    trace.disable()
+    _, ev = _lines(d)
+    items = [e for e in ev if (e["cat"], e["name"]) == ("data", "item")]
+    reads = [e for e in ev if (e["cat"], e["name"]) == ("reader", "read")]
+    assert len(got) == len(items) == len(reads) == stats["pfs_reads"] == len(dl) * 16
+    assert sorted(e["args"]["image_idx"] for e in items) == sorted(got)
+    assert {e["args"]["step"] for e in items} == set(range(len(dl)))
+    assert analyze(d)["pfs_reads"] == stats["pfs_reads"]
+
+
 def test_regions_nest_across_threads_and_work_as_decorators(tmp_path):
     rec = trace.enable(tmp_path)
 

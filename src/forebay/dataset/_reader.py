@@ -279,10 +279,10 @@ class PackedDataset:
                     got += r
                 rec = _trace.active()
                 if rec is not None:
-                    # a read ahead of the samples' own reads: it delivers none itself
-                    rec.file_reads(self._shard_paths[k], np.array([at]), np.array([n]),
-                                   np.array([t0]), np.array([time.perf_counter() - t0]),
-                                   samples=0)
+                    # a span, not a reader/read: the samples' own reads (from the page
+                    # cache now) are those, one per sample, as without the warm-up
+                    rec.span("reader", "read_ahead", t0, time.perf_counter(), nbytes=n,
+                             args={"fname": self._shard_paths[k], "offset": at})
                 done += 1
                 nbytes += n
         finally:

@@ -325,8 +325,14 @@ class DataLoader:
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
         if self._pool is not None and isinstance(self.store, DirectStore):
-            self.store.account(self.ds.normalize_ids(ids))    # read by the worker
-            return self._pool.submit_ids(epoch, step, ids)
+            ids = self.ds.normalize_ids(ids)
+            self.store.account(ids)                             # read by the worker
+            pending = self._pool.submit_ids(epoch, step, ids)
+            rec = _trace.active()
+            if rec is not None:   # its reads, as this rank's, when the batch comes back
+                pending.on_read = lambda t0, t1: self._trace_pfs(rec, ids, t0, t1,
+                                                                 epoch, step)
+            return pending
         alloc: Any = _pinned_alloc if self.pin_memory else None
         if self._pool is not None:
             alloc = SharedAlloc()        # gathered straight into shared memory
@@ -366,15 +372,23 @@ class DataLoader:
             self._requests_epoch = epoch
         return [b[step] for b in self._requests]
 
+    def _trace_pfs(self, rec: Any, ids: np.ndarray, t0: float, t1: float,
+                   epoch: Optional[int] = None, step: Optional[int] = None) -> None:
+        """Samples ``ids`` read from the dataset files in ``[t0, t1]`` (by this process
+        or a transform worker of it): one data/item and one file read per sample."""
+        from ..store import _tracing as _hooks
+
+        if epoch is not None:
+            rec.context.epoch, rec.context.step = epoch, step
+        rows = self.ds.rows(ids)
+        _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN],
+                            [(slice(None), t0, t1, "pfs", "pfs", -1)])
+        _hooks.record_pfs(rec, self.ds, ids, rows, t0, t1)
+
     def _trace_fetch(self, rec: Any, ids: np.ndarray, t0: float) -> None:
         t1 = time.perf_counter()
         if isinstance(self.store, DirectStore):  # every sample read from the files
-            from ..store import _tracing as _hooks
-
-            rows = self.ds.rows(ids)
-            _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN],
-                                [(slice(None), t0, t1, "pfs", "pfs", -1)])
-            _hooks.record_pfs(rec, self.ds, ids, rows, t0, t1)
+            self._trace_pfs(rec, ids, t0, t1)
         cat = "prefetch" if threading.current_thread().name == "forebay-prefetch" \
             else "dataloader"
         rec.span(cat, "fetch.batch", t0, t1, epoch=rec.context.epoch, step=rec.context.step,

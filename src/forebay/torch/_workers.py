@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -202,23 +203,32 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
         if msg is None:
             return
         key, payload = msg
+        read = None
         try:
-            batch = ds.get_many(payload.numpy()) if ds is not None else \
-                _unpack(payload, schema)
+            if ds is not None:        # its file reads, for the loader's trace
+                t0 = time.perf_counter()
+                batch = ds.get_many(payload.numpy())
+                read = (t0, time.perf_counter())
+            else:
+                batch = _unpack(payload, schema)
             out = transform_batch(batch, transform, batch_transform,
                                   collate_fn, seed, key[1], in_worker=True)
-            outbox.put((key, out, None))
+            outbox.put((key, out, None, read))
         except BaseException as e:    # noqa: BLE001 - reported with the batch
-            outbox.put((key, None, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+            outbox.put((key, None, (f"{type(e).__name__}: {e}", traceback.format_exc()),
+                        read))
 
 
 class _Pending:
     """A batch in a worker: :meth:`result` waits for it (in plan order, by the
-    loader's consumer)."""
+    loader's consumer).  ``on_read(t0, t1)``, if set, is called with the seconds
+    (``time.perf_counter``, the same clock in every process of the node) the worker
+    spent reading the batch's samples from the dataset files (``submit_ids``)."""
 
     def __init__(self, pool: "WorkerPool", key: tuple[int, int, int], wid: int,
                  ids: np.ndarray) -> None:
         self.pool, self.key, self.wid, self.ids = pool, key, wid, ids
+        self.on_read: Optional[Callable[[float, float], None]] = None
 
     def result(self) -> Any:
         return self.pool._wait(self)
@@ -260,7 +270,7 @@ class WorkerPool:
                                    daemon=True) for w in range(workers)]
         for p in self._procs:
             p.start()
-        self._done: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+        self._done: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         #: one per pass over an epoch: results of an abandoned pass are never taken
         self.generation = 0
         self._lock = threading.Condition()
@@ -297,10 +307,10 @@ class WorkerPool:
         while True:
             with self._lock:
                 if p.key in self._done:
-                    out, err = self._done.pop(p.key)
+                    out, err, read = self._done.pop(p.key)
                     break
             try:
-                key, out, err = self._outbox.get(timeout=_POLL_S)
+                key, out, err, read = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
                 self._check_alive(p)
                 continue
@@ -317,7 +327,9 @@ class WorkerPool:
                 break
             if key[0] == self.generation:
                 with self._lock:
-                    self._done[key] = (out, err)
+                    self._done[key] = (out, err, read)
+        if read is not None and p.on_read is not None:
+            p.on_read(*read)
         if err is not None:
             msg, tb = err
             raise TransformError(f"batch of epoch {p.key[1]} step {p.key[2]}: {msg}\n"
