@@ -378,7 +378,7 @@ def test_a_failed_warm_up_fails_the_next_batch_with_its_cause(tmp_path):
     os.truncate(ds.shard_path(0), 100_000)       # after opening: the index still agrees
     store = DirectStore(ds, warm=(0, 1))
     store._warm.join()
-    with pytest.raises(StoreError, match="reading the dataset's files ahead failed: "
+    with pytest.raises(StoreError, match=r"files ahead \(warm_files\) failed: "
                                          "TruncatedShardError: .*shard-00000"):
         store.get_many([1, 2])
     store.close()

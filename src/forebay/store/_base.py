@@ -150,7 +150,7 @@ class DirectStore(SampleStore):
         if self._closed:
             raise StoreError("the store is closed")
         if self._warm_error is not None:
-            raise StoreError(f"reading the dataset's files ahead failed: "
+            raise StoreError(f"reading the dataset's files ahead (warm_files) failed: "
                              f"{type(self._warm_error).__name__}: {self._warm_error}"
                              ) from self._warm_error
         batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
