@@ -306,9 +306,10 @@ def _report(a, contenders, runs, throttle) -> None:
           + (f"; {throttle.describe()}" if throttle is not None else ""))
     # ratios to the best peer of each round (no peer run: to the best contender)
     peers = [c for c in contenders if c in PEERS] or contenders
-    print("\n| contender | cold samples/s (set-up counted), median | vs best peer, min / "
-          "median | warm samples/s, median | vs best peer, min / median | whole run "
-          "(set-up + every epoch) vs best peer, min / median | set-up s |")
+    later = "later epochs (files evicted)" if a.evict_each_epoch else "warm"
+    print(f"\n| contender | cold samples/s (set-up counted), median | vs best peer, min / "
+          f"median | {later} samples/s, median | vs best peer, min / median | whole run "
+          f"(set-up + every epoch) vs best peer, min / median | set-up s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for c in contenders:
         row = []
