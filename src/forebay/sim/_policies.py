@@ -477,16 +477,23 @@ def nopfs(w: Workload) -> dict[str, Any]:
             ready[ids] = np.cumsum(w.mb[ids] * fill_coef + w.open_s) / threads
         return held, ready
 
-    # copies per sample first, then each worker's reads: O(F) memory, not O(N F)
+    # copies per sample first, then each worker's reads.  Each worker's placement is
+    # built once (its plan walks are most of the cost) and kept as the samples it
+    # holds, their tiers and fill times: at most its stream's length, as the
+    # workload's cached batches, never N x F
     ram_cnt = np.zeros(f, dtype=np.int32)
     ssd_cnt = np.zeros(f, dtype=np.int32)
     fill_until = np.zeros(w.n)
+    kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for i in range(w.n):
         held, ready = held_by(i)
         ram_cnt += held == Tier.RAM
         ssd_cnt += held == Tier.SSD
-        done = ready[np.isfinite(ready)]
-        fill_until[i] = done.max() if len(done) else 0.0
+        ids = np.flatnonzero(held != NONE)
+        kept.append((ids.astype(np.int32) if f < 2**31 else ids, held[ids], ready[ids]))
+        fill_until[i] = ready[ids].max() if len(ids) else 0.0
+    held = np.full(f, NONE, dtype=np.int8)      # one worker's at a time, reset after
+    ready = np.full(f, np.inf)
     # when each step's delivery begins decides whether a fill is done: start from the
     # compute-only timeline, then the run's own, until the sources stop changing
     issue = np.broadcast_to(_compute_only(w).start, (w.n, w.steps * w.plan.epochs))
@@ -495,7 +502,8 @@ def nopfs(w: Workload) -> dict[str, Any]:
         run = _prefetching(w)
         run.fill_until = fill_until      # the thesis counts a filling node as a reader
         for i in range(w.n):
-            held, ready = held_by(i)
+            ids_i, tier_i, ready_i = kept[i]
+            held[ids_i], ready[ids_i] = tier_i, ready_i
             for e in range(w.plan.epochs):
                 ids = w.batches(i, e)
                 sl = slice(e * w.steps, (e + 1) * w.steps)
@@ -510,6 +518,7 @@ def nopfs(w: Workload) -> dict[str, Any]:
                                                run.peer_or_pfs(np.full(ids.shape, F_PEER_SSD)),
                                                F_PFS))
                 run.add(i, e, ids, np.where(mine != NONE, _local(mine), remote))
+            held[ids_i], ready[ids_i] = NONE, np.inf
         res = run.finish()
         assert run.timeline is not None and run.timeline.issue is not None
         if np.allclose(run.timeline.issue, issue, rtol=1e-3, atol=1e-6):
