@@ -410,6 +410,26 @@ def test_a_worker_filling_its_tiers_counts_as_a_pfs_reader():
     assert shared["total_s"] > alone["total_s"]
 
 
+def test_nopfs_builds_each_workers_placement_once(monkeypatch):
+    """Issue N item 5: the placement (a walk of the worker's whole stream) was built
+    once for the copy counts and again in every fixed-point iteration."""
+    calls = []
+    real = AccessPlan.frequencies
+
+    def counted(self, rank):
+        calls.append(rank)
+        return real(self, rank)
+
+    monkeypatch.setattr(AccessPlan, "frequencies", counted)
+    sizes = np.random.default_rng(2).integers(50_000, 150_000, 3_000)
+    plan = AccessPlan(3_000, 4, 16, 3, seed=1)
+    sysm = replace(lassen(), compute_MBps=2_000.0, ram_bytes=int(sizes.sum() * 0.1),
+                   ssd_bytes=int(sizes.sum() * 0.1))
+    r = simulate_policy("nopfs", Workload(sizes, plan, sysm))
+    assert r["failed"] is None
+    assert sorted(calls) == [0, 1, 2, 3]
+
+
 def test_b_fs_caps_one_client():
     # t(1) = 1 MB/s but the client's link carries 0.5 MB/s: a fetch takes 2 s
     capped = simulate_policy("naive", one_worker(toy(pfs_client_MBps=0.5)))
