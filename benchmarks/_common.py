@@ -81,6 +81,23 @@ class ThrottledDevice:
         (self.group / "cgroup.procs").write_text(str(os.getpid()))
         self._joined = True
 
+    def read_bytes(self) -> int:
+        """Bytes the cgroup's processes have read from the device so far (page-cache
+        misses: what the file system really served)."""
+        v1 = self.group / "blkio.throttle.io_service_bytes"
+        if v1.exists():
+            for line in v1.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == self.dev and parts[1] == "Read":
+                    return int(parts[2])
+            return 0
+        for line in (self.group / "io.stat").read_text().splitlines():
+            if line.startswith(self.dev + " "):
+                for kv in line.split()[1:]:
+                    if kv.startswith("rbytes="):
+                        return int(kv[7:])
+        return 0
+
     def describe(self) -> str:
         return (f"device {self.dev} read-capped at {self.mbps:g} MB/s"
                 + (f" and {self.iops} IOPS" if self.iops else "") + " (block-I/O cgroup)")

@@ -24,12 +24,15 @@ and its workers' reads from the data's disk (a block-I/O cgroup), and
 ``--evict-each-epoch`` empties the page cache of the contender's files before every
 epoch, so each epoch reads them from the capped disk (pages a process keeps mapped stay:
 forebay direct's workers map the packed shards).  Preload's set-up (reading the packed
-dataset once, at the loader's creation) is then reported beside the epoch rates.
+dataset once, at the loader's creation) is then reported beside the epoch rates, and
+the table gives the bytes each contender read from the device per image processed
+(the cgroup's count over all its rounds and epochs, its set-up included).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -122,18 +125,24 @@ def _lit_jpeg(arg):
     return {"image": Path(path).read_bytes(), "label": label}
 
 
-def epoch_rate(make, epochs: int, cold: "list[Path] | None" = None) -> float:
+def epoch_rate(make, epochs: int, cold: "list[Path] | None" = None,
+               device: "ThrottledDevice | None" = None) -> "tuple[float, int, int]":
     """Images per second over an epoch (the images really processed: forebay's last
     batch is filled with repeats, torch's is short), median after a warm-up; ``cold``:
-    files evicted from the page cache before every epoch."""
+    files evicted from the page cache before every epoch.  Also the images processed
+    and the bytes read from the throttled ``device`` over all the epochs (0 without)."""
     rates = []
+    before = device.read_bytes() if device is not None else 0
+    total = 0
     for e in range(epochs):
         if cold:
             evict(cold)
         t0 = time.perf_counter()
         n = sum(int(b["label"].shape[0]) for b in make(e))
         rates.append(n / (time.perf_counter() - t0))
-    return statistics.median(rates[1:])
+        total += n
+    read = device.read_bytes() - before if device is not None else 0
+    return statistics.median(rates[1:]), total, read
 
 
 def main() -> None:
@@ -177,12 +186,15 @@ def run(a, throttle) -> None:
     if throttle is not None:
         throttle.join()             # this process and the workers it starts from now on
     setup: dict = {}
+    per_sample: dict = {}         # [bytes read from the device, images processed]
     # the decode ceiling: the transform alone, one process
     ds = forebay.open_dataset(packed)
     t0 = time.perf_counter()
     for i in range(len(ds)):
         T(ds[i])
     decode_s = time.perf_counter() - t0
+    del ds              # its maps would keep the packed file's pages from being evicted
+    gc.collect()
     res: dict = {}
     for w in [int(x) for x in a.workers.split(",")]:
         peer = torch.utils.data.DataLoader(
@@ -198,10 +210,12 @@ def run(a, throttle) -> None:
             if a.evict_each_epoch:
                 evict(files_under(packed))
             t0 = time.perf_counter()
+            b0 = throttle.read_bytes() if throttle is not None else 0
             loaders[mode] = DataLoader(packed, a.batch, comm=None, mode=mode, seed=0,
                                        epochs=a.epochs * a.reps, workers=w, transform=T,
                                        progress=False)
-            setup[(w, f"forebay {mode}")] = time.perf_counter() - t0
+            setup[(w, f"forebay {mode}")] = (time.perf_counter() - t0,
+                                             throttle.read_bytes() - b0 if throttle else 0)
         counter = {"preload": 0, "direct": 0}
 
         def fb(mode, loaders=loaders, counter=counter):
@@ -229,9 +243,12 @@ def run(a, throttle) -> None:
         k = len(names)
         for rep in range(a.reps):
             for name in names[rep % k:] + names[:rep % k]:
-                r = epoch_rate(makes[name], a.epochs,
-                               files[name] if a.evict_each_epoch else None)
+                r, n, read = epoch_rate(makes[name], a.epochs,
+                                        files[name] if a.evict_each_epoch else None, throttle)
                 res.setdefault((w, name), []).append(r)
+                got = per_sample.setdefault((w, name), [0, 0])
+                got[0] += read
+                got[1] += n
                 print(f"W={w} rep {rep} {name:<18} {r:,.0f} images/s", flush=True)
         for dl in loaders.values():
             dl.close()
@@ -240,16 +257,25 @@ def run(a, throttle) -> None:
           f"({a.samples / decode_s:,.0f} images/s on one core)"
           + (f"; {throttle.describe()}" if throttle is not None else "")
           + ("; files evicted before every epoch" if a.evict_each_epoch else ""))
-    for (w, name), t in setup.items():
-        print(f"W={w} {name}: set-up {t:.2f} s")
+    for (w, name), (t, nb) in setup.items():
+        print(f"W={w} {name}: set-up {t:.2f} s" + (f", {nb:,} bytes read from the device "
+                                                  f"({nb / a.samples:,.0f} per image)"
+                                                  if throttle is not None else ""))
+    dev = throttle is not None
     print("\n| workers | contender | images/s, median (max) | vs torch DataLoader "
-          "| vs decode ceiling |\n|---:|---|---:|---:|---:|")
+          "| vs decode ceiling |" + (" device bytes read per image over the run "
+                                      "(set-up included) |" if dev else "")
+          + "\n|---:|---|---:|---:|---:|" + ("---:|" if dev else ""))
     for (w, name), rs in res.items():
         base = statistics.median(res[(w, "torch DataLoader")])
         ceiling = w * a.samples / decode_s
         med = statistics.median(rs)
+        extra = ""
+        if dev:
+            nb, n = per_sample[(w, name)]
+            extra = f" {(nb + setup.get((w, name), (0, 0))[1]) / n:,.0f} |"
         print(f"| {w} | {name} | {med:,.0f} ({max(rs):,.0f}) | {med / base:.2f}x | "
-              f"{med / ceiling:.2f} |")
+              f"{med / ceiling:.2f} |{extra}")
 
 
 if __name__ == "__main__":

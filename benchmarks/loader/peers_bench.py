@@ -27,7 +27,8 @@ system.  ``--evict-each-epoch`` also empties the page cache of the contender's f
 before every epoch, not only the first (a file system whose data this node does not
 keep between epochs, the case NoPFS is for); the kernel does not drop pages a process
 has mapped, so a contender that keeps its files mapped (forebay direct) still reads
-them from memory after its first epoch.
+them from memory after its first epoch.  With ``--throttle`` the table also gives the
+bytes each contender read from the device (the cgroup's count) per sample and epoch.
 
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
 somewhere on PYTHONPATH, e.g.::
@@ -282,6 +283,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
                 cmd += [f"--{name}", str(path)]
             if throttle is not None:
                 cmd = throttle.wrap(cmd)
+            read0 = throttle.read_bytes() if throttle is not None else 0
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
             if proc.returncode != 0:
                 sys.exit(f"{c} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -291,6 +293,9 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
             r["cold"] = n / (r["setup_s"] + r["epoch_s"][0])
             r["warm"] = n / float(np.median(r["epoch_s"][1:]))
             r["run"] = n * len(r["epoch_s"]) / (r["setup_s"] + sum(r["epoch_s"]))
+            if throttle is not None:    # what the file system served, per sample read
+                r["device_bytes_per_sample"] = (throttle.read_bytes() - read0) / (
+                    n * len(r["epoch_s"]))
             r["rep"] = rep
             runs.setdefault(c, []).append(r)
             print(f"rep {rep} {c:<22} set-up {r['setup_s']:6.2f} s, epochs "
@@ -309,8 +314,9 @@ def _report(a, contenders, runs, throttle) -> None:
     later = "later epochs (files evicted)" if a.evict_each_epoch else "warm"
     print(f"\n| contender | cold samples/s (set-up counted), median | vs best peer, min / "
           f"median | {later} samples/s, median | vs best peer, min / median | whole run "
-          f"(set-up + every epoch) vs best peer, min / median | set-up s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"(set-up + every epoch) vs best peer, min / median | set-up s |"
+          + (" device bytes read per sample and epoch, median |" if throttle else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if throttle else ""))
     for c in contenders:
         row = []
         for what in ("cold", "warm", "run"):
@@ -322,7 +328,9 @@ def _report(a, contenders, runs, throttle) -> None:
                 if what != "run" else ""
             row.append(f"{rate}{min(ratios):.2f} / {statistics.median(ratios):.2f}")
         setup = statistics.median(x["setup_s"] for x in runs[c])
-        print(f"| {c} | {' | '.join(row)} | {setup:.2f} |")
+        dev = [x["device_bytes_per_sample"] for x in runs[c] if "device_bytes_per_sample" in x]
+        extra = f" {statistics.median(dev):,.0f} |" if dev else ""
+        print(f"| {c} | {' | '.join(row)} | {setup:.2f} |{extra}")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine(), "args": vars(a) | {
             "out": str(a.out), "json": str(a.json)}, "runs": runs}, indent=1, default=str))
