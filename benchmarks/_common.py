@@ -106,12 +106,23 @@ class ThrottledDevice:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            if getattr(self, "_joined", False):   # back to the parent group first
-                (self.group.parent / "cgroup.procs").write_text(str(os.getpid()))
-            self.group.rmdir()
-        except OSError:
-            pass
+        """Remove the cgroup: this process and any process still in it (workers that
+        outlived their job by a moment) move back to the parent group first."""
+        parent = self.group.parent / "cgroup.procs"
+        if getattr(self, "_joined", False):
+            parent.write_text(str(os.getpid()))
+        for _ in range(50):
+            try:
+                for pid in (self.group / "cgroup.procs").read_text().split():
+                    try:
+                        parent.write_text(pid)
+                    except OSError:          # it exited meanwhile
+                        pass
+                self.group.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove the cgroup {self.group}; rmdir it by hand")
 
 
 def drop_all_caches() -> bool:
