@@ -242,7 +242,8 @@ class PackedDataset:
 
     def warm(self, ids: "np.ndarray | None" = None, *, part: int = 0, parts: int = 1,
              stop: "threading.Event | None" = None, min_fraction: float = 0.9,
-             extent: int = WARM_EXTENT) -> dict[str, Any]:
+             extent: int = WARM_EXTENT,
+             extents: "list[tuple[int, int, int]] | None" = None) -> dict[str, Any]:
         """Read the extents of :meth:`warm_extents` into the page cache with large
         sequential reads (``preadv`` of ``extent`` bytes), so that later random reads
         of those samples are memory copies instead of one small request each: on a
@@ -250,12 +251,15 @@ class PackedDataset:
         throttled disk) small samples read in random order are request-bound, a
         sequential read is bandwidth-bound.  Reads every ``parts``-th extent from the
         ``part``-th (ranks split the work); skips extents already cached (mincore) and
-        stops early when ``stop`` is set.  Returns ``{"bytes", "extents", "cached",
-        "seconds"}``.  Nothing is verified or kept here: the page cache holds the
-        bytes, the usual reads check them."""
+        stops early when ``stop`` is set.  ``extents``: the list :meth:`warm_extents`
+        gave, when the caller has it already.  Returns ``{"bytes", "extents",
+        "cached", "seconds"}``.  Nothing is verified or kept here: the page cache holds
+        the bytes, the usual reads check them."""
         t_start = time.perf_counter()
-        todo = self.warm_extents(ids, min_fraction=min_fraction, extent=extent)[part::parts]
-        buf = bytearray(extent)
+        if extents is None:
+            extents = self.warm_extents(ids, min_fraction=min_fraction, extent=extent)
+        todo = extents[part::parts]
+        buf = bytearray(max((n for _, _, n in todo), default=0))
         done = cached = nbytes = 0
         fds: dict[int, int] = {}
         from .. import trace as _trace

@@ -12,7 +12,7 @@ import numpy as np
 from ..dataset import PackedDataset, SampleBatch, open_dataset
 from ..errors import ForebayError, InvalidArgumentError
 
-__all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS"]
+__all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS", "WarmUp"]
 
 
 #: keys every store's stats() has, one meaning each (the same bytes counted the same way
@@ -113,15 +113,43 @@ def warm_enabled(warm_files: "bool | str", ds: PackedDataset) -> bool:
     return warm_files
 
 
+class WarmUp(threading.Thread):
+    """A rank's share of a page-cache warm-up (:meth:`PackedDataset.warm` of
+    ``extents``, every ``parts``-th from the ``part``-th) in a background thread:
+    ``result`` once done; a failure is kept and raised by :meth:`check`, as the next
+    batch's error."""
+
+    def __init__(self, ds: PackedDataset, extents: "list[tuple[int, int, int]]", part: int,
+                 parts: int, stop: threading.Event) -> None:
+        super().__init__(name="forebay-warm", daemon=True)
+        self.ds, self.extents, self.part, self.parts, self.stop = ds, extents, part, parts, stop
+        self.result: dict[str, Any] = {}
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.ds.warm(extents=self.extents, part=self.part,
+                                       parts=self.parts, stop=self.stop)
+        except BaseException as e:  # noqa: BLE001 - raised by check() on the reader
+            self.error = e
+
+    def check(self) -> None:
+        err = self.error
+        if err is not None:
+            raise StoreError(f"reading the dataset's files ahead (warm_files) failed: "
+                             f"{type(err).__name__}: {err}") from err
+
+
 class DirectStore(SampleStore):
     """Every batch read from the dataset's memory-mapped shards (no cache, no
     communication): the loader's ``mode="direct"``.
 
     ``warm=(part, parts)`` also reads that share of the whole dataset into the page
     cache with large sequential reads, in a background thread
-    (:meth:`PackedDataset.warm`): for ranks of one node that will read every sample,
-    so that the batches' random reads are memory copies instead of one small request
-    each.  A read error there is raised by the next ``get_many``."""
+    (:meth:`PackedDataset.warm`), when the files fit in half the available memory:
+    for ranks of one node that will read every sample, so that the batches' random
+    reads are memory copies instead of one small request each.  A read error there is
+    raised by the next ``get_many``."""
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", *,
                  warm: "tuple[int, int] | None" = None) -> None:
@@ -131,28 +159,26 @@ class DirectStore(SampleStore):
         self._reads = 0
         self._bytes = 0
         self._stop = threading.Event()
-        self._warm_error: Optional[BaseException] = None
-        #: what the warm-up read, once it is done
-        self.warmed: dict[str, Any] = {}
-        self._warm: Optional[threading.Thread] = None
+        self._warm: Optional[WarmUp] = None
         if warm is not None:
-            self._warm = threading.Thread(target=self._warm_loop, args=warm,
-                                          name="forebay-warm", daemon=True)
-            self._warm.start()
+            from ._memory import available_memory
 
-    def _warm_loop(self, part: int, parts: int) -> None:
-        try:
-            self.warmed = self.ds.warm(part=part, parts=parts, stop=self._stop)
-        except BaseException as e:
-            self._warm_error = e
+            extents = self.ds.warm_extents()
+            avail = available_memory()
+            if extents and avail is not None and sum(n for _, _, n in extents) <= 0.5 * avail:
+                self._warm = WarmUp(self.ds, extents, *warm, self._stop)
+                self._warm.start()
+
+    @property
+    def warmed(self) -> dict[str, Any]:
+        """What the warm-up read, once it is done (``PackedDataset.warm``'s result)."""
+        return self._warm.result if self._warm is not None else {}
 
     def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc: Any = None) -> SampleBatch:
         if self._closed:
             raise StoreError("the store is closed")
-        if self._warm_error is not None:
-            raise StoreError(f"reading the dataset's files ahead (warm_files) failed: "
-                             f"{type(self._warm_error).__name__}: {self._warm_error}"
-                             ) from self._warm_error
+        if self._warm is not None:
+            self._warm.check()
         batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
         nbytes = int(self.ds.record_nbytes[batch.ids].sum())
         with self._lock:

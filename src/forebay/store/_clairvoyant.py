@@ -46,7 +46,7 @@ from ..errors import ChecksumError, InvalidArgumentError
 from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_agreement,
                            node_size, rma_get, shared_segment)
-from ._base import SampleStore, warm_enabled
+from ._base import SampleStore, WarmUp, warm_enabled
 from ._memory import MEMORY_HEADROOM, available_memory
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
@@ -136,7 +136,7 @@ class ClairvoyantStore(SampleStore):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fill_error: Optional[BaseException] = None
-        self._warm_error: Optional[BaseException] = None
+        self._warm: Optional[WarmUp] = None
         self._lock = threading.Lock()
         #: notified whenever positions of this rank's tiers become done (the fill
         #: threads and the reader wait on each other's writes through it, not by polling)
@@ -200,8 +200,6 @@ class ClairvoyantStore(SampleStore):
         self._ssd_all = np.array([b for _, b, _ in every], dtype=np.int64)
         self._peer_dirs = [Path(d) for _, _, d in every]
         self._allocate()
-        #: what the page-cache warm-up read (PackedDataset.warm), once it is done
-        self.warmed: dict[str, Any] = {}
         # (not under on_pfs_read: an emulated file system charges every sample read)
         if fill and on_pfs_read is None and warm_enabled(warm_files, self.ds) and \
                 self.transport in ("local", "shm"):
@@ -380,23 +378,19 @@ class ClairvoyantStore(SampleStore):
     def _start_warm(self) -> None:
         """Start this rank's share of the node's page-cache warm-up: the extents its
         tiers (all ranks of the node) cover, if they fit in memory beside the tiers."""
-        covered = np.flatnonzero(self.placement.owner >= 0)
-        extents = self.ds.warm_extents(covered)
+        extents = self.ds.warm_extents(np.flatnonzero(self.placement.owner >= 0))
         need = sum(n for _, _, n in extents)
         avail = available_memory()
         tiers = int(self.placement.ram_used.sum())
         if not extents or avail is None or need + tiers > MEMORY_HEADROOM * avail:
             return
-        t = threading.Thread(target=self._warm_loop, args=(covered,),
-                             name="forebay-warm", daemon=True)
-        self._threads.append(t)
+        self._warm = WarmUp(self.ds, extents, self.rank, self.world, self._stop)
+        self._threads.append(self._warm)        # started, and joined, with the fills
 
-    def _warm_loop(self, ids: np.ndarray) -> None:
-        try:
-            self.warmed = self.ds.warm(ids, part=self.rank, parts=self.world,
-                                       stop=self._stop)
-        except BaseException as e:  # surfaced by the next get_many
-            self._warm_error = e
+    @property
+    def warmed(self) -> dict[str, Any]:
+        """What the page-cache warm-up read (``PackedDataset.warm``), once it is done."""
+        return self._warm.result if self._warm is not None else {}
 
     @staticmethod
     def _remove_stale_tiers(directory: Path, token: str) -> None:
@@ -646,10 +640,8 @@ class ClairvoyantStore(SampleStore):
         return self._filled == len(self.fill_order) or bool(self._threads)
 
     def _raise_fill_error(self) -> None:
-        warm = self._warm_error
-        if warm is not None:
-            raise StoreError(f"reading the dataset's files ahead (warm_files) failed: "
-                             f"{type(warm).__name__}: {warm}") from warm
+        if self._warm is not None:
+            self._warm.check()
         err = self._fill_error
         if err is None:
             return

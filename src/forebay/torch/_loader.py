@@ -497,12 +497,8 @@ class DataLoader:
 
     def _direct_warm(self, wanted: bool) -> "Optional[tuple[int, int]]":
         """Direct mode's share of the page-cache warm-up: when every rank is on one node
-        (the node reads every sample) and the files fit in half the available memory."""
+        (the node reads every sample; the store checks that the files fit)."""
         if not wanted or node_size(self.comm) != self.world:
-            return None
-        avail = available_memory()
-        need = sum(n for _, _, n in self.ds.warm_extents())
-        if avail is None or need > 0.5 * avail:
             return None
         return (self.rank, self.world)
 
