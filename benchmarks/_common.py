@@ -6,7 +6,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -123,6 +123,17 @@ class ThrottledDevice:
             except OSError:
                 time.sleep(0.1)
         print(f"warning: could not remove the cgroup {self.group}; rmdir it by hand")
+
+
+def throttled(path: Path, spec: "str | None") -> "Any":
+    """The benchmarks' ``--throttle MBPS[,IOPS]``: a :class:`ThrottledDevice` for the
+    disk holding ``path`` (a context manager), or a null context giving None."""
+    import contextlib
+
+    if not spec:
+        return contextlib.nullcontext(None)
+    mbps, _, iops = spec.partition(",")
+    return ThrottledDevice(path, float(mbps), int(iops or 0))
 
 
 def drop_all_caches() -> bool:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import ThrottledDevice, evict, files_under, machine  # noqa: E402
+from _common import ThrottledDevice, evict, files_under, machine, throttled  # noqa: E402
 
 import forebay  # noqa: E402
 from forebay.dataset.sources import get_source, ingest  # noqa: E402
@@ -158,16 +158,8 @@ def main() -> None:
     p.add_argument("--evict-each-epoch", action="store_true",
                    help="empty the page cache of the contender's files before every epoch")
     a = p.parse_args()
-    throttle = None
-    if a.throttle:
-        mbps, _, iops = a.throttle.partition(",")
-        throttle = ThrottledDevice(a.out if a.out.exists() else a.out.parent, float(mbps),
-                                   int(iops or 0))
-    try:
+    with throttled(a.out if a.out.exists() else a.out.parent, a.throttle) as throttle:
         run(a, throttle)
-    finally:
-        if throttle is not None:
-            throttle.__exit__()
 
 
 def run(a, throttle) -> None:

@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import ThrottledDevice, evict, files_under, machine  # noqa: E402
+from _common import evict, files_under, machine, throttled  # noqa: E402
 from _baselines import (image_collate, image_folder_dataset, list_collate,  # noqa: E402
                         pff_dataset)
 
@@ -257,15 +257,8 @@ def main() -> None:
     contenders = [c for c in a.contenders.split(",") if c]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs: dict[str, list[dict]] = {}
-    throttle = None
-    if a.throttle:
-        mbps, _, iops = a.throttle.partition(",")
-        throttle = ThrottledDevice(paths["packed"], float(mbps), int(iops or 0))
-    try:
+    with throttled(paths["packed"], a.throttle) as throttle:
         _rounds(a, contenders, paths, files, env, runs, throttle)
-    finally:
-        if throttle is not None:
-            throttle.__exit__()
     _report(a, contenders, runs, throttle)
 
 
