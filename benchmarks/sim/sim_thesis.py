@@ -51,7 +51,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scale", type=float, default=0.1, help="for Tables 5.2-5.4")
     p.add_argument("--tables", default="5.1,5.2,5.3,5.4")
+    p.add_argument("--no-peer-reads", action="store_true",
+                   help="what-if: every policy reads from the PFS where it would read a "
+                        "peer's copy (as the thesis' simulator's NoPFS does)")
     a = p.parse_args()
+    if a.no_peer_reads:
+        import numpy as np
+
+        from forebay.sim import _policies
+        from forebay.sim._engine import F_PFS
+        _policies._Run.peer_or_pfs = lambda self, src: np.full(np.shape(src), F_PFS)
+        print("what-if: no reads from peers' copies (every such read from the PFS)")
 
     from forebay.sim import simulate
 
