@@ -5,7 +5,8 @@ samples, contenders in rotating order, repeated; the page cache is emptied of th
 contender's files before its job (epoch 1 is cold), later epochs are warm:
 
 * ``forebay direct`` / ``preload`` / ``clairvoyant``: ``forebay.torch.DataLoader`` over
-  the packed dataset (``mode=``), its own vectorised collation;
+  the packed dataset (``mode=``), its own vectorised collation; ``preload-overlap``:
+  preload with ``overlap_preload=True`` (training starts while the chunks load);
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
   ImageFolder tree of blobs for images), per-sample collation;
@@ -67,7 +68,8 @@ from _baselines import (image_collate, image_folder_dataset, list_collate,  # no
                         pff_dataset)
 
 BIN = Path(sys.executable).parent
-FOREBAY = ("forebay direct", "forebay preload", "forebay clairvoyant")
+FOREBAY = ("forebay direct", "forebay preload", "forebay preload-overlap",
+           "forebay clairvoyant")
 PEERS = ("torch 0 workers", "torch 2 workers", "mosaicml-streaming", "litdata")
 
 
@@ -108,7 +110,9 @@ def worker(a) -> None:
     if c.startswith("forebay"):
         from forebay.torch import DataLoader
         mode = c.split()[1]
-        kw = {"ram_bytes": a.ram_bytes} if mode == "clairvoyant" else {}
+        kw: dict = {"ram_bytes": a.ram_bytes} if mode == "clairvoyant" else {}
+        if mode == "preload-overlap":
+            mode, kw = "preload", {"overlap_preload": True}
         loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
                             progress=False, **kw)
         set_epoch = loader.set_epoch

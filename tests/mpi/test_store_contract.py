@@ -42,6 +42,8 @@ FACTORIES = {
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
                                                      progress=False),
+    "preload-overlap": lambda ds, comm: DistributedStore(ds, comm, overlap=True,
+                                                         progress=False),
     "preload-exchange": lambda ds, comm: DistributedStore(ds, comm, transport="exchange",
                                                           progress=False),
     "clairvoyant-ram": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
@@ -140,6 +142,11 @@ class TestDirect(StoreContract):
 
 class TestPreloadShm(DistributedStoreContract):
     kind = "preload-shm"
+    under_torchrun = "shm"
+
+
+class TestPreloadOverlap(DistributedStoreContract):
+    kind = "preload-overlap"
     under_torchrun = "shm"
 
 

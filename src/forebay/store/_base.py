@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import os
 import threading
-from typing import Any, ClassVar, Optional, Sequence, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class SampleStore(Releasable, abc.ABC):
     Every implementation passes ``tests/mpi/test_store_contract.py``.
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    capabilities: frozenset[str] = frozenset()
     ds: PackedDataset
 
     @abc.abstractmethod

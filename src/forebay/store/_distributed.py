@@ -15,7 +15,10 @@ one collective in which every member sends the records the others asked for).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -25,7 +28,7 @@ from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
 from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
-                    is_mpi, node_ranks, shm_usable)
+                    fence, is_mpi, node_ranks, ordered_shared_memory, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
@@ -41,13 +44,20 @@ __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agr
 #: preload reads: pieces of this size, several in flight (the device works on a queue)
 _PAR_BLOCK = 16 << 20
 
+#: bytes before each member's chunk: int64 bytes loaded (a prefix of the chunk), int64
+#: state, and from byte 64 the error of a failed background preload (UTF-8)
+_HEADER = 512
+_LOADING, _LOADED, _FAILED = 0, 1, 2
+
 
 def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progress,
-                  threads: int) -> None:
+                  threads: int, on_piece: Optional[Callable[[int, int], None]] = None,
+                  stop: Optional[threading.Event] = None) -> None:
     """Read ``len(dst)`` bytes of file ``fd`` from ``offset`` into ``dst``: pieces of
     16 MiB by ``threads`` threads at once (``preadv`` releases the GIL), so the device
-    has several requests in flight rather than one sequential stream."""
-    import threading
+    has several requests in flight rather than one sequential stream.  ``on_piece(a,
+    b)``: called in order as bytes ``[0, b)`` of ``dst`` have all arrived (``a``: the
+    previous call's ``b``); ``stop``: set, no further piece is started."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = len(dst)
@@ -65,14 +75,32 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
         with lock:
             prog.update(k)
 
+    def landed(a: int) -> None:
+        if on_piece is not None:
+            on_piece(a, min(a + _PAR_BLOCK, n))
+
     starts = range(0, n, _PAR_BLOCK)
     if threads <= 1 or n <= _PAR_BLOCK:
         for a in starts:
+            if stop is not None and stop.is_set():
+                return
             piece(a)
+            landed(a)
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="forebay-preload") as ex:
-        for f in [ex.submit(piece, a) for a in starts]:
+        flight: deque = deque()
+        for a in starts:
+            if stop is not None and stop.is_set():
+                break
+            flight.append((a, ex.submit(piece, a)))
+            if len(flight) >= 2 * threads:   # a queue for the threads, and no more
+                a0, f = flight.popleft()
+                f.result()
+                landed(a0)
+        while flight:
+            a0, f = flight.popleft()
             f.result()
+            landed(a0)
 
 
 def default_comm() -> Any:
@@ -291,6 +319,17 @@ class DistributedStore(SampleStore):
         on_pfs_read: called after each preload read from the dataset files with
             (bytes, samples, seconds): an instrumentation hook (tracing, PFS emulation).
         read_threads: preload reads in flight at once per rank (pieces of 16 MiB).
+        overlap: return as soon as the memory is allocated and load in a background
+            thread (transports ``shm`` and local; others load before returning).
+            While it runs, a sample whose bytes have not arrived in its owner's memory
+            is read from the dataset files instead (each rank loads its chunk in
+            order and announces how far it has got in a header of its memory), so
+            training starts at once; :meth:`wait_filled` waits for the end.  A load
+            that fails (a damaged record with ``verify_on_read``, a short file) fails
+            the next ``get_many`` of every rank of the group, naming the cause.  The
+            files must stay readable until the load ends; on a file system that
+            serves few random reads, the first steps' reads cost what direct reads
+            cost (see docs/store.md).
 
     Setup is collective: every rank of ``comm`` constructs the store with the same
     arguments; every check that fails (width, dataset fingerprints, memory) raises
@@ -303,7 +342,7 @@ class DistributedStore(SampleStore):
                  width: Optional[int] = None, *, node_aware: bool = False,
                  transport: str = "auto", progress: "Progress | bool | None" = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
-                 read_threads: int = 4) -> None:
+                 read_threads: int = 4, overlap: bool = False) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         if transport not in TRANSPORTS:
@@ -317,8 +356,13 @@ class DistributedStore(SampleStore):
         self._node_seg: Optional[NodeSegment] = None   # shm under torch.distributed
         self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
-        self._fetches = {"local": 0, "peer": 0}
+        self._fetches = {"local": 0, "peer": 0, "pfs": 0}
+        self._file_reads = [0, 0]    # samples and bytes read from the files (overlap)
         self.on_pfs_read = on_pfs_read
+        self._stop = threading.Event()
+        self._loader: Optional[threading.Thread] = None
+        self._load_error: Optional[BaseException] = None
+        self.preload_seconds: Optional[float] = None
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or \
                 read_threads < 1:
             raise InvalidArgumentError(f"read_threads must be a positive integer, got "
@@ -326,22 +370,33 @@ class DistributedStore(SampleStore):
         self.read_threads = read_threads
         check_agreement(self.comm, "DistributedStore's arguments", self.ds, {
             "width": width, "node_aware": node_aware, "transport": transport,
-            "verify_on_read": self.ds.verify_on_read})
+            "verify_on_read": self.ds.verify_on_read, "overlap": bool(overlap)})
         self._setup_groups(width, node_aware)
         self.transport = self._choose_transport(transport)
         self.layout = StoreLayout(self.ds, self.width)
+        #: bytes of each member's chunk known to be loaded (all of it once preloaded)
+        self._known = self.layout.nbytes.copy()
         self._check_memory()
         if progress is None:
             progress = TqdmProgress() if self.rank == 0 else None
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         self._allocate()
+        if self.transport == "shm":
+            self._map_peers()        # may find the MPI's layout unusable: then rma
+        #: loading in the background (shm and local only: a reader needs the owner's header)
+        self.overlap = bool(overlap) and self.transport in ("shm", "local") and \
+            (self.transport == "local" or ordered_shared_memory())
+        if self.overlap:
+            self.capabilities = frozenset({"shared", "background_fill"})
+            self._start_load()
+            return
         self._preload(as_progress(progress))
         try:
             self._verify_chunk()
         except BaseException:
             self.close()
             raise
-        self.preload_seconds = time.perf_counter() - t0
+        self.preload_seconds = time.perf_counter() - self._t0
 
     @staticmethod
     def from_arrays(arrays: "Mapping[str, np.ndarray]", comm: Any = None, *,
@@ -436,7 +491,7 @@ class DistributedStore(SampleStore):
         agree(self.comm, msg)
 
     def _allocate(self) -> None:
-        size = int(self.layout.nbytes[self.member]) + ALIGNMENT
+        size = int(self.layout.nbytes[self.member]) + ALIGNMENT + _HEADER
         if self.transport in ("local", "exchange"):
             raw = np.empty(size, dtype=np.uint8)
         elif not is_mpi(self.comm):       # shm under torch.distributed
@@ -450,8 +505,11 @@ class DistributedStore(SampleStore):
             else:
                 self._win = MPI.Win.Allocate(size, 1, comm=self.group_comm)
             raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
-        shift = (-raw.ctypes.data) % ALIGNMENT
+        # the header, then the chunk at the next aligned address
+        shift = _HEADER + (-(raw.ctypes.data + _HEADER)) % ALIGNMENT
+        raw[:_HEADER] = 0
         self._raw = raw
+        self._hdr = raw[:16].view(np.int64)          # bytes loaded, state
         self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
         self._shift = np.array(self.group_comm.allgather(shift)
                                if self.group_comm is not None else [shift], dtype=np.int64)
@@ -468,6 +526,7 @@ class DistributedStore(SampleStore):
             self.transport = "rma"
             return
         self._segment, starts = mapped
+        self._seg_hdr = starts       # each member's header
         seg_off = starts + self._shift
         self._seg_pos = seg_off[self.layout.member] + self.layout.offset
 
@@ -519,8 +578,138 @@ class DistributedStore(SampleStore):
             self.group_comm.Barrier()
         if self._win is not None:
             self._win.Sync()
-        if self.transport == "shm":
-            self._map_peers()
+
+    # -- background preload (overlap) ---------------------------------------------------
+    def _header(self, member: int) -> np.ndarray:
+        """Member ``member``'s header (uint8): its own memory, or the shared segment."""
+        if member == self.member:
+            return self._raw[:_HEADER]
+        at = int(self._seg_hdr[member])
+        return self._segment[at:at + _HEADER]
+
+    def _start_load(self) -> None:
+        """Open the memory to readers (every header says 'nothing loaded'), then load
+        this rank's chunk in a thread; readers go to the files for what is missing."""
+        if self._win is not None:
+            from mpi4py import MPI
+
+            self._win.Lock_all(MPI.MODE_NOCHECK)
+            self._win.Sync()
+        fence()
+        if self.group_comm is not None:
+            self.group_comm.Barrier()    # no member reads a header before it is zeroed
+        self._known = np.zeros(self.width, dtype=np.int64)
+        self._loader = threading.Thread(target=self._load_loop, daemon=True,
+                                        name=f"forebay-preload-r{self.rank}")
+        self._loader.start()
+
+    def _load_loop(self) -> None:
+        state = _LOADED
+        try:
+            self._load_chunk()
+            if self._stop.is_set():
+                return                   # closed: nobody reads this memory any more
+            self._publish(int(self.layout.nbytes[self.member]))
+        except BaseException as e:       # every member's next get_many raises it
+            self._load_error = e
+            state = _FAILED
+            msg = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:_HEADER - 65]
+            self._raw[64:64 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+        fence()
+        self._hdr[1] = state
+        self.preload_seconds = time.perf_counter() - self._t0
+
+    def _publish(self, nbytes: int) -> None:
+        """Announce that bytes ``[0, nbytes)`` of this rank's chunk are loaded (and
+        checked): the data is visible before the counter that announces it."""
+        fence()
+        self._hdr[0] = nbytes
+
+    def _load_chunk(self) -> None:
+        """Read this rank's chunk in order (pieces of 16 MiB, ``read_threads`` in
+        flight), checking the records each piece completes (``verify_on_read``) before
+        announcing them."""
+        runs = self.layout.runs
+        mine = np.flatnonzero(self.layout.member == self.member)
+        ends = self.layout.offset[mine] + self.ds.record_nbytes[mine]
+        order = np.argsort(ends, kind="stable")
+        mine, ends = mine[order], ends[order]
+        done = {"checked": 0, "t": 0.0}  # records of ``mine`` announced; piece start
+        for k in np.flatnonzero(runs["member"] == self.member).tolist():
+            shard, start, length, base = (int(runs["shard"][k]), int(runs["start"][k]),
+                                          int(runs["len"][k]), int(runs["base"][k]))
+            path = self.ds.path / self.ds.manifest.shards[shard].data
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, start, length, os.POSIX_FADV_SEQUENTIAL)
+                done["t"] = time.perf_counter()
+                read_parallel(fd, self._buf[base:base + length], start, path, Progress(),
+                              self.read_threads, stop=self._stop,
+                              on_piece=partial(self._landed, mine, ends, done, path, start,
+                                               base))
+            finally:
+                os.close(fd)
+            if self._stop.is_set():
+                return
+
+    def _landed(self, mine: np.ndarray, ends: np.ndarray, done: dict, path: Any, start: int,
+                base: int, a: int, b: int) -> None:
+        """Bytes ``[a, b)`` of the run at ``base`` (file offset ``start``) arrived, and
+        all before them: check the records they complete, report, announce."""
+        now = time.perf_counter()
+        upto = int(np.searchsorted(ends, base + b, side="right"))
+        ids = mine[done["checked"]:upto]
+        if self.ds.verify_on_read and len(ids):
+            self.ds.check_records(ids, self._buf, self.layout.offset[ids],
+                                  where=f"(preloaded by rank {self.rank})")
+        if self.on_pfs_read is not None:
+            self.on_pfs_read(b - a, len(ids), now - done["t"])
+        rec = _trace.active()
+        if rec is not None:
+            rec.file_reads(path, np.array([start + a]), np.array([b - a]),
+                           np.array([done["t"]]), np.array([now - done["t"]]),
+                           samples=len(ids))
+            rec.span("memstore", "preload", done["t"], now, count=len(ids), nbytes=b - a)
+        done["checked"] = upto
+        self._publish(base + b)
+        done["t"] = time.perf_counter()
+
+    def _ready(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> np.ndarray:
+        """Which of samples ``ids`` are in their owners' memory now (overlap), from the
+        headers of the members still loading (a failed one fails every reader)."""
+        if self._load_error is not None:
+            self._raise_load_error()
+        ends = self.layout.offset[ids] + rows[:, IndexLayout.REC_LEN]
+        for m in np.flatnonzero(self._known < self.layout.nbytes).tolist():
+            hdr = self._header(m)
+            loaded, state = (int(v) for v in hdr[:16].view(np.int64))
+            fence()   # later loads of the member's data see what preceded its counter
+            if state == _FAILED:
+                msg = bytes(hdr[64:]).rstrip(b"\0").decode("utf-8", "replace")
+                raise StoreError(f"rank {int(self.group_ranks[m])}'s background preload "
+                                 f"failed: {msg}")
+            self._known[m] = loaded
+        return ends <= self._known[member]
+
+    def _raise_load_error(self) -> None:
+        err = self._load_error
+        if err is None:
+            return
+        if isinstance(err, ChecksumError):
+            raise ChecksumError(f"the background preload found damaged data: {err}") from err
+        raise StoreError(f"the background preload of rank {self.rank} failed: "
+                         f"{type(err).__name__}: {err}") from err
+
+    def wait_filled(self, timeout: Optional[float] = None) -> bool:
+        """With ``overlap``: block until this rank's chunk is loaded (True) or
+        ``timeout`` passes (False); a failed load raises its error.  Else True."""
+        if self._loader is not None:
+            self._loader.join(timeout)
+            if self._loader.is_alive():
+                return False
+        self._raise_load_error()
+        return True
 
     def _verify_chunk(self) -> None:
         """With the dataset's ``verify_on_read``: check every record this rank preloaded
@@ -571,6 +760,8 @@ class DistributedStore(SampleStore):
         rows = self.ds.rows(ids)
         member = self.layout.member[ids]
         local = member == self.member
+        if self._loader is not None and not self._loaded_all():
+            return self._get_loading(ids, rows, local, member, alloc)
         nlocal = int(local.sum())
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
@@ -625,6 +816,59 @@ class DistributedStore(SampleStore):
             _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
         return batch
 
+    def _loaded_all(self) -> bool:
+        """Whether every member's chunk is known to be loaded (overlap)."""
+        if (self._known < self.layout.nbytes).any():
+            return False
+        self._raise_load_error()
+        return True
+
+    def _get_loading(self, ids: np.ndarray, rows: np.ndarray, local: np.ndarray,
+                     member: np.ndarray, alloc: Any) -> SampleBatch:
+        """get_many while the background preload runs: what has arrived from memory,
+        the rest from the dataset files."""
+        ready = self._ready(ids, rows, member)
+        if self.transport == "shm":
+            src, pos = self._segment, self._seg_pos[ids]
+        else:
+            src, pos = self._buf, self.layout.offset[ids]
+        parts: list = [(src, pos[m], m) for m in (local & ready, ~local & ready) if m.any()]
+        sub = np.flatnonzero(~ready)
+        if len(sub):
+            if self.ds.verify_on_read:
+                self.ds.check_records(ids[sub])
+            for buf, starts, sel in self.ds.record_parts(ids[sub], rows[sub]):
+                m = np.zeros(len(ids), dtype=bool)
+                m[sub[sel]] = True
+                parts.append((buf, starts, m))
+        rec = _trace.active()
+        timings: Optional[list[Any]] = [] if rec is not None else None
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
+                               timings=timings)
+        nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
+        if len(sub):
+            # copied out: the map's pages leave this process (the page cache keeps them)
+            self.ds.release(ids[sub], rows[sub])
+        nlocal = int((local & ready).sum())
+        self._fetches["local"] += nlocal
+        self._fetches["peer"] += len(ids) - nlocal - len(sub)
+        self._fetches["pfs"] += len(sub)
+        self._file_reads[0] += len(sub)
+        self._file_reads[1] += nbytes
+        if rec is not None:
+            srcs = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
+            srcs[sub] = _hooks.SRC["pfs"]
+            tiers = np.full(len(ids), _hooks.TIER["memory"])
+            tiers[sub] = _hooks.TIER["pfs"]
+            owner = np.where(ready, self.group_ranks[member], self.rank)
+            tagged = [(sel, t0, t1, srcs, tiers, owner)
+                      for (_, _, sel), (t0, t1) in zip(parts, timings or [])]
+            _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
+            for (_, _, sel), (t0, t1) in zip(parts, timings or []):
+                if not ready[sel].any():          # a part read from the files
+                    _hooks.record_pfs(rec, self.ds, ids[sel], rows[sel], t0, t1)
+        return batch
+
     def _exchange(self, ids: np.ndarray, member: np.ndarray, local: np.ndarray,
                   requests: "Optional[list[np.ndarray]]") -> list:
         """The ``exchange`` transport's collective: every member of the replica group
@@ -660,24 +904,37 @@ class DistributedStore(SampleStore):
         return parts
 
     def stats(self) -> dict[str, Any]:
-        """``fetches_by_source`` (local memory, a peer's memory), and ``pfs_reads`` /
-        ``pfs_bytes``: what this rank read from the dataset files (its preload);
-        ``transport``: how peers' memory is read."""
+        """``fetches_by_source`` (local memory, a peer's memory, and with ``overlap``
+        the files, for samples not yet loaded), and ``pfs_reads`` / ``pfs_bytes``: what
+        this rank read from the dataset files (its preload, and those samples);
+        ``transport``: how peers' memory is read; ``preload_seconds``: from setup to
+        this rank's chunk loaded (None while an overlapped load runs)."""
         mine = self.layout.member == self.member
-        return {"fetches_by_source": dict(self._fetches), "pfs_reads": int(mine.sum()),
-                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()),
-                "preload_seconds": self.preload_seconds, "transport": self.transport}
+        return {"fetches_by_source": {k: v for k, v in self._fetches.items()
+                                      if v or k != "pfs"},
+                "pfs_reads": int(mine.sum()) + self._file_reads[0],
+                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_reads[1],
+                "preload_seconds": self.preload_seconds, "transport": self.transport,
+                "overlap": self.overlap}
 
     def abandon(self) -> None:
+        self._stop_loading()
         if self.comm is None:
             self.close()
         self._closed = True
+
+    def _stop_loading(self) -> None:
+        """End the background preload (after the piece it is reading)."""
+        self._stop.set()
+        if self._loader is not None and self._loader is not threading.current_thread():
+            self._loader.join()
 
     def close(self) -> None:
         """Release the window (collective over the replica group)."""
         if self._closed:
             return
         self._closed = True
+        self._stop_loading()         # nothing writes the memory once it is released
         if self._win is not None:
             self._segment = None
             self._buf = self._raw = np.zeros(0, dtype=np.uint8)

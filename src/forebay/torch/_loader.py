@@ -84,6 +84,10 @@ class DataLoader:
             ``"direct"`` reads each batch from the memory-mapped shards;
             ``"auto"``: preload when the dataset fits the nodes' memory at this width,
             else clairvoyant.
+        overlap_preload: preload mode: start training at once while each rank loads
+            its chunk in the background; batches read what has not arrived yet from
+            the dataset files (``DistributedStore(overlap=True)``: one node per replica
+            group; elsewhere the load finishes before the first batch).
         ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
             available memory shared by its ranks).
         ssd_dir, ssd_bytes: clairvoyant mode: a node-local directory for this rank's SSD
@@ -161,7 +165,7 @@ class DataLoader:
                  pin_memory: bool = False, progress: Any = None,
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None,
-                 warm_files: "bool | str" = "auto") -> None:
+                 warm_files: "bool | str" = "auto", overlap_preload: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
@@ -196,7 +200,8 @@ class DataLoader:
         check_agreement(self.comm, "DataLoader's arguments", self.ds, {
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "mode": mode, "width": width, "node_aware": node_aware,
-            "transport": transport, "verify_on_read": self.ds.verify_on_read})
+            "transport": transport, "verify_on_read": self.ds.verify_on_read,
+            "overlap_preload": bool(overlap_preload)})
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
@@ -207,7 +212,7 @@ class DataLoader:
         if mode == "preload":
             self.store = DistributedStore(self.ds, self._store_comm, width, node_aware=node_aware,
                                           transport=transport, progress=progress,
-                                          on_pfs_read=on_pfs_read)
+                                          on_pfs_read=on_pfs_read, overlap=overlap_preload)
         elif mode == "clairvoyant":
             if ram_bytes is None:
                 ram_bytes = _default_ram_bytes(self.comm)

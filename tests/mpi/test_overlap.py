@@ -1,0 +1,187 @@
+"""A preload overlapped with training (``DistributedStore(overlap=True)``, the loader's
+``overlap_preload``): batches are bit-exact while the chunks load, what has not arrived
+is read from the files, a failed load fails every rank, and the loader's batches are
+the same as a preloaded one's.  Each ``rank_*`` function runs on every rank of real
+mpiexec or torchrun; a load is held at a point by its ``on_pfs_read`` hook (called
+before each piece is announced), never by timing."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.errors import ChecksumError
+from forebay.store import DistributedStore, StoreError, StoreLayout
+from forebay.world import LOCAL
+from conftest import assert_ranks_ok, run_ranks, run_torchrun
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("overlap") / "ds"
+    rng = np.random.default_rng(0)
+    forebay.write_dataset(path, ({"x": rng.normal(size=(int(rng.integers(1, 9)), 3)),
+                                  "b": rng.bytes(int(rng.integers(0, 90))),
+                                  "y": np.int64(i)} for i in range(120)), shard_bytes=4 << 10)
+    return path
+
+
+def _check_all(store, ds) -> None:
+    every = np.arange(len(ds))
+    assert store.get_many(every).equals(ds.get_many(every))
+    ids = np.random.default_rng(1).integers(-len(ds), len(ds), size=64)
+    assert store.get_many(ids).equals(ds.get_many(ids))
+
+
+def test_one_process_reads_the_files_until_the_chunk_arrives(dataset):
+    ds = forebay.open_dataset(dataset)
+    gate, pieces = threading.Event(), []
+
+    def hold(nbytes, samples, seconds):
+        pieces.append(samples)
+        assert gate.wait(timeout=60)
+
+    st = DistributedStore(ds, LOCAL, overlap=True, on_pfs_read=hold)
+    assert st.overlap and "background_fill" in st.capabilities
+    assert st.stats()["preload_seconds"] is None
+    _check_all(st, ds)                       # nothing announced yet: all from the files
+    asked = len(ds) + 64
+    assert st.stats()["fetches_by_source"] == {"local": 0, "peer": 0, "pfs": asked}
+    assert not st.wait_filled(timeout=0)
+    gate.set()
+    assert st.wait_filled(timeout=60)
+    assert sum(pieces) == len(ds)            # every record checked in, once
+    _check_all(st, ds)
+    s = st.stats()
+    assert s["fetches_by_source"] == {"local": asked, "peer": 0, "pfs": asked}
+    assert s["pfs_reads"] == len(ds) + asked and s["preload_seconds"] > 0
+    st.close()
+    with pytest.raises(StoreError, match="closed"):
+        st.get_many([0])
+
+
+def test_closing_stops_the_load(dataset):
+    ds = forebay.open_dataset(dataset)
+    calls = []
+    runs = int((StoreLayout(ds, 1).runs["member"] == 0).sum())
+    assert runs > 3                          # several pieces to stop between
+
+    made, store = threading.Event(), []
+
+    def close_at_first(nbytes, samples, seconds):
+        calls.append(samples)
+        assert made.wait(timeout=60)
+        store[0].abandon()                   # from the loading thread itself
+
+    st = DistributedStore(ds, LOCAL, overlap=True, on_pfs_read=close_at_first)
+    store.append(st)
+    made.set()
+    assert st.wait_filled(timeout=60)
+    assert len(calls) == 1
+    with pytest.raises(StoreError, match="closed"):
+        st.get_many([0])
+
+
+def rank_held_member(path: str, held_: str) -> None:
+    """Member ``held`` announces nothing until the others have read everything."""
+    from forebay.world import resolve_comm
+
+    held = int(held_)
+    comm = resolve_comm()
+    rank = comm.Get_rank()
+    ds = forebay.open_dataset(path)
+    gate = threading.Event()
+
+    def hold(nbytes, samples, seconds):
+        if rank == held:
+            assert gate.wait(timeout=60)
+
+    st = DistributedStore(ds, comm, overlap=True, on_pfs_read=hold, progress=False)
+    assert st.overlap and st.transport == "shm", st.stats()
+    if rank != held:
+        assert st.wait_filled(timeout=60)
+    comm.Barrier()                           # every other member has loaded its chunk
+    _check_all(st, ds)
+    owned = st.layout.member[np.arange(len(ds))]
+    ids = np.random.default_rng(1).integers(-len(ds), len(ds), size=64) % len(ds)
+    from_files = int((owned == held).sum() + (owned[ids] == held).sum())
+    assert st.stats()["fetches_by_source"]["pfs"] == from_files, st.stats()
+    comm.Barrier()
+    gate.set()
+    assert st.wait_filled(timeout=60)
+    comm.Barrier()                           # every member has loaded its chunk
+    _check_all(st, ds)
+    assert st.stats()["fetches_by_source"]["pfs"] == from_files   # none since
+    st.close()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_what_has_not_arrived_is_read_from_the_files(dataset, ranks):
+    assert_ranks_ok(run_ranks(ranks, rank_held_member, dataset, 1), ranks)
+
+
+def test_what_has_not_arrived_is_read_from_the_files_torchrun(dataset):
+    assert_ranks_ok(run_torchrun(2, rank_held_member, dataset, 0), 2)
+
+
+def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str) -> None:
+    from forebay.world import resolve_comm
+
+    owner, sample = int(owner_), int(sample_)
+    comm = resolve_comm()
+    ds = forebay.open_dataset(path, verify_on_read=True)
+    st = DistributedStore(ds, comm, overlap=True, progress=False)
+    mine = np.flatnonzero(st.layout.member == st.member)
+    if comm.Get_rank() == owner:
+        with pytest.raises(ChecksumError, match=f"sample {sample} fails"):
+            st.wait_filled(timeout=60)
+    comm.Barrier()                           # the owner's load has failed
+    want = (ChecksumError, f"sample {sample} fails") if comm.Get_rank() == owner else \
+        (StoreError, f"rank {owner}'s background preload failed: ChecksumError: .*"
+                     f"sample {sample} fails")
+    with pytest.raises(want[0], match=want[1]):
+        st.get_many(mine[:1])                # even a batch of this rank's own samples
+    st.close()
+
+
+def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(dataset, path)
+    ds = forebay.open_dataset(path)
+    sample = 100
+    want = ds[sample]["x"].tobytes()
+    for shard in ds.manifest.shards:
+        raw = bytearray((path / shard.data).read_bytes())
+        at = raw.find(want)
+        if at >= 0:
+            raw[at] ^= 1
+            (path / shard.data).write_bytes(bytes(raw))
+            break
+    assert forebay.open_dataset(path).verify(raise_on_error=False).bad_samples == [sample]
+    owner = int(StoreLayout(ds, 2).member[sample])
+    assert_ranks_ok(run_ranks(2, rank_damage_fails_every_rank, path, owner, sample), 2)
+
+
+def rank_loader_batches(path: str) -> None:
+    """The same batches with and without overlap, epoch after epoch."""
+    from forebay.torch import DataLoader
+
+    got = {}
+    for overlap in (False, True):
+        with DataLoader(path, 8, epochs=2, seed=5, overlap_preload=overlap) as dl:
+            assert dl.stats()["overlap"] == overlap
+            got[overlap] = []
+            for epoch in range(2):
+                dl.set_epoch(epoch)
+                got[overlap].append([b["y"].tolist() for b in dl])
+    assert got[False] == got[True]
+
+
+def test_loader_batches_are_the_same_with_overlap(dataset):
+    assert_ranks_ok(run_ranks(2, rank_loader_batches, dataset), 2)
