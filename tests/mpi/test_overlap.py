@@ -32,6 +32,17 @@ def dataset(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """Records of ~80 KiB: the background load yields to batches reading the files."""
+    path = tmp_path_factory.mktemp("overlap-large") / "ds"
+    rng = np.random.default_rng(1)
+    forebay.write_dataset(path, ({"b": rng.bytes(int(rng.integers(70_000, 95_000))),
+                                  "y": np.int64(i)} for i in range(40)), shard_bytes=1 << 20)
+    assert not forebay.open_dataset(path).small_records
+    return path
+
+
 def _check_all(store, ds) -> None:
     every = np.arange(len(ds))
     assert store.get_many(every).equals(ds.get_many(every))
@@ -39,8 +50,9 @@ def _check_all(store, ds) -> None:
     assert store.get_many(ids).equals(ds.get_many(ids))
 
 
-def test_one_process_reads_the_files_until_the_chunk_arrives(dataset):
-    ds = forebay.open_dataset(dataset)
+@pytest.mark.parametrize("kind", ["dataset", "large"])
+def test_one_process_reads_the_files_until_the_chunk_arrives(request, kind):
+    ds = forebay.open_dataset(request.getfixturevalue(kind))
     gate, pieces = threading.Event(), []
 
     def hold(nbytes, samples, seconds):
@@ -49,6 +61,7 @@ def test_one_process_reads_the_files_until_the_chunk_arrives(dataset):
 
     st = DistributedStore(ds, LOCAL, overlap=True, on_pfs_read=hold)
     assert st.overlap and "background_fill" in st.capabilities
+    assert st.yields == (kind == "large")
     assert st.stats()["preload_seconds"] is None
     _check_all(st, ds)                       # nothing announced yet: all from the files
     asked = len(ds) + 64
@@ -121,9 +134,10 @@ def rank_held_member(path: str, held_: str) -> None:
     st.close()
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_what_has_not_arrived_is_read_from_the_files(dataset, ranks):
-    assert_ranks_ok(run_ranks(ranks, rank_held_member, dataset, 1), ranks)
+@pytest.mark.parametrize("ranks,kind", [(2, "dataset"), (3, "dataset"), (2, "large")])
+def test_what_has_not_arrived_is_read_from_the_files(request, ranks, kind):
+    path = request.getfixturevalue(kind)
+    assert_ranks_ok(run_ranks(ranks, rank_held_member, path, 1), ranks)
 
 
 def test_what_has_not_arrived_is_read_from_the_files_torchrun(dataset):

@@ -29,6 +29,7 @@ from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
                     fence, is_mpi, node_ranks, ordered_shared_memory, shm_usable)
+from ..vocab import Backoff
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import SampleStore, StoreError
 from ._memory import MEMORY_HEADROOM, available_memory
@@ -45,26 +46,35 @@ __all__ = ["DistributedStore", "StoreLayout", "default_comm", "StoreError", "agr
 _PAR_BLOCK = 16 << 20
 
 #: bytes before each member's chunk: int64 bytes loaded (a prefix of the chunk), int64
-#: state, and from byte 64 the error of a failed background preload (UTF-8)
+#: state, int64 until when (CLOCK_MONOTONIC ns; max: now) the member's batches read the
+#: files, and from byte 64 the error of a failed background preload (UTF-8)
 _HEADER = 512
 _LOADING, _LOADED, _FAILED = 0, 1, 2
+_READING = np.iinfo(np.int64).max
+#: a background preload that yields to batches waits until none has read the files for
+#: this long; it reads pieces of _YIELD_BLOCK then (a short queue ahead of a batch)
+_QUIET_NS = 10_000_000
+_YIELD_BLOCK = 4 << 20
 
 
 def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progress,
                   threads: int, on_piece: Optional[Callable[[int, int], None]] = None,
-                  stop: Optional[threading.Event] = None) -> None:
+                  stop: Optional[threading.Event] = None,
+                  wait_turn: Optional[Callable[[], None]] = None,
+                  block: int = _PAR_BLOCK) -> None:
     """Read ``len(dst)`` bytes of file ``fd`` from ``offset`` into ``dst``: pieces of
     16 MiB by ``threads`` threads at once (``preadv`` releases the GIL), so the device
     has several requests in flight rather than one sequential stream.  ``on_piece(a,
     b)``: called in order as bytes ``[0, b)`` of ``dst`` have all arrived (``a``: the
-    previous call's ``b``); ``stop``: set, no further piece is started."""
+    previous call's ``b``); ``stop``: set, no further piece is started; ``wait_turn()``:
+    called before each piece is queued (it may block); ``block``: the piece size."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = len(dst)
     lock = threading.Lock()
 
     def piece(a: int) -> None:
-        k = min(_PAR_BLOCK, n - a)
+        k = min(block, n - a)
         done = 0
         while done < k:
             got = os.preadv(fd, [dst[a + done:a + k].data], offset + a + done)
@@ -77,11 +87,13 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
 
     def landed(a: int) -> None:
         if on_piece is not None:
-            on_piece(a, min(a + _PAR_BLOCK, n))
+            on_piece(a, min(a + block, n))
 
-    starts = range(0, n, _PAR_BLOCK)
-    if threads <= 1 or n <= _PAR_BLOCK:
+    starts = range(0, n, block)
+    if threads <= 1 or n <= block:
         for a in starts:
+            if wait_turn is not None:
+                wait_turn()
             if stop is not None and stop.is_set():
                 return
             piece(a)
@@ -90,10 +102,12 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="forebay-preload") as ex:
         flight: deque = deque()
         for a in starts:
+            if wait_turn is not None:
+                wait_turn()
             if stop is not None and stop.is_set():
                 break
             flight.append((a, ex.submit(piece, a)))
-            if len(flight) >= 2 * threads:   # a queue for the threads, and no more
+            if len(flight) >= (threads if wait_turn else 2 * threads):  # a short queue
                 a0, f = flight.popleft()
                 f.result()
                 landed(a0)
@@ -386,6 +400,10 @@ class DistributedStore(SampleStore):
         #: loading in the background (shm and local only: a reader needs the owner's header)
         self.overlap = bool(overlap) and self.transport in ("shm", "local") and \
             (self.transport == "local" or ordered_shared_memory())
+        #: the background load yields to batches reading the files: for large records,
+        #: whose random reads cost about what sequential ones do (small ones are bound
+        #: by requests: the sequential load then serves the batches sooner)
+        self.yields = self.overlap and not self.ds.small_records
         if self.overlap:
             self.capabilities = frozenset({"shared", "background_fill"})
             self._start_load()
@@ -509,7 +527,7 @@ class DistributedStore(SampleStore):
         shift = _HEADER + (-(raw.ctypes.data + _HEADER)) % ALIGNMENT
         raw[:_HEADER] = 0
         self._raw = raw
-        self._hdr = raw[:16].view(np.int64)          # bytes loaded, state
+        self._hdr = raw[:24].view(np.int64)          # bytes loaded, state, reading until
         self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
         self._shift = np.array(self.group_comm.allgather(shift)
                                if self.group_comm is not None else [shift], dtype=np.int64)
@@ -647,7 +665,9 @@ class DistributedStore(SampleStore):
                 read_parallel(fd, self._buf[base:base + length], start, path, Progress(),
                               self.read_threads, stop=self._stop,
                               on_piece=partial(self._landed, mine, ends, done, path, start,
-                                               base))
+                                               base),
+                              wait_turn=self._wait_turn if self.yields else None,
+                              block=_YIELD_BLOCK if self.yields else _PAR_BLOCK)
             finally:
                 os.close(fd)
             if self._stop.is_set():
@@ -674,6 +694,16 @@ class DistributedStore(SampleStore):
         done["checked"] = upto
         self._publish(base + b)
         done["t"] = time.perf_counter()
+
+    def _wait_turn(self) -> None:
+        """Yielding: wait until no member's batch has read the files for _QUIET_NS."""
+        poll = Backoff(first=0.001, cap=0.005)
+        while not self._stop.is_set():
+            quiet = time.monotonic_ns() - _QUIET_NS
+            if all(int(self._header(m)[16:24].view(np.int64)[0]) <= quiet
+                   for m in range(self.width)):
+                return
+            poll.sleep()
 
     def _ready(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> np.ndarray:
         """Which of samples ``ids`` are in their owners' memory now (overlap), from the
@@ -843,8 +873,15 @@ class DistributedStore(SampleStore):
                 parts.append((buf, starts, m))
         rec = _trace.active()
         timings: Optional[list[Any]] = [] if rec is not None else None
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
-                               timings=timings)
+        reading = self.yields and len(sub) > 0
+        if reading:        # the background load waits while batches read the files
+            self._hdr[2] = _READING
+        try:
+            batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
+                                   timings=timings)
+        finally:
+            if reading:
+                self._hdr[2] = time.monotonic_ns()
         nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
         if len(sub):
             # copied out: the map's pages leave this process (the page cache keeps them)
