@@ -338,12 +338,13 @@ class DistributedStore(SampleStore):
             While it runs, a sample whose bytes have not arrived in its owner's memory
             is read from the dataset files instead (each rank loads its chunk in
             order and announces how far it has got in a header of its memory), so
-            training starts at once; :meth:`wait_filled` waits for the end.  A load
-            that fails (a damaged record with ``verify_on_read``, a short file) fails
-            the next ``get_many`` of every rank of the group, naming the cause.  The
-            files must stay readable until the load ends; on a file system that
-            serves few random reads, the first steps' reads cost what direct reads
-            cost (see docs/store.md).
+            training starts at once; :meth:`wait_filled` waits for the end.  For
+            records of 64 KiB and more the load yields to batches reading the files
+            (:attr:`yields`: it queues a piece only when none has for 10 ms); smaller
+            records, bound by requests, load alongside.  A load that fails (a damaged
+            record with ``verify_on_read``, a short file) fails the next
+            ``get_many`` of every rank of the group, naming the cause.  The files
+            must stay readable until the load ends (see docs/store.md).
 
     Setup is collective: every rank of ``comm`` constructs the store with the same
     arguments; every check that fails (width, dataset fingerprints, memory) raises
