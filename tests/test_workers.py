@@ -161,3 +161,57 @@ def test_the_reference_imagenet_transform_on_real_jpegs(tmp_path):
     for a, b in zip(*runs):
         assert a["image"].shape == (4, 3, 224, 224) and a["image"].dtype == torch.uint8
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+
+
+def _jpeg_dataset(tmp_path):
+    from forebay.dataset.sources import get_source, ingest
+    from forebay.synth import synthesize
+
+    synthesize("imagenet", tmp_path / "jpg", 12, seed=1, classes=2, encode="jpeg")
+    ingest(get_source("imagefolder", tmp_path / "jpg"), tmp_path / "img.fb")
+    return tmp_path / "img.fb"
+
+
+def _epoch(path, **kw):
+    dl = DataLoader(path, 4, comm=None, mode="direct", seed=1, **kw)
+    out = list(dl)
+    dl.close()
+    return out
+
+
+def test_the_batched_imagenet_transform_makes_the_per_sample_crops_and_flips(tmp_path):
+    """BatchDecodeCropFlip (here on the CPU: Pillow decodes) as a batch_transform: the
+    crops and flips DecodeCropFlip makes per sample (the pixels differ by the
+    resampling: a fraction of a level on average, against tens for the mirror image),
+    the labels, and the same tensors in the loader's thread and in 2 workers."""
+    from forebay.torch import BatchDecodeCropFlip, DecodeCropFlip
+
+    path = _jpeg_dataset(tmp_path)
+    per_sample = _epoch(path, transform=DecodeCropFlip(224))
+    runs = [_epoch(path, batch_transform=BatchDecodeCropFlip(224, device="cpu"),
+                   workers=w) for w in (0, 2)]
+    for want, got, other in zip(per_sample, *runs):
+        assert got["image"].shape == (4, 3, 224, 224) and got["image"].dtype == torch.uint8
+        assert torch.equal(got["image"], other["image"])
+        assert torch.equal(got["label"], want["label"]) and got["label"].dtype == torch.int64
+        a, b = want["image"].float(), got["image"].float()
+        assert ((a - b).abs().mean((1, 2, 3)) < 1.0).all()
+        assert ((a.flip(-1) - b).abs().mean((1, 2, 3)) > 10.0).all()
+
+
+def test_the_batched_imagenet_transform_on_a_gpu(tmp_path):
+    """The CUDA path (nvjpeg through torchvision, pinned staging): the CPU path's crops
+    and flips.  Runs only where a GPU and torchvision are present."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("torchvision")
+    from forebay.torch import BatchDecodeCropFlip
+
+    path = _jpeg_dataset(tmp_path)
+    cpu = _epoch(path, batch_transform=BatchDecodeCropFlip(224, device="cpu"))
+    gpu = _epoch(path, batch_transform=BatchDecodeCropFlip(224, device="cuda"),
+                 pin_memory=True)
+    for a, b in zip(cpu, gpu):
+        assert b["image"].is_cuda and torch.equal(a["label"], b["label"].cpu())
+        assert ((a["image"].float() - b["image"].cpu().float()).abs().mean((1, 2, 3))
+                < 2.0).all()

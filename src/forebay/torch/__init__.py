@@ -3,8 +3,9 @@ transform workers."""
 
 from ._collate import collate_graphs, default_collate
 from ._loader import DataLoader, Dataset, PlanSampler
-from ._transforms import DecodeCropFlip
-from ._workers import TransformError, sample_rng
+from ._transforms import BatchDecodeCropFlip, DecodeCropFlip
+from ._workers import TransformError, sample_rng, sample_rngs
 
 __all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "default_collate",
-           "TransformError", "sample_rng", "DecodeCropFlip"]
+           "TransformError", "sample_rng", "sample_rngs", "DecodeCropFlip",
+           "BatchDecodeCropFlip"]

@@ -31,7 +31,8 @@ import numpy as np
 from ..dataset import FieldBatch, SampleBatch
 from ..errors import ForebayError, InvalidArgumentError
 
-__all__ = ["TransformError", "WorkerPool", "sample_rng", "transform_batch", "seed_sample"]
+__all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
+           "seed_sample"]
 
 #: seconds between liveness checks of the workers while a result is awaited
 _POLL_S = 0.5
@@ -67,6 +68,7 @@ def seed_sample(seed: int, epoch: int, sample_id: int, globals_too: bool = True)
     x = _mix(seed, epoch, sample_id)
     _current.key = x
     _current.rng = None
+    _current.seed_epoch = (seed, epoch)
     if globals_too:
         import random
 
@@ -87,6 +89,18 @@ def sample_rng() -> np.random.Generator:
     if _current.rng is None:
         _current.rng = np.random.default_rng(key)
     return _current.rng
+
+
+def sample_rngs(ids: "np.ndarray | list[int]") -> list[np.random.Generator]:
+    """For a ``batch_transform``: one NumPy generator per sample id of the batch, each
+    the one :func:`sample_rng` gives that sample in a per-sample ``transform`` (seeded
+    from seed, epoch and sample id), so a batched augmentation draws what the
+    per-sample one would."""
+    se = getattr(_current, "seed_epoch", None)
+    if se is None:
+        raise InvalidArgumentError("sample_rngs() is for use inside a loader's "
+                                   "batch_transform")
+    return [np.random.default_rng(_mix(se[0], se[1], int(i))) for i in ids]
 
 
 def transform_batch(batch: SampleBatch, transform: Optional[Callable],
