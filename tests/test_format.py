@@ -351,6 +351,7 @@ def test_warm_reads_the_extents_samples_fill_once_in_parts(tmp_path):
     assert read <= sum(sizes) and (cached > 0 or read == sum(sizes))   # tmpfs: all cached
     again = ds.warm(extent=extent)          # all in the page cache now
     assert again["bytes"] == 0 and again["cached"] == len(every)
+    assert all(ds.cached(k, 0, n) and ds.cached(k, n // 3, n) for k, n in enumerate(sizes))
     stop = threading.Event()
     stop.set()
     assert ds.warm(stop=stop, extent=extent)["extents"] == 0

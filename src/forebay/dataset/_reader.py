@@ -200,6 +200,13 @@ class PackedDataset:
         """Shard ``k``'s data file as a read-only uint8 array (memory-mapped once)."""
         return self._map(k)
 
+    def cached(self, k: int, start: int, length: int) -> bool:
+        """Whether bytes ``[start, start + length)`` of shard ``k`` are all in the page
+        cache (mincore; False where that cannot be known)."""
+        at = start - start % _PAGE
+        end = min(start + length, int(self.manifest.shards[k].data_nbytes))
+        return _cached(self._map(k), at, end - at)
+
     def advise(self, k: int, starts: np.ndarray, ends: np.ndarray) -> None:
         """Ask the kernel to read byte ranges ``[starts, ends)`` of shard ``k`` now, in
         parallel (madvise WILLNEED), before a copy faults on them page by page; a no-op

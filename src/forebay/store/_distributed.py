@@ -60,14 +60,15 @@ _YIELD_BLOCK = 4 << 20
 def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progress,
                   threads: int, on_piece: Optional[Callable[[int, int], None]] = None,
                   stop: Optional[threading.Event] = None,
-                  wait_turn: Optional[Callable[[], None]] = None,
+                  wait_turn: Optional[Callable[[int, int], None]] = None,
                   block: int = _PAR_BLOCK) -> None:
     """Read ``len(dst)`` bytes of file ``fd`` from ``offset`` into ``dst``: pieces of
     16 MiB by ``threads`` threads at once (``preadv`` releases the GIL), so the device
     has several requests in flight rather than one sequential stream.  ``on_piece(a,
     b)``: called in order as bytes ``[0, b)`` of ``dst`` have all arrived (``a``: the
-    previous call's ``b``); ``stop``: set, no further piece is started; ``wait_turn()``:
-    called before each piece is queued (it may block); ``block``: the piece size."""
+    previous call's ``b``); ``stop``: set, no further piece is started;
+    ``wait_turn(file offset, bytes)``: called before each piece is queued (it may
+    block); ``block``: the piece size."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = len(dst)
@@ -93,7 +94,7 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
     if threads <= 1 or n <= block:
         for a in starts:
             if wait_turn is not None:
-                wait_turn()
+                wait_turn(offset + a, min(block, n - a))
             if stop is not None and stop.is_set():
                 return
             piece(a)
@@ -103,7 +104,7 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
         flight: deque = deque()
         for a in starts:
             if wait_turn is not None:
-                wait_turn()
+                wait_turn(offset + a, min(block, n - a))
             if stop is not None and stop.is_set():
                 break
             flight.append((a, ex.submit(piece, a)))
@@ -667,7 +668,8 @@ class DistributedStore(SampleStore):
                               self.read_threads, stop=self._stop,
                               on_piece=partial(self._landed, mine, ends, done, path, start,
                                                base),
-                              wait_turn=self._wait_turn if self.yields else None,
+                              wait_turn=partial(self._wait_turn, shard) if self.yields
+                              else None,
                               block=_YIELD_BLOCK if self.yields else _PAR_BLOCK)
             finally:
                 os.close(fd)
@@ -696,8 +698,12 @@ class DistributedStore(SampleStore):
         self._publish(base + b)
         done["t"] = time.perf_counter()
 
-    def _wait_turn(self) -> None:
-        """Yielding: wait until no member's batch has read the files for _QUIET_NS."""
+    def _wait_turn(self, shard: int, start: int, length: int) -> None:
+        """Yielding: before reading ``length`` bytes of ``shard`` from ``start``, wait
+        until no member's batch has read the files for _QUIET_NS, unless those bytes
+        are in the page cache (a memory copy, nothing taken from the batches)."""
+        if self.ds.cached(shard, start, length):
+            return
         poll = Backoff(first=0.001, cap=0.005)
         while not self._stop.is_set():
             quiet = time.monotonic_ns() - _QUIET_NS
