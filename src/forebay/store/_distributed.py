@@ -47,7 +47,8 @@ _PAR_BLOCK = 16 << 20
 
 #: bytes before each member's chunk: int64 bytes loaded (a prefix of the chunk), int64
 #: state, int64 until when (CLOCK_MONOTONIC ns; max: now) the member's batches read the
-#: files, and from byte 64 the error of a failed background preload (UTF-8)
+#: files, int64 bytes they have read from the files, and from byte 64 the error of a
+#: failed background preload (UTF-8)
 _HEADER = 512
 _LOADING, _LOADED, _FAILED = 0, 1, 2
 _READING = np.iinfo(np.int64).max
@@ -406,6 +407,8 @@ class DistributedStore(SampleStore):
         #: whose random reads cost about what sequential ones do (small ones are bound
         #: by requests: the sequential load then serves the batches sooner)
         self.yields = self.overlap and not self.ds.small_records
+        self._yielding = self.yields
+        self._group_bytes = int(self.layout.nbytes.sum())
         if self.overlap:
             self.capabilities = frozenset({"shared", "background_fill"})
             self._start_load()
@@ -529,7 +532,8 @@ class DistributedStore(SampleStore):
         shift = _HEADER + (-(raw.ctypes.data + _HEADER)) % ALIGNMENT
         raw[:_HEADER] = 0
         self._raw = raw
-        self._hdr = raw[:24].view(np.int64)          # bytes loaded, state, reading until
+        # bytes loaded, state, reading until, bytes the batches read from the files
+        self._hdr = raw[:32].view(np.int64)
         self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
         self._shift = np.array(self.group_comm.allgather(shift)
                                if self.group_comm is not None else [shift], dtype=np.int64)
@@ -702,10 +706,17 @@ class DistributedStore(SampleStore):
         """Yielding: before reading ``length`` bytes of ``shard`` from ``start``, wait
         until no member's batch has read the files for _QUIET_NS, unless those bytes
         are in the page cache (a memory copy, nothing taken from the batches)."""
-        if self.ds.cached(shard, start, length):
+        if not self._yielding or self.ds.cached(shard, start, length):
             return
         poll = Backoff(first=0.001, cap=0.005)
         while not self._stop.is_set():
+            # once the batches have read as many bytes from the files as the whole
+            # group holds, they are reading again what the load would have brought
+            # for good (a first epoch is over): the load stops giving way
+            if sum(int(self._header(m)[24:32].view(np.int64)[0])
+                   for m in range(self.width)) >= self._group_bytes:
+                self._yielding = False
+                return
             quiet = time.monotonic_ns() - _QUIET_NS
             if all(int(self._header(m)[16:24].view(np.int64)[0]) <= quiet
                    for m in range(self.width)):
@@ -890,6 +901,8 @@ class DistributedStore(SampleStore):
             if reading:
                 self._hdr[2] = time.monotonic_ns()
         nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
+        if reading:
+            self._hdr[3] += nbytes
         if len(sub):
             # copied out: the map's pages leave this process (the page cache keeps them)
             self.ds.release(ids[sub], rows[sub])
