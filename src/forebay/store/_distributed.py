@@ -650,9 +650,9 @@ class DistributedStore(SampleStore):
         self._hdr[0] = nbytes
 
     def _load_chunk(self) -> None:
-        """Read this rank's chunk in order (pieces of 16 MiB, ``read_threads`` in
-        flight), checking the records each piece completes (``verify_on_read``) before
-        announcing them."""
+        """Read this rank's chunk in order (pieces of 16 MiB, or 4 MiB when yielding;
+        ``read_threads`` in flight), checking the records each piece completes
+        (``verify_on_read``) before announcing them."""
         runs = self.layout.runs
         mine = np.flatnonzero(self.layout.member == self.member)
         ends = self.layout.offset[mine] + self.ds.record_nbytes[mine]
