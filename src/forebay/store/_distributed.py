@@ -48,7 +48,8 @@ _PAR_BLOCK = 16 << 20
 #: bytes before each member's chunk: int64 bytes loaded (a prefix of the chunk), int64
 #: state, int64 until when (CLOCK_MONOTONIC ns; max: now) the member's batches read the
 #: files, int64 bytes they have read from the files, and from byte 64 the error of a
-#: failed background preload (UTF-8)
+#: failed background preload (UTF-8); then (overlap) one byte per sample of the chunk,
+#: 1 once a batch that read it from the files has copied it into the chunk
 _HEADER = 512
 _LOADING, _LOADED, _FAILED = 0, 1, 2
 _READING = np.iinfo(np.int64).max
@@ -61,15 +62,16 @@ _YIELD_BLOCK = 4 << 20
 def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progress,
                   threads: int, on_piece: Optional[Callable[[int, int], None]] = None,
                   stop: Optional[threading.Event] = None,
-                  wait_turn: Optional[Callable[[int, int], None]] = None,
+                  wait_turn: Optional[Callable[[int, int], bool]] = None,
                   block: int = _PAR_BLOCK) -> None:
     """Read ``len(dst)`` bytes of file ``fd`` from ``offset`` into ``dst``: pieces of
     16 MiB by ``threads`` threads at once (``preadv`` releases the GIL), so the device
     has several requests in flight rather than one sequential stream.  ``on_piece(a,
     b)``: called in order as bytes ``[0, b)`` of ``dst`` have all arrived (``a``: the
     previous call's ``b``); ``stop``: set, no further piece is started;
-    ``wait_turn(file offset, bytes)``: called before each piece is queued (it may
-    block); ``block``: the piece size."""
+    ``wait_turn(a, bytes)``: called before the piece at ``dst[a:]`` is queued (it may
+    block; True: the piece is already in ``dst``, skip reading it); ``block``: the
+    piece size."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = len(dst)
@@ -91,31 +93,35 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
         if on_piece is not None:
             on_piece(a, min(a + block, n))
 
+    def there(a: int) -> bool:
+        return wait_turn is not None and wait_turn(a, min(block, n - a))
+
     starts = range(0, n, block)
     if threads <= 1 or n <= block:
         for a in starts:
-            if wait_turn is not None:
-                wait_turn(offset + a, min(block, n - a))
+            skip = there(a)
             if stop is not None and stop.is_set():
                 return
-            piece(a)
+            if not skip:
+                piece(a)
             landed(a)
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="forebay-preload") as ex:
         flight: deque = deque()
         for a in starts:
-            if wait_turn is not None:
-                wait_turn(offset + a, min(block, n - a))
+            skip = there(a)
             if stop is not None and stop.is_set():
                 break
-            flight.append((a, ex.submit(piece, a)))
+            flight.append((a, None if skip else ex.submit(piece, a)))
             if len(flight) >= (threads if wait_turn else 2 * threads):  # a short queue
                 a0, f = flight.popleft()
-                f.result()
+                if f is not None:
+                    f.result()
                 landed(a0)
         while flight:
             a0, f = flight.popleft()
-            f.result()
+            if f is not None:
+                f.result()
             landed(a0)
 
 
@@ -397,7 +403,7 @@ class DistributedStore(SampleStore):
         if progress is None:
             progress = TqdmProgress() if self.rank == 0 else None
         self._t0 = time.perf_counter()
-        self._allocate()
+        self._allocate(bool(overlap))
         if self.transport == "shm":
             self._map_peers()        # may find the MPI's layout unusable: then rma
         #: loading in the background (shm and local only: a reader needs the owner's header)
@@ -408,6 +414,7 @@ class DistributedStore(SampleStore):
         #: by requests: the sequential load then serves the batches sooner)
         self.yields = self.overlap and not self.ds.small_records
         self._yielding = self.yields
+        self._kept_skipped = 0       # bytes the load did not read: batches had kept them
         self._group_bytes = int(self.layout.nbytes.sum())
         if self.overlap:
             self.capabilities = frozenset({"shared", "background_fill"})
@@ -513,8 +520,11 @@ class DistributedStore(SampleStore):
                    f"use a larger width (fewer replicas) or more nodes")
         agree(self.comm, msg)
 
-    def _allocate(self) -> None:
-        size = int(self.layout.nbytes[self.member]) + ALIGNMENT + _HEADER
+    def _allocate(self, overlap: bool) -> None:
+        b = self.layout.bounds
+        self._kept_len = int(_align(b[self.member + 1] - b[self.member])) if overlap else 0
+        head = _HEADER + self._kept_len
+        size = int(self.layout.nbytes[self.member]) + ALIGNMENT + head
         if self.transport in ("local", "exchange"):
             raw = np.empty(size, dtype=np.uint8)
         elif not is_mpi(self.comm):       # shm under torch.distributed
@@ -529,8 +539,8 @@ class DistributedStore(SampleStore):
                 self._win = MPI.Win.Allocate(size, 1, comm=self.group_comm)
             raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
         # the header, then the chunk at the next aligned address
-        shift = _HEADER + (-(raw.ctypes.data + _HEADER)) % ALIGNMENT
-        raw[:_HEADER] = 0
+        shift = head + (-(raw.ctypes.data + head)) % ALIGNMENT
+        raw[:head] = 0
         self._raw = raw
         # bytes loaded, state, reading until, bytes the batches read from the files
         self._hdr = raw[:32].view(np.int64)
@@ -672,8 +682,8 @@ class DistributedStore(SampleStore):
                               self.read_threads, stop=self._stop,
                               on_piece=partial(self._landed, mine, ends, done, path, start,
                                                base),
-                              wait_turn=partial(self._wait_turn, shard) if self.yields
-                              else None,
+                              wait_turn=partial(self._wait_turn, shard, start, base, mine,
+                                                ends) if self.yields else None,
                               block=_YIELD_BLOCK if self.yields else _PAR_BLOCK)
             finally:
                 os.close(fd)
@@ -702,12 +712,22 @@ class DistributedStore(SampleStore):
         self._publish(base + b)
         done["t"] = time.perf_counter()
 
-    def _wait_turn(self, shard: int, start: int, length: int) -> None:
-        """Yielding: before reading ``length`` bytes of ``shard`` from ``start``, wait
-        until no member's batch has read the files for _QUIET_NS, unless those bytes
-        are in the page cache (a memory copy, nothing taken from the batches)."""
-        if not self._yielding or self.ds.cached(shard, start, length):
-            return
+    def _wait_turn(self, shard: int, start: int, base: int, mine: np.ndarray,
+                   ends: np.ndarray, a: int, length: int) -> bool:
+        """Yielding, before the piece ``[a, a + length)`` of the run at ``base`` (file
+        offset ``start`` of ``shard``): True if batches have kept all its records
+        (nothing to read); else wait until no member's batch has read the files for
+        _QUIET_NS, unless the piece is in the page cache (a memory copy, nothing taken
+        from the batches)."""
+        lo = int(np.searchsorted(ends, base + a, side="right"))
+        hi = int(np.searchsorted(ends, base + a + length, side="left")) + 1
+        ids = mine[lo:hi]
+        ids = ids[self.layout.offset[ids] < base + a + length]
+        if len(ids) and (self._kept_flags(ids, np.full(len(ids), self.member)) == 1).all():
+            self._kept_skipped += length
+            return True
+        if not self._yielding or self.ds.cached(shard, start + a, length):
+            return False
         poll = Backoff(first=0.001, cap=0.005)
         while not self._stop.is_set():
             # once the batches have read as many bytes from the files as the whole
@@ -716,12 +736,13 @@ class DistributedStore(SampleStore):
             if sum(int(self._header(m)[24:32].view(np.int64)[0])
                    for m in range(self.width)) >= self._group_bytes:
                 self._yielding = False
-                return
+                return False
             quiet = time.monotonic_ns() - _QUIET_NS
             if all(int(self._header(m)[16:24].view(np.int64)[0]) <= quiet
                    for m in range(self.width)):
-                return
+                return False
             poll.sleep()
+        return False
 
     def _ready(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> np.ndarray:
         """Which of samples ``ids`` are in their owners' memory now (overlap), from the
@@ -738,7 +759,37 @@ class DistributedStore(SampleStore):
                 raise StoreError(f"rank {int(self.group_ranks[m])}'s background preload "
                                  f"failed: {msg}")
             self._known[m] = loaded
-        return ends <= self._known[member]
+        ready = ends <= self._known[member]
+        if self.yields and not ready.all():     # what batches read and kept
+            late = np.flatnonzero(~ready)
+            ready[late] = self._kept_flags(ids[late], member[late]) == 1
+            fence()   # later loads of those records see what preceded their flags
+        return ready
+
+    def _kept_at(self, ids: np.ndarray, member: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """(array, positions) of samples ``ids``' kept flags (their owners' headers)."""
+        rel = ids - self.layout.bounds[member] + _HEADER
+        if self.transport == "shm":
+            return self._segment, self._seg_hdr[member] + rel
+        return self._raw, rel
+
+    def _kept_flags(self, ids: np.ndarray, member: np.ndarray) -> np.ndarray:
+        buf, pos = self._kept_at(ids, member)
+        return buf[pos]
+
+    def _keep(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> None:
+        """Copy records a batch read from the files into their owners' chunks (their
+        pages are in memory now) and flag them, so the load does not read them again
+        and later batches find them there."""
+        if self.transport == "shm":
+            dst, pos = self._segment, self._seg_pos[ids]
+        else:
+            dst, pos = self._buf, self.layout.offset[ids]
+        for src, rec, sel in self.ds.record_parts(ids, rows):
+            gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], dst, pos[sel])
+        fence()       # the bytes are visible before the flags that announce them
+        buf, at = self._kept_at(ids, member)
+        buf[at] = 1
 
     def _raise_load_error(self) -> None:
         err = self._load_error
@@ -903,6 +954,7 @@ class DistributedStore(SampleStore):
         nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
         if reading:
             self._hdr[3] += nbytes
+            self._keep(ids[sub], rows[sub], member[sub])
         if len(sub):
             # copied out: the map's pages leave this process (the page cache keeps them)
             self.ds.release(ids[sub], rows[sub])
@@ -965,14 +1017,16 @@ class DistributedStore(SampleStore):
         the files, for samples not yet loaded), and ``pfs_reads`` / ``pfs_bytes``: what
         this rank read from the dataset files (its preload, and those samples);
         ``transport``: how peers' memory is read; ``preload_seconds``: from setup to
-        this rank's chunk loaded (None while an overlapped load runs)."""
+        this rank's chunk loaded (None while an overlapped load runs);
+        ``preload_skipped_bytes``: what the overlapped load did not read because
+        batches had read and kept it."""
         mine = self.layout.member == self.member
         return {"fetches_by_source": {k: v for k, v in self._fetches.items()
                                       if v or k != "pfs"},
                 "pfs_reads": int(mine.sum()) + self._file_reads[0],
                 "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_reads[1],
                 "preload_seconds": self.preload_seconds, "transport": self.transport,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "preload_skipped_bytes": self._kept_skipped}
 
     def abandon(self) -> None:
         self._stop_loading()
