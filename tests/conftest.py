@@ -133,3 +133,22 @@ def corrupt_stored_tensor(store: Path, tensor_hash: str, at: int = 10, mask: int
         bad[at] ^= mask
         txn.put(h, bytes(bad), db=db)
     env.close()
+
+
+def damaged_copy(src: Path, dst: Path, sample: int, field: str = "x") -> Path:
+    """A copy of dataset ``src`` at ``dst`` with one bit of sample ``sample``'s ``field``
+    flipped in its shard (checked: exactly that sample fails verification)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    ds = forebay.open_dataset(dst)
+    want = ds[sample][field].tobytes()
+    for shard in ds.manifest.shards:
+        raw = bytearray((dst / shard.data).read_bytes())
+        at = raw.find(want)
+        if at >= 0:
+            raw[at] ^= 1
+            (dst / shard.data).write_bytes(bytes(raw))
+            break
+    assert forebay.open_dataset(dst).verify(raise_on_error=False).bad_samples == [sample]
+    return dst

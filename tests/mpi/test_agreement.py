@@ -4,14 +4,13 @@ every rank (M.0d).  Each ``rank_*`` function runs on every rank of real mpiexec.
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 
 import forebay
 from forebay.errors import ChecksumError, RankMismatchError
-from conftest import assert_ranks_ok, run_ranks
+from conftest import assert_ranks_ok, damaged_copy, run_ranks
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -105,16 +104,5 @@ def test_store_arguments_that_differ_fail_together(dataset):
 
 
 def test_damaged_sample_fails_a_verified_preload_on_every_rank(dataset, tmp_path):
-    path = tmp_path / "ds"
-    shutil.copytree(dataset, path)
-    ds = forebay.open_dataset(path)
-    want = ds[57]["x"].tobytes()
-    for shard in ds.manifest.shards:
-        raw = bytearray((path / shard.data).read_bytes())
-        at = raw.find(want)
-        if at >= 0:
-            raw[at] ^= 1
-            (path / shard.data).write_bytes(bytes(raw))
-            break
-    assert forebay.open_dataset(path).verify(raise_on_error=False).bad_samples == [57]
+    path = damaged_copy(dataset, tmp_path / "ds", 57)
     assert_ranks_ok(run_ranks(2, rank_preload_finds_damage_on_every_rank, path), 2)

@@ -7,7 +7,6 @@ before each piece is announced), never by timing."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import numpy as np
@@ -17,7 +16,7 @@ import forebay
 from forebay.errors import ChecksumError
 from forebay.store import DistributedStore, StoreError, StoreLayout
 from forebay.world import LOCAL
-from conftest import assert_ranks_ok, run_ranks, run_torchrun
+from conftest import assert_ranks_ok, damaged_copy, run_ranks, run_torchrun
 
 pytestmark = pytest.mark.mpi
 
@@ -179,19 +178,9 @@ def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str) -> None:
 
 
 def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path):
-    path = tmp_path / "ds"
-    shutil.copytree(dataset, path)
-    ds = forebay.open_dataset(path)
     sample = 100
-    want = ds[sample]["x"].tobytes()
-    for shard in ds.manifest.shards:
-        raw = bytearray((path / shard.data).read_bytes())
-        at = raw.find(want)
-        if at >= 0:
-            raw[at] ^= 1
-            (path / shard.data).write_bytes(bytes(raw))
-            break
-    assert forebay.open_dataset(path).verify(raise_on_error=False).bad_samples == [sample]
+    path = damaged_copy(dataset, tmp_path / "ds", sample)
+    ds = forebay.open_dataset(path)
     owner = int(StoreLayout(ds, 2).member[sample])
     assert_ranks_ok(run_ranks(2, rank_damage_fails_every_rank, path, owner, sample), 2)
 

@@ -200,7 +200,8 @@ def test_a_dead_fill_thread_is_reported(dataset):
         raise OSError("injected: the file system went away")
 
     st = ClairvoyantStore(ds, _plan(ds, None), LOCAL, ram_bytes=1 << 20, on_pfs_read=broken)
-    with pytest.raises(StoreError, match="fill thread failed after filling 0 of .*injected"):
+    with pytest.raises(StoreError,
+                       match=r"fill thread \(after filling 0 of .*\) failed: .*injected"):
         st.wait_filled(timeout=60)
     with pytest.raises(StoreError, match="injected"):
         st.get_many([0])

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, TypeVar
 import numpy as np
 
 from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..errors import ForebayError, InvalidArgumentError
+from ..errors import ChecksumError, ForebayError, InvalidArgumentError
 
 __all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS", "WarmUp"]
 
@@ -111,6 +111,17 @@ def warm_enabled(warm_files: "bool | str", ds: PackedDataset) -> bool:
         raise InvalidArgumentError(f"warm_files must be True, False or 'auto', got "
                                    f"{warm_files!r}")
     return warm_files
+
+
+def raise_background_error(err: Optional[BaseException], what: str) -> None:
+    """Raise, in a reader, the error a store's background thread (``what``: "the fill
+    thread", ...) died of: a ChecksumError stays one (damaged data), anything else is
+    a StoreError naming the thread; nothing if ``err`` is None."""
+    if err is None:
+        return
+    if isinstance(err, ChecksumError):
+        raise ChecksumError(f"{what} found damaged data: {err}") from err
+    raise StoreError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
 class WarmUp(threading.Thread):

@@ -42,11 +42,11 @@ from ..vocab import Backoff, FillState
 from ..comm import (NodeSegment, allgather_array, alltoall_bytes, fence, is_mpi,
                     ordered_shared_memory, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
-from ..errors import ChecksumError, InvalidArgumentError
+from ..errors import InvalidArgumentError
 from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_agreement,
                            node_size, rma_get, shared_segment)
-from ._base import SampleStore, WarmUp, warm_enabled
+from ._base import SampleStore, WarmUp, raise_background_error, warm_enabled
 from ._memory import MEMORY_HEADROOM, available_memory
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
@@ -642,13 +642,8 @@ class ClairvoyantStore(SampleStore):
     def _raise_fill_error(self) -> None:
         if self._warm is not None:
             self._warm.check()
-        err = self._fill_error
-        if err is None:
-            return
-        if isinstance(err, ChecksumError):
-            raise ChecksumError(f"the fill thread found damaged data: {err}") from err
-        raise StoreError(f"the fill thread failed after filling {self._filled} of "
-                         f"{len(self.fill_order)} samples: {type(err).__name__}: {err}") from err
+        raise_background_error(self._fill_error, f"the fill thread (after filling "
+                               f"{self._filled} of {len(self.fill_order)} samples)")
 
     def _peer_parts(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
         """[(src, record starts, mask)]: where the selected samples' records are in

@@ -31,7 +31,7 @@ from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_by
                     fence, is_mpi, node_ranks, ordered_shared_memory, shm_usable)
 from ..vocab import Backoff
 from ..world import abort_on_uncaught, resolve_comm
-from ._base import SampleStore, StoreError
+from ._base import SampleStore, StoreError, raise_background_error
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from . import _tracing as _hooks
@@ -792,13 +792,8 @@ class DistributedStore(SampleStore):
         buf[at] = 1
 
     def _raise_load_error(self) -> None:
-        err = self._load_error
-        if err is None:
-            return
-        if isinstance(err, ChecksumError):
-            raise ChecksumError(f"the background preload found damaged data: {err}") from err
-        raise StoreError(f"the background preload of rank {self.rank} failed: "
-                         f"{type(err).__name__}: {err}") from err
+        raise_background_error(self._load_error,
+                               f"the background preload of rank {self.rank}")
 
     def wait_filled(self, timeout: Optional[float] = None) -> bool:
         """With ``overlap``: block until this rank's chunk is loaded (True) or
