@@ -31,7 +31,7 @@ def pss() -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dataset", type=Path)
-    ap.add_argument("--modes", default="preload,clairvoyant")
+    ap.add_argument("--modes", default="preload,preload-overlap,clairvoyant")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
     a = ap.parse_args()
@@ -53,13 +53,16 @@ def main() -> None:
         comm.Barrier()
         before = pss()
         t0 = time.perf_counter()
+        overlap = mode == "preload-overlap"       # overlap_preload=True
         dl = DataLoader(a.dataset, a.batch, comm=comm, seed=0, epochs=a.epochs,
-                        mode=mode, ram_bytes=2 * held, progress=False,
+                        mode="preload" if overlap else mode, overlap_preload=overlap,
+                        ram_bytes=2 * held, progress=False,
                         collate_fn=lambda b: len(b.ids))
         for e in range(a.epochs):
             dl.set_epoch(e)
             for _ in dl:
                 pass
+        dl.store.wait_filled()                   # an overlapped load has finished
         after = pss()
         sec = comm.reduce(time.perf_counter() - t0, op=MPI.MAX, root=0)
         grow = {k: after[k] - before.get(k, 0) for k in after}
