@@ -65,6 +65,9 @@ class IndexLayout:
         self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.int64)
         self.off_cols = np.array([self.off[f.name] for f in schema.fields], dtype=np.int64)
         self.itemsizes = np.array([f.dtype.itemsize for f in schema.fields], dtype=np.int64)
+        #: (name, dtype, shape columns) of each field, in order (a batch's assembly)
+        self.fields: list[tuple[str, np.dtype, slice]] = [
+            (f.name, f.dtype, self.shape[f.name]) for f in schema.fields]
 
 
 @dataclass(frozen=True)

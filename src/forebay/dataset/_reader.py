@@ -496,9 +496,15 @@ class PackedDataset:
         """``ids`` as a flat int64 array with negative ids resolved; raises
         :class:`SampleIndexError` naming the first id out of range."""
         n = len(self)
-        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and \
-                len(ids) and 0 <= ids.min() and ids.max() < n:
-            return ids.copy()                       # already as asked (the batch owns it)
+        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and len(ids):
+            # already as asked (the batch owns a copy); a few ids: checked in Python,
+            # cheaper than two numpy reductions (a one-sample get's fixed cost)
+            if len(ids) <= 16:
+                lst = ids.tolist()
+                if 0 <= min(lst) and max(lst) < n:
+                    return ids.copy()
+            elif 0 <= ids.min() and ids.max() < n:
+                return ids.copy()
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu" and not (ids.size == 0):
             raise ArgumentTypeError(f"sample ids must be integers, got dtype {ids.dtype}")

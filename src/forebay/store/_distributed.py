@@ -856,7 +856,7 @@ class DistributedStore(SampleStore):
         local = member == self.member
         if self._loader is not None and not self._loaded_all():
             return self._get_loading(ids, rows, local, member, alloc)
-        nlocal = int(local.sum())
+        nlocal = int(np.count_nonzero(local))
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
         rec = _trace.active()
