@@ -107,9 +107,10 @@ def test_settings_from_a_toml_file_and_the_environment(tmp_path):
     toml = tmp_path / "f.toml"
     toml.write_text('[dlio]\nmode = "clairvoyant"\nram_bytes = "2GiB"\nprefetch = 3\n')
     got = settings({"FOREBAY_DLIO_CONFIG": str(toml), "FOREBAY_DLIO_PREFETCH": "5",
-                    "FOREBAY_DLIO_VERIFY_ON_READ": "yes"})
+                    "FOREBAY_DLIO_VERIFY_ON_READ": "yes",
+                    "FOREBAY_DLIO_OVERLAP_PRELOAD": "on"})
     assert got == {"mode": "clairvoyant", "ram_bytes": 2 << 30, "prefetch": 5,
-                   "verify_on_read": True}
+                   "verify_on_read": True, "overlap_preload": True}
     with pytest.raises(InvalidArgumentError, match="FOREBAY_DLIO_RAM_BYTE"):
         settings({"FOREBAY_DLIO_RAM_BYTE": "1"})
     with pytest.raises(InvalidArgumentError, match="prefetch='many'"):
