@@ -51,7 +51,9 @@ _PAR_BLOCK = 16 << 20
 #: failed background preload (UTF-8); then (overlap) one byte per sample of the chunk,
 #: 1 once a batch that read it from the files has copied it into the chunk
 _HEADER = 512
-_LOADING, _LOADED, _FAILED = 0, 1, 2
+#: the header's int64 words
+_H_LOADED, _H_STATE, _H_READING, _H_READ_BYTES = 0, 1, 2, 3
+_LOADING, _LOADED, _FAILED = 0, 1, 2       # _H_STATE (_LOADING: zeroed header)
 _READING = np.iinfo(np.int64).max
 #: a background preload that yields to batches waits until none has read the files for
 #: this long; it reads pieces of _YIELD_BLOCK then (a short queue ahead of a batch)
@@ -380,7 +382,7 @@ class DistributedStore(SampleStore):
         self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
         self._fetches = {"local": 0, "peer": 0, "pfs": 0}
-        self._file_reads = [0, 0]    # samples and bytes read from the files (overlap)
+        self._file_bytes = 0         # read from the files for batches (overlap)
         self.on_pfs_read = on_pfs_read
         self._stop = threading.Event()
         self._loader: Optional[threading.Thread] = None
@@ -522,8 +524,7 @@ class DistributedStore(SampleStore):
 
     def _allocate(self, overlap: bool) -> None:
         b = self.layout.bounds
-        self._kept_len = int(_align(b[self.member + 1] - b[self.member])) if overlap else 0
-        head = _HEADER + self._kept_len
+        head = _HEADER + (int(_align(b[self.member + 1] - b[self.member])) if overlap else 0)
         size = int(self.layout.nbytes[self.member]) + ALIGNMENT + head
         if self.transport in ("local", "exchange"):
             raw = np.empty(size, dtype=np.uint8)
@@ -542,8 +543,7 @@ class DistributedStore(SampleStore):
         shift = head + (-(raw.ctypes.data + head)) % ALIGNMENT
         raw[:head] = 0
         self._raw = raw
-        # bytes loaded, state, reading until, bytes the batches read from the files
-        self._hdr = raw[:32].view(np.int64)
+        self._hdr = raw[:32].view(np.int64)          # this member's header words
         self._buf = raw[shift:shift + int(self.layout.nbytes[self.member])]
         self._shift = np.array(self.group_comm.allgather(shift)
                                if self.group_comm is not None else [shift], dtype=np.int64)
@@ -621,6 +621,10 @@ class DistributedStore(SampleStore):
         at = int(self._seg_hdr[member])
         return self._segment[at:at + _HEADER]
 
+    def _word(self, member: int, k: int) -> int:
+        """Int64 word ``k`` (_H_*) of member ``member``'s header."""
+        return int(self._header(member)[8 * k:8 * k + 8].view(np.int64)[0])
+
     def _start_load(self) -> None:
         """Open the memory to readers (every header says 'nothing loaded'), then load
         this rank's chunk in a thread; readers go to the files for what is missing."""
@@ -650,14 +654,14 @@ class DistributedStore(SampleStore):
             msg = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:_HEADER - 65]
             self._raw[64:64 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
         fence()
-        self._hdr[1] = state
+        self._hdr[_H_STATE] = state
         self.preload_seconds = time.perf_counter() - self._t0
 
     def _publish(self, nbytes: int) -> None:
         """Announce that bytes ``[0, nbytes)`` of this rank's chunk are loaded (and
         checked): the data is visible before the counter that announces it."""
         fence()
-        self._hdr[0] = nbytes
+        self._hdr[_H_LOADED] = nbytes
 
     def _load_chunk(self) -> None:
         """Read this rank's chunk in order (pieces of 16 MiB, or 4 MiB when yielding;
@@ -733,13 +737,12 @@ class DistributedStore(SampleStore):
             # once the batches have read as many bytes from the files as the whole
             # group holds, they are reading again what the load would have brought
             # for good (a first epoch is over): the load stops giving way
-            if sum(int(self._header(m)[24:32].view(np.int64)[0])
-                   for m in range(self.width)) >= self._group_bytes:
+            if sum(self._word(m, _H_READ_BYTES) for m in range(self.width)) >= \
+                    self._group_bytes:
                 self._yielding = False
                 return False
             quiet = time.monotonic_ns() - _QUIET_NS
-            if all(int(self._header(m)[16:24].view(np.int64)[0]) <= quiet
-                   for m in range(self.width)):
+            if all(self._word(m, _H_READING) <= quiet for m in range(self.width)):
                 return False
             poll.sleep()
         return False
@@ -751,11 +754,10 @@ class DistributedStore(SampleStore):
             self._raise_load_error()
         ends = self.layout.offset[ids] + rows[:, IndexLayout.REC_LEN]
         for m in np.flatnonzero(self._known < self.layout.nbytes).tolist():
-            hdr = self._header(m)
-            loaded, state = (int(v) for v in hdr[:16].view(np.int64))
+            loaded, state = self._word(m, _H_LOADED), self._word(m, _H_STATE)
             fence()   # later loads of the member's data see what preceded its counter
             if state == _FAILED:
-                msg = bytes(hdr[64:]).rstrip(b"\0").decode("utf-8", "replace")
+                msg = bytes(self._header(m)[64:]).rstrip(b"\0").decode("utf-8", "replace")
                 raise StoreError(f"rank {int(self.group_ranks[m])}'s background preload "
                                  f"failed: {msg}")
             self._known[m] = loaded
@@ -777,18 +779,17 @@ class DistributedStore(SampleStore):
         buf, pos = self._kept_at(ids, member)
         return buf[pos]
 
-    def _keep(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> None:
-        """Copy records a batch read from the files into their owners' chunks (their
-        pages are in memory now) and flag them, so the load does not read them again
+    def _keep(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+              dst: np.ndarray, pos: np.ndarray, files: list) -> None:
+        """Copy the records a batch read from the files (``files``: its parts, a map,
+        record starts and a mask each) to ``dst`` at ``pos``, their owners' chunks (the
+        pages are in memory now), and flag them, so the load does not read them again
         and later batches find them there."""
-        if self.transport == "shm":
-            dst, pos = self._segment, self._seg_pos[ids]
-        else:
-            dst, pos = self._buf, self.layout.offset[ids]
-        for src, rec, sel in self.ds.record_parts(ids, rows):
-            gather_ranges(src, rec, rows[sel, IndexLayout.REC_LEN], dst, pos[sel])
+        for src, rec, m in files:
+            gather_ranges(src, rec, rows[m, IndexLayout.REC_LEN], dst, pos[m])
         fence()       # the bytes are visible before the flags that announce them
-        buf, at = self._kept_at(ids, member)
+        sub = np.flatnonzero(np.logical_or.reduce([m for _, _, m in files]))
+        buf, at = self._kept_at(ids[sub], member[sub])
         buf[at] = 1
 
     def _raise_load_error(self) -> None:
@@ -928,28 +929,30 @@ class DistributedStore(SampleStore):
             src, pos = self._buf, self.layout.offset[ids]
         parts: list = [(src, pos[m], m) for m in (local & ready, ~local & ready) if m.any()]
         sub = np.flatnonzero(~ready)
+        files = []                       # the parts read from the dataset files
         if len(sub):
             if self.ds.verify_on_read:
                 self.ds.check_records(ids[sub])
             for buf, starts, sel in self.ds.record_parts(ids[sub], rows[sub]):
                 m = np.zeros(len(ids), dtype=bool)
                 m[sub[sel]] = True
-                parts.append((buf, starts, m))
+                files.append((buf, starts, m))
+        parts += files
         rec = _trace.active()
         timings: Optional[list[Any]] = [] if rec is not None else None
         reading = self.yields and len(sub) > 0
         if reading:        # the background load waits while batches read the files
-            self._hdr[2] = _READING
+            self._hdr[_H_READING] = _READING
         try:
             batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                    timings=timings)
         finally:
             if reading:
-                self._hdr[2] = time.monotonic_ns()
+                self._hdr[_H_READING] = time.monotonic_ns()
         nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
         if reading:
-            self._hdr[3] += nbytes
-            self._keep(ids[sub], rows[sub], member[sub])
+            self._hdr[_H_READ_BYTES] += nbytes
+            self._keep(ids, rows, member, src, pos, files)
         if len(sub):
             # copied out: the map's pages leave this process (the page cache keeps them)
             self.ds.release(ids[sub], rows[sub])
@@ -957,8 +960,7 @@ class DistributedStore(SampleStore):
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal - len(sub)
         self._fetches["pfs"] += len(sub)
-        self._file_reads[0] += len(sub)
-        self._file_reads[1] += nbytes
+        self._file_bytes += nbytes
         if rec is not None:
             srcs = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
             srcs[sub] = _hooks.SRC["pfs"]
@@ -1018,8 +1020,8 @@ class DistributedStore(SampleStore):
         mine = self.layout.member == self.member
         return {"fetches_by_source": {k: v for k, v in self._fetches.items()
                                       if v or k != "pfs"},
-                "pfs_reads": int(mine.sum()) + self._file_reads[0],
-                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_reads[1],
+                "pfs_reads": int(mine.sum()) + self._fetches["pfs"],
+                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_bytes,
                 "preload_seconds": self.preload_seconds, "transport": self.transport,
                 "overlap": self.overlap, "preload_skipped_bytes": self._kept_skipped}
 
