@@ -123,13 +123,6 @@ class BatchDecodeCropFlip(DecodeCropFlip):
         state["_staging"] = state["_copied"] = None   # pinned memory stays in its process
         return state
 
-    def _decoder(self, cuda: bool) -> Any:
-        if self.decode is not None:
-            return self.decode
-        if cuda:
-            return _torchvision_decode
-        return _pillow_decode
-
     def _host(self, values: np.ndarray, cuda: bool) -> Any:
         """The batch's JPEG bytes as one host tensor (pinned on CUDA, reused)."""
         import torch
@@ -164,7 +157,8 @@ class BatchDecodeCropFlip(DecodeCropFlip):
         item = fb.values.dtype.itemsize
         data = [host[int(fb.offsets[k]) * item:int(fb.offsets[k + 1]) * item]
                 for k in range(n)]
-        images = self._decoder(cuda)(data, device)
+        decode = self.decode or (_torchvision_decode if cuda else _pillow_decode)
+        images = decode(data, device)
         out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=device)
         for k, img in enumerate(images):
             _, height, width = img.shape
