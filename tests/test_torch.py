@@ -257,3 +257,71 @@ def test_verify_on_read_is_honoured_in_every_mode(tmp_path, molecules, mode):
         with pytest.raises(forebay.errors.ChecksumError, match="sample 57"):
             for _ in loader():
                 pass
+
+
+@pytest.fixture(scope="module")
+def blobs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("blobs") / "blobs.fb"
+    rng = np.random.default_rng(4)
+    samples = [{"image": rng.bytes(int(rng.integers(0, 3000))), "label": np.int64(i),
+                "box": rng.normal(size=(int(rng.integers(0, 4)), 4)).astype(np.float32)}
+               for i in range(90)]
+    forebay.write_dataset(path, samples, shard_bytes=40 << 10)
+    return path, samples
+
+
+@pytest.mark.parametrize("mode", ["direct", "preload", "clairvoyant"])
+def test_views_lend_the_same_samples_read_only(blobs, mode):
+    """views=True: the bytes and ragged fields come as read-only numpy arrays over the
+    store's memory, the same samples as the copies; labels stacked into a tensor."""
+    path, samples = blobs
+    plan = AccessPlan(len(samples), 1, 16, 2, seed=1)
+    dl = DataLoader(path, 16, epochs=2, seed=1, mode=mode, views=True, comm=None,
+                    progress=False)
+    kept = []
+    for epoch in range(2):
+        dl.set_epoch(epoch)
+        for step, b in enumerate(dl):
+            ids = plan.batches(0, epoch)[step]
+            assert isinstance(b["label"], torch.Tensor)
+            assert b["label"].tolist() == ids.tolist()
+            for k, i in enumerate(ids.tolist()):
+                img, box = b["image"][k], b["box"][k]
+                assert isinstance(img, np.ndarray) and not img.flags.writeable
+                assert img.tobytes() == samples[i]["image"]
+                np.testing.assert_array_equal(box, samples[i]["box"])
+            kept.append((ids, b))
+    last = kept[-1][1]["image"][0]
+    with pytest.raises(ValueError, match="read-only"):
+        last[:1] = 0
+    dl.close()
+    for ids, b in kept:                  # the views outlive the loader, unchanged
+        assert [v.tobytes() for v in b["image"]] == [samples[i]["image"] for i in ids]
+
+
+def test_views_reach_the_transform_read_only(blobs):
+    path, samples = blobs
+    seen = []
+
+    def transform(s):
+        seen.append(s["image"].flags.writeable)
+        return {"n": torch.tensor(len(s["image"]))}
+
+    dl = DataLoader(path, 8, mode="direct", views=True, transform=transform, comm=None)
+    out = next(iter(dl))
+    ids = dl.plan.batches(0, 0)[0]
+    assert out["n"].tolist() == [len(samples[i]["image"]) for i in ids]
+    assert seen and not any(seen)
+    dl.close()
+
+
+def test_views_with_graph_batches_need_a_collate_fn(molecules):
+    from forebay.errors import InvalidArgumentError
+
+    path, _ = molecules
+    with pytest.raises(InvalidArgumentError, match="graph batches"):
+        DataLoader(path, 4, mode="direct", views=True, comm=None)
+    dl = DataLoader(path, 4, mode="direct", views=True, comm=None,
+                    collate_fn=lambda v: v.stacked("y"))
+    assert next(iter(dl)).shape == (4, 1)
+    dl.close()

@@ -6,7 +6,9 @@ contender's files before its job (epoch 1 is cold), later epochs are warm:
 
 * ``forebay direct`` / ``preload`` / ``clairvoyant``: ``forebay.torch.DataLoader`` over
   the packed dataset (``mode=``), its own vectorised collation; ``preload-overlap``:
-  preload with ``overlap_preload=True`` (training starts while the chunks load);
+  preload with ``overlap_preload=True`` (training starts while the chunks load); a
+  ``views`` suffix (``forebay direct views``...): ``views=True``, the samples lent as
+  read-only arrays over the store's memory instead of copied;
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
   ImageFolder tree of blobs for images), per-sample collation;
@@ -20,7 +22,10 @@ construction), epoch seconds of the slowest rank.  Reported per workload: sample
 in the cold epoch with set-up counted and in the warm epochs (median), each as a ratio
 to the best peer of the same round (the fastest of the torch, streaming and litdata
 rows), min and median over rounds.  ``--compute-ms`` sleeps that long per step (an
-accelerator's step, as the host sees it).
+accelerator's step, as the host sees it).  ``--touch``: the training loop reads every
+byte of every image once (an xxh3 of each: what a decoder would do; without it a
+contender that lends its samples is never charged for reading them, while one that
+copies them has read them once).
 
 ``--throttle MBPS[,IOPS]`` runs every job in a block-I/O cgroup that caps reads from
 the data's disk (root only; unmodified peers read through it too): a slow shared file
@@ -61,6 +66,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
 from _common import evict, files_under, machine, throttled  # noqa: E402
@@ -69,7 +75,8 @@ from _baselines import (image_collate, image_folder_dataset, list_collate,  # no
 
 BIN = Path(sys.executable).parent
 FOREBAY = ("forebay direct", "forebay preload", "forebay preload-overlap",
-           "forebay clairvoyant")
+           "forebay clairvoyant", "forebay direct views", "forebay preload views",
+           "forebay clairvoyant views")
 PEERS = ("torch 0 workers", "torch 2 workers", "mosaicml-streaming", "litdata")
 
 
@@ -105,6 +112,10 @@ def worker(a) -> None:
         v = batch[key]
         return int(v.shape[0]) if hasattr(v, "shape") else len(v)
 
+    def touch(batch) -> None:      # every byte of every image read once
+        for x in batch["image"]:
+            xxhash.xxh3_64_intdigest(x.numpy() if isinstance(x, torch.Tensor) else x)
+
     t0 = time.perf_counter()
     set_epoch = None
     if c.startswith("forebay"):
@@ -114,7 +125,7 @@ def worker(a) -> None:
         if mode == "preload-overlap":
             mode, kw = "preload", {"overlap_preload": True}
         loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
-                            progress=False, **kw)
+                            progress=False, views=c.endswith(" views"), **kw)
         set_epoch = loader.set_epoch
     elif c.startswith("torch"):
         ds = image_folder_dataset(Path(a.pff))[0] if images else pff_dataset(Path(a.pff))[0]
@@ -160,6 +171,8 @@ def worker(a) -> None:
         n = 0
         for batch in loader:
             n += count(batch)
+            if a.touch and images:
+                touch(batch)
             if compute:
                 time.sleep(compute)
         times.append(slowest(time.perf_counter() - t0))
@@ -219,6 +232,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="the first is cold")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--compute-ms", type=float, default=0.0)
+    p.add_argument("--touch", action="store_true",
+                   help="the loop reads every byte of every image once (xxh3)")
     p.add_argument("--ram-bytes", type=int, default=0,
                    help="clairvoyant RAM tier per rank (default: the whole dataset)")
     p.add_argument("--contenders", default=",".join(FOREBAY + PEERS))
@@ -276,6 +291,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
                    "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]
             cmd += ["--evict-each-epoch"] if a.evict_each_epoch else []
+            cmd += ["--touch"] if a.touch else []
             for name, path in paths.items():
                 cmd += [f"--{name}", str(path)]
             if throttle is not None:
@@ -304,7 +320,8 @@ def _report(a, contenders, runs, throttle) -> None:
           f"{a.kind}, {a.samples} samples, {a.ranks} ranks under torchrun, per-rank batch "
           f"{a.batch_size}, {a.epochs} epochs (the first cold, after evicting the "
           f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
-          f"), compute {a.compute_ms} ms/step, {a.reps} rounds"
+          f"), compute {a.compute_ms} ms/step"
+          f"{', every image byte read by the loop (--touch)' if a.touch else ''}, {a.reps} rounds"
           + (f"; {throttle.describe()}" if throttle is not None else ""))
     # ratios to the best peer of each round (no peer run: to the best contender)
     peers = [c for c in contenders if c in PEERS] or contenders

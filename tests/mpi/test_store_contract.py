@@ -61,8 +61,37 @@ FACTORIES = {
 }
 
 
-def check_contract(store: SampleStore, ds, seed: int = 0) -> None:
-    """What every SampleStore does, on one rank."""
+def check_views(store: SampleStore, ds, rng, alone: bool) -> tuple:
+    """get_views: bit-exact to the dataset, read-only; a store that lends its memory
+    (``"views"``) gives the same memory twice once filled (one rank: no peer's records
+    staged per call).  Returns (views of every sample, the dataset's batch, ids asked)."""
+    asked = 0
+    for k in range(4):
+        ids = rng.integers(-len(ds), len(ds), size=int(rng.integers(0, 40)) if k else 0)
+        assert store.get_views(ids).equals(ds.get_many(ids)), ids
+        asked += len(ids)
+    every = np.arange(len(ds))
+    kept = store.get_views(every)
+    asked += len(ds)
+    assert kept.equals(ds.get_many(every))
+    written = 0
+    for vs in kept.fields.values():
+        for v in vs:
+            assert not v.flags.writeable
+            if v.size and written < 5:
+                with pytest.raises(ValueError, match="read-only"):
+                    v.reshape(-1)[0] = 0
+                written += 1
+    if alone and "views" in store.capabilities and store.wait_filled(timeout=120):
+        a, b = store.get_views(every), store.get_views(every)
+        asked += 2 * len(ds)
+        assert all(v.ctypes.data == w.ctypes.data for vs, ws in
+                   zip(a.fields.values(), b.fields.values()) for v, w in zip(vs, ws))
+    return kept, ds.get_many(every), asked
+
+
+def check_contract(store: SampleStore, ds, seed: int = 0, alone: bool = True) -> None:
+    """What every SampleStore does, on one rank (``alone``: the only one)."""
     assert isinstance(store, SampleStore) and isinstance(store.capabilities, frozenset)
     assert len(store) == len(ds)
     rng = np.random.default_rng(seed)
@@ -77,6 +106,10 @@ def check_contract(store: SampleStore, ds, seed: int = 0) -> None:
     asked += len(ds)
     with pytest.raises(SampleIndexError):
         store.get_many([len(ds)])
+    with pytest.raises(SampleIndexError):
+        store.get_views([len(ds)])
+    kept, want, n = check_views(store, ds, rng, alone)
+    asked += n
     assert store.wait_filled(timeout=120) in (True, False)
     st = store.stats()
     assert set(STATS_KEYS) <= set(st)
@@ -88,6 +121,9 @@ def check_contract(store: SampleStore, ds, seed: int = 0) -> None:
     store.close()                                               # idempotent
     with pytest.raises(StoreError, match="closed"):
         store.get_many([0])
+    with pytest.raises(StoreError, match="closed"):
+        store.get_views([0])
+    assert kept.equals(want)             # views outlive the store, unchanged
 
 
 def rank_contract(path: str, kind: str, want_transport: str = "") -> None:
@@ -100,7 +136,7 @@ def rank_contract(path: str, kind: str, want_transport: str = "") -> None:
     store = FACTORIES[kind](ds, comm)
     if want_transport:
         assert store.stats()["transport"] == want_transport, store.stats()
-    check_contract(store, ds, seed=comm.Get_rank())
+    check_contract(store, ds, seed=comm.Get_rank(), alone=comm.Get_size() == 1)
 
 
 @pytest.fixture(scope="module")

@@ -34,17 +34,25 @@ def _segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob(".forebay-seg-*")} if SHM_DIR.is_dir() else set()
 
 
-def rank_epochs(path: str, out: str, mode: str, transport: str, prefetch: str) -> None:
-    """Two epochs of the README's loader; this rank's batches (sample ids, checked
-    against the labels) and the store's stats go to ``out/rank-R.json``."""
+def _ids_labels(b):
+    """(ids, labels) of a batch, or of views (``views=True``)."""
+    labels = b.stacked("label") if isinstance(b, forebay.dataset.SampleViews) else b["label"]
+    return b.ids.copy(), labels.copy()
+
+
+def rank_epochs(path: str, out: str, mode: str, transport: str, prefetch: str,
+                views: str = "0") -> None:
+    """Two epochs of the README's loader (``views``: "1" lends the samples); this
+    rank's batches (sample ids, checked against the labels) and the store's stats go
+    to ``out/rank-R.json``."""
     from forebay.store import tier_nbytes
     from forebay.torch import DataLoader
 
     # clairvoyant: RAM for 60% of the dataset per rank, so each rank needs its peer's
     ram = int(tier_nbytes(forebay.open_dataset(path)).sum() * 0.6)
     dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS, mode=mode, transport=transport,
-                    prefetch=int(prefetch), ram_bytes=ram,
-                    collate_fn=lambda b: (b.ids.copy(), b["label"].copy()))
+                    prefetch=int(prefetch), ram_bytes=ram, views=views == "1",
+                    collate_fn=_ids_labels)
     batches = []
     for epoch in range(EPOCHS):
         dl.set_epoch(epoch)
@@ -66,17 +74,18 @@ def _read(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("mode,transport,want", [
-    ("preload", "auto", "shm"), ("preload", "exchange", "exchange"),
-    ("clairvoyant", "auto", "shm"), ("clairvoyant", "exchange", "exchange"),
-    ("direct", "auto", None)])
+@pytest.mark.parametrize("mode,transport,want,views", [
+    ("preload", "auto", "shm", 0), ("preload", "exchange", "exchange", 0),
+    ("clairvoyant", "auto", "shm", 0), ("clairvoyant", "exchange", "exchange", 0),
+    ("direct", "auto", None, 0),
+    ("preload", "auto", "shm", 1), ("clairvoyant", "auto", "shm", 1), ("direct", "auto", None, 1)])
 def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_path, mode,
-                                                                 transport, want):
+                                                                 transport, want, views):
     before = _segments()
     for launcher, run in (("torchrun", run_torchrun), ("mpiexec", run_ranks)):
         out = tmp_path / launcher
         out.mkdir()
-        assert_ranks_ok(run(2, rank_epochs, labelled, out, mode, transport, 2), 2)
+        assert_ranks_ok(run(2, rank_epochs, labelled, out, mode, transport, 2, views), 2)
     tr, mp = _read(tmp_path / "torchrun", 2), _read(tmp_path / "mpiexec", 2)
     assert {r["comm"] for r in tr} == {"TorchComm"}
     assert {r["comm"] for r in mp} == {"Intracomm"}

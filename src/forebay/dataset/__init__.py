@@ -1,6 +1,7 @@
 """Packed datasets: format, writer, reader and ingest sources."""
 
-from ._batch import FieldBatch, SampleBatch, assemble_batch, gather_ranges
+from ._batch import (FieldBatch, ReadOnly, SampleBatch, SampleViews, assemble_batch,
+                     assemble_views, gather_ranges)
 from ._format import (ALIGNMENT, FORMAT_VERSION, IndexLayout, Manifest, checksum,
                       seal_manifest)
 from ._reader import PackedDataset, VerifyReport, open_dataset
@@ -9,8 +10,8 @@ from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 
 __all__ = [
     "ALIGNMENT", "DEFAULT_SHARD_BYTES", "FORMAT_VERSION", "KIND_BYTES", "DatasetWriter",
-    "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "SampleBatch",
-    "Schema", "VerifyReport", "assemble_batch", "checksum", "gather_ranges", "open_dataset",
-    "seal_manifest",
+    "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "ReadOnly",
+    "SampleBatch", "SampleViews", "Schema", "VerifyReport", "assemble_batch",
+    "assemble_views", "checksum", "gather_ranges", "open_dataset", "seal_manifest",
     "write_dataset",
 ]

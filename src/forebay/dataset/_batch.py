@@ -11,7 +11,8 @@ import numpy as np
 from ..errors import InvalidArgumentError, SchemaError
 from ._schema import Schema
 
-__all__ = ["FieldBatch", "SampleBatch", "assemble_batch", "gather_ranges", "gather_ranges_numpy"]
+__all__ = ["FieldBatch", "ReadOnly", "SampleBatch", "SampleViews", "assemble_batch",
+           "assemble_views", "gather_ranges", "gather_ranges_numpy"]
 
 try:  # the optional C kernel (setup.py builds it; numpy fallback otherwise)
     from .. import _native  # type: ignore[attr-defined, unused-ignore]
@@ -245,3 +246,135 @@ def _field_batch(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray,
     d = fb.__dict__
     d["values"], d["offsets"], d["shapes"] = values, offsets, shapes
     return fb
+
+
+class SampleViews:
+    """Samples as read-only arrays over the memory that holds them, without a copy:
+    what ``get_views(ids)`` returns (a store's memory, a dataset's memory-mapped files).
+
+    ``views[name]`` is field ``name`` as a list of per-sample arrays (``ids`` order),
+    ``views.sample(k)`` sample k as a dict, ``views.stacked(name)`` a field whose samples
+    share one shape as one ``(n, *shape)`` array (a copy).  The arrays cannot be written
+    (``ValueError: assignment destination is read-only``: copy one with ``np.array`` to
+    change it), and each keeps the memory it views valid while it is referenced,
+    whatever happens to the store.
+    """
+
+    def __init__(self, ids: np.ndarray, schema: Schema,
+                 fields: "dict[str, list[np.ndarray]]") -> None:
+        self.ids = ids
+        self.schema = schema
+        self.fields = fields
+
+    def __getitem__(self, name: str) -> "list[np.ndarray]":
+        return self.fields[name]
+
+    def keys(self):
+        return self.fields.keys()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return (self.sample(k) for k in range(self.num_samples))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.ids)
+
+    def sample(self, k: int) -> dict[str, np.ndarray]:
+        return {name: vs[k] for name, vs in self.fields.items()}
+
+    def samples(self) -> list[dict[str, np.ndarray]]:
+        return [self.sample(k) for k in range(self.num_samples)]
+
+    def stacked(self, name: str) -> np.ndarray:
+        """Field ``name`` as one ``(n, *shape)`` array (a copy, writable); raises
+        :class:`SchemaError` when its samples differ in shape."""
+        vs = self.fields[name]
+        f = self.schema[name]
+        if not vs:
+            return np.zeros((0,) + (0,) * f.ndim, dtype=f.dtype)
+        shape = vs[0].shape
+        if any(v.shape != shape for v in vs):
+            raise SchemaError(f"field {name!r} has ragged shapes across the batch; use the "
+                              f"list of per-sample arrays")
+        return np.stack(vs)
+
+    def equals(self, other: "SampleBatch | SampleViews") -> bool:
+        """Bit-exact equality with a batch (or other views) of the same samples."""
+        if not np.array_equal(self.ids, other.ids) or self.fields.keys() != other.fields.keys():
+            return False
+        for k in range(self.num_samples):
+            theirs = other.sample(k)
+            for name, v in self.sample(k).items():
+                w = theirs[name]
+                if v.dtype != w.dtype or v.shape != w.shape or v.tobytes() != w.tobytes():
+                    return False
+        return True
+
+    @classmethod
+    def of_batch(cls, batch: SampleBatch) -> "SampleViews":
+        """Read-only per-sample views of a gathered batch's own memory (the fallback of
+        a store that cannot lend its memory)."""
+        fields = {}
+        for name, fb in batch.fields.items():
+            values = fb.values.view()
+            values.flags.writeable = False
+            off = fb.offsets.tolist()
+            fields[name] = [values[off[k]:off[k + 1]].reshape(tuple(s))
+                            for k, s in enumerate(fb.shapes.tolist())]
+        return cls(batch.ids, batch.schema, fields)
+
+    def __repr__(self) -> str:
+        return f"SampleViews(n={self.num_samples}, fields=[{self.schema.describe()}])"
+
+
+class ReadOnly:
+    """A read-only numpy interface over ``src``'s memory that keeps ``keep`` (whatever
+    owns that memory) alive: ``np.asarray(ReadOnly(src, keep))`` and its slices cannot
+    be made writable, and while any of them lives this object does (a store checks that
+    with a weak reference before it frees memory it does not own)."""
+
+    def __init__(self, src: np.ndarray, keep: Any = None) -> None:
+        if src.dtype != np.uint8 or src.ndim != 1:
+            raise InvalidArgumentError("ReadOnly views a 1-D uint8 buffer")
+        self.src, self.keep = src, keep
+        self.__array_interface__ = {"data": (src.ctypes.data, True), "shape": src.shape,
+                                    "typestr": "|u1", "version": 3}
+
+    def array(self) -> np.ndarray:
+        return np.asarray(self)
+
+
+def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
+                   parts: list[tuple[np.ndarray, np.ndarray, Any]],
+                   timings: Optional[list] = None) -> SampleViews:
+    """Per-sample read-only views of ``ids``' fields where ``parts`` hold their records
+    (:func:`assemble_batch`'s parts, each source a read-only array: see
+    :class:`ReadOnly`); a range outside its source raises instead of viewing less."""
+    n = len(ids)
+    fields: dict[str, list[Any]] = {f.name: [None] * n for f in schema.fields}
+    every = np.arange(n)
+    for src, rec_start, sel in parts:
+        if src.flags.writeable:
+            raise InvalidArgumentError("assemble_views: a part's source is writable")
+        t0 = time.perf_counter() if timings is not None else 0.0
+        r = rows[sel]
+        at = every[sel].tolist()
+        starts = r[:, layout.off_cols] + np.asarray(rec_start, dtype=np.int64)[:, None]
+        ends = starts + r[:, layout.nbytes_cols]
+        if len(r) and (starts.min() < 0 or ends.max() > len(src)):
+            raise InvalidArgumentError("assemble_views: a record lies outside its source")
+        for k, (name, dtype, shape) in enumerate(layout.fields):
+            out = fields[name]
+            a, b = starts[:, k].tolist(), ends[:, k].tolist()
+            if dtype == np.uint8 and shape.stop - shape.start == 1:
+                for i, x, y in zip(at, a, b):
+                    out[i] = src[x:y]
+            else:
+                for i, x, y, s in zip(at, a, b, r[:, shape].tolist()):
+                    out[i] = src[x:y].view(dtype).reshape(s)
+        if timings is not None:
+            timings.append((t0, time.perf_counter()))
+    return SampleViews(ids, schema, fields)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import abc
 import os
 import threading
+import weakref
 from typing import Any, Optional, Sequence, TypeVar
 
 import numpy as np
 
-from ..dataset import PackedDataset, SampleBatch, open_dataset
+from ..dataset import PackedDataset, ReadOnly, SampleBatch, SampleViews, open_dataset
 from ..errors import ChecksumError, ForebayError, InvalidArgumentError
 
 __all__ = ["SampleStore", "DirectStore", "StoreError", "STATS_KEYS", "WarmUp"]
@@ -69,7 +70,10 @@ class SampleStore(Releasable, abc.ABC):
     :class:`StoreError` when a filler died; ``close()`` (collective for distributed
     stores) releases everything and later reads raise :class:`StoreError`.  Abilities
     are declared in :attr:`capabilities`: ``"shared"`` (ranks serve each other's
-    samples), ``"background_fill"`` (filled while training runs).
+    samples), ``"background_fill"`` (filled while training runs), ``"views"``
+    (``get_views`` lends the store's memory instead of copying).  ``get_views(ids)``
+    returns a :class:`~forebay.dataset.SampleViews` of read-only per-sample arrays,
+    bit-exact to ``get_many``, valid while referenced (after ``close()`` too).
 
     Every implementation passes ``tests/mpi/test_store_contract.py``.
     """
@@ -80,6 +84,12 @@ class SampleStore(Releasable, abc.ABC):
     @abc.abstractmethod
     def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc: Any = None) -> SampleBatch:
         """Samples ``ids`` (any order, repeats and negative ids allowed)."""
+
+    def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
+        """Samples ``ids`` as read-only per-sample arrays.  Default: views of a copy
+        (``get_many``); a store whose memory does not change under a reader (declared
+        by ``"views"`` in :attr:`capabilities`) lends it instead."""
+        return SampleViews.of_batch(self.get_many(ids))
 
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
@@ -100,6 +110,30 @@ class SampleStore(Releasable, abc.ABC):
     @property
     def schema(self):
         return self.ds.schema
+
+
+class Lender:
+    """A store's memory lent to ``get_views``: one read-only alias per buffer (made
+    once), and whether a view still holds any of it when the store closes (then the
+    store must not free what it cannot unmap safely: an MPI window)."""
+
+    def __init__(self) -> None:
+        self._aliases: dict[str, np.ndarray] = {}
+        self._leases: list[Any] = []
+
+    def lend(self, key: str, src: np.ndarray, keep: Any = None) -> np.ndarray:
+        """``src`` (1-D uint8) read-only; ``keep``: what owns its memory."""
+        a = self._aliases.get(key)
+        if a is None:
+            lease = ReadOnly(src, keep)
+            a = self._aliases[key] = lease.array()
+            self._leases.append(weakref.ref(lease))
+        return a
+
+    def release(self) -> bool:
+        """Forget the aliases; True when a view still holds memory lent."""
+        self._aliases.clear()
+        return any(r() is not None for r in self._leases)
 
 
 def warm_enabled(warm_files: "bool | str", ds: PackedDataset) -> bool:
@@ -162,6 +196,8 @@ class DirectStore(SampleStore):
     reads are memory copies instead of one small request each.  A read error there is
     raised by the next ``get_many``."""
 
+    capabilities = frozenset({"views"})
+
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", *,
                  warm: "tuple[int, int] | None" = None) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
@@ -191,11 +227,18 @@ class DirectStore(SampleStore):
         if self._warm is not None:
             self._warm.check()
         batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
-        nbytes = int(self.ds.record_nbytes[batch.ids].sum())
-        with self._lock:
-            self._reads += len(ids)
-            self._bytes += nbytes
+        self.account(batch.ids)
         return batch
+
+    def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
+        """Views of the memory-mapped shards (:meth:`PackedDataset.get_views`)."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self._warm is not None:
+            self._warm.check()
+        views = self.ds.get_views(ids)
+        self.account(views.ids)
+        return views
 
     def account(self, ids: np.ndarray) -> None:
         """Count reads of ``ids`` done on this store's behalf by another process that

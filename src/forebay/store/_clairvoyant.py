@@ -36,17 +36,17 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_type
-from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
+from ..dataset import PackedDataset, SampleBatch, SampleViews, open_dataset
+from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, gather_ranges
 from ..vocab import Backoff, FillState
 from ..comm import (NodeSegment, allgather_array, alltoall_bytes, fence, is_mpi,
                     ordered_shared_memory, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import InvalidArgumentError
 from ..plan import AccessPlan
-from ._distributed import (StoreError, agree, check_agreement,
+from ._distributed import (StoreError, agree, check_agreement, free_window,
                            node_size, rma_get, shared_segment)
-from ._base import SampleStore, WarmUp, raise_background_error, warm_enabled
+from ._base import Lender, SampleStore, WarmUp, raise_background_error, warm_enabled
 from ._memory import MEMORY_HEADROOM, available_memory
 from ._placement import RAM, compute_placement
 from .. import trace as _trace
@@ -133,6 +133,7 @@ class ClairvoyantStore(SampleStore):
         self._node_seg: Optional[NodeSegment] = None   # shm under torch.distributed
         self._segment: Any = None    # the group's shared segment (shm transport)
         self._closed = False
+        self._lender = Lender()      # the memory get_views lends
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fill_error: Optional[BaseException] = None
@@ -200,6 +201,10 @@ class ClairvoyantStore(SampleStore):
         self._ssd_all = np.array([b for _, b, _ in every], dtype=np.int64)
         self._peer_dirs = [Path(d) for _, _, d in every]
         self._allocate()
+        # a tier position is written once: views of it never change (not the exchange's
+        # records, which arrive in a fresh buffer every batch)
+        self.capabilities = frozenset({"shared", "background_fill"} |
+                                      ({"views"} if self.transport != "exchange" else set()))
         # (not under on_pfs_read: an emulated file system charges every sample read)
         if fill and on_pfs_read is None and warm_enabled(warm_files, self.ds) and \
                 self.transport in ("local", "shm"):
@@ -645,7 +650,8 @@ class ClairvoyantStore(SampleStore):
         raise_background_error(self._fill_error, f"the fill thread (after filling "
                                f"{self._filled} of {len(self.fill_order)} samples)")
 
-    def _peer_parts(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray):
+    def _peer_parts(self, ids: np.ndarray, rows: np.ndarray, sel: np.ndarray,
+                    lend: bool = False):
         """[(src, record starts, mask)]: where the selected samples' records are in
         their owners' tiers: RAM through the mapped shared segment or staged with
         MPI_Get, SSD through the owner's file mapped here."""
@@ -656,7 +662,8 @@ class ClairvoyantStore(SampleStore):
             o = p.owner[ids[ram]].astype(np.int64)
             disp = self._base[o] + self.cov_off[ids[ram]]
             if self.transport == "shm" and self._segment is not None:
-                parts.append((self._segment, self._seg_base[o] + disp, ram))
+                seg = self._lent("segment") if lend else self._segment
+                parts.append((seg, self._seg_base[o] + disp, ram))
             else:
                 ln = rows[ram, IndexLayout.REC_LEN]
                 srt = np.argsort(o, kind="stable")
@@ -669,6 +676,7 @@ class ClairvoyantStore(SampleStore):
                 if rec is not None:
                     rec.span("memstore", "get", t0, time.perf_counter(), count=len(o),
                              nbytes=len(stage), args={"owners": len(np.unique(o))})
+                stage.flags.writeable = not lend        # views own it
                 parts.append((stage, pos, ram))
         ssd = sel & ~ram
         for o in np.unique(p.owner[ids[ssd]]).tolist():
@@ -786,6 +794,45 @@ class ClairvoyantStore(SampleStore):
         """Samples ``ids``: from this rank's tier, a peer's, or the dataset, whichever
         holds them now; bit-exact to the dataset's ``get_many``.  With the ``exchange``
         transport a collective every rank calls in step."""
+        got, rows, parts, src = self._sources(ids, requests, lend=False)
+        tracer = _trace.active()
+        timings: Optional[list[Any]] = [] if tracer is not None else None
+        t0 = time.perf_counter()
+        batch = assemble_batch(got, rows, self.ds.schema, self.ds.layout, parts, alloc,
+                               timings=timings)
+        self._account(got, rows, parts, src, timings, t0)
+        return batch
+
+    def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
+        """Samples ``ids`` as read-only views of where they are (no copy): a tier
+        position is written once and never reused, the files do not change, and a
+        peer's records fetched by RMA land in a buffer the views then own.  The tiers
+        stay mapped while a view of them lives, after :meth:`close` too.  With the
+        ``exchange`` transport: views of a copy (``get_many``)."""
+        if self.transport == "exchange":
+            return super().get_views(ids)
+        got, rows, parts, src = self._sources(ids, None, lend=True)
+        tracer = _trace.active()
+        timings: Optional[list[Any]] = [] if tracer is not None else None
+        t0 = time.perf_counter()
+        views = assemble_views(got, rows, self.ds.schema, self.ds.layout, parts, timings)
+        self._account(got, rows, parts, src, timings, t0)
+        return views
+
+    def _lent(self, key: str) -> np.ndarray:
+        """This rank's RAM tier, SSD tier or the node's segment, read-only."""
+        if key == "ram":
+            return self._lender.lend(key, self._buf, (self._win, self._node_seg))
+        if key == "ssd":
+            return self._lender.lend(key, self._ssd)
+        return self._lender.lend(key, self._segment, (self._win, self._node_seg))
+
+    def _sources(self, ids: "Sequence[int] | np.ndarray",
+                 requests: "Optional[list[np.ndarray]]", lend: bool
+                 ) -> "tuple[np.ndarray, np.ndarray, list[Any], tuple]":
+        """Where each of ``ids`` is read from now (assemble_batch parts: this rank's
+        tiers, peers', the files; ``lend``: read-only sources for views).  Returns
+        (ids, rows, parts, (tags, local, peer, pfs, seconds fetching from peers))."""
         if self._closed:
             raise StoreError("the store is closed")
         self._raise_fill_error()
@@ -831,13 +878,13 @@ class ClairvoyantStore(SampleStore):
                                          (self._ssd, lp >= self._R, "ssd")):
                 m = local & tier_mask
                 if m.any():
-                    parts.append((buf, self.local_off[ids][m], m))
+                    parts.append((self._lent(tier) if lend else buf, self.local_off[ids][m], m))
                     tags.append(("local", tier))
         t_peer = t_exchange
         if peer.any():
             t0 = time.perf_counter()
             peer_parts = exchanged if exchanged is not None else \
-                self._peer_parts(ids, rows, peer)
+                self._peer_parts(ids, rows, peer, lend)
             t_peer += time.perf_counter() - t0
             parts.extend(peer_parts)
             tags.extend([("peer", None)] * len(peer_parts))
@@ -850,15 +897,17 @@ class ClairvoyantStore(SampleStore):
                 mask[pidx[sel]] = True
                 parts.append((src, rec, mask))
                 tags.append(("pfs", "pfs"))
+        return ids, rows, parts, (tags, local, peer, pfs, t_peer)
+
+    def _account(self, ids: np.ndarray, rows: np.ndarray, parts: list, src: tuple,
+                 timings: Optional[list], t0: float) -> None:
+        """Count (and trace) a batch read from ``parts`` (``_sources``' result)."""
+        tags, local, peer, pfs, t_peer = src
         n_pfs = int(pfs.sum())
-        tracer = _trace.active()
-        timings: Optional[list[Any]] = [] if tracer is not None else None
-        t0 = time.perf_counter()
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
-                               timings=timings)
         if n_pfs and self.on_pfs_read is not None:
             self.on_pfs_read(int(rows[pfs, IndexLayout.REC_LEN].sum()), n_pfs,
                              time.perf_counter() - t0)
+        tracer = _trace.active()
         if tracer is not None:
             self._trace_fetch(tracer, ids, rows, parts, tags, timings or [], t_peer)
         with self._lock:
@@ -867,7 +916,6 @@ class ClairvoyantStore(SampleStore):
             self._stats["pfs"] += n_pfs
             self.pfs_reads += n_pfs
             self.pfs_bytes += int(rows[pfs, IndexLayout.REC_LEN].sum())
-        return batch
 
     def _trace_fetch(self, rec: Any, ids: np.ndarray, rows: np.ndarray, parts: list,
                      tags: list, timings: list, t_peer: float) -> None:
@@ -938,10 +986,10 @@ class ClairvoyantStore(SampleStore):
         if self._ssd_file is not None:
             self._ssd_file.unlink(missing_ok=True)
             self._ssd_live.release(unlink=False)
+        lent = self._lender.release()
         if self._win is not None:
             self._segment = None
-            self._win.Unlock_all()
-            self._win.Free()
+            free_window(self._win, self.comm, lent)
             self._win = None
         if self._node_seg is not None:
             self._segment = None

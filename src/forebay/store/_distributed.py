@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..dataset import PackedDataset, SampleBatch, open_dataset
-from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, gather_ranges
+from ..dataset import PackedDataset, SampleBatch, SampleViews, open_dataset
+from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, gather_ranges
 from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
                     fence, is_mpi, node_ranks, ordered_shared_memory, shm_usable)
 from ..vocab import Backoff
 from ..world import abort_on_uncaught, resolve_comm
-from ._base import SampleStore, StoreError, raise_background_error
+from ._base import Lender, SampleStore, StoreError, raise_background_error
 from ._memory import MEMORY_HEADROOM, available_memory
 from .. import trace as _trace
 from . import _tracing as _hooks
@@ -55,6 +55,8 @@ _HEADER = 512
 _H_LOADED, _H_STATE, _H_READING, _H_READ_BYTES = 0, 1, 2, 3
 _LOADING, _LOADED, _FAILED = 0, 1, 2       # _H_STATE (_LOADING: zeroed header)
 _READING = np.iinfo(np.int64).max
+#: MPI windows closed while a view (get_views) still held their memory: never freed
+_LENT_WINDOWS: list[Any] = []
 #: a background preload that yields to batches waits until none has read the files for
 #: this long; it reads pieces of _YIELD_BLOCK then (a short queue ahead of a batch)
 _QUIET_NS = 10_000_000
@@ -284,6 +286,19 @@ def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarra
     return view, addrs - addrs[0]
 
 
+def free_window(win: Any, comm: Any, lent: bool) -> None:
+    """End the access epoch and free window ``win`` (collective over ``comm``) unless
+    some rank's views still hold its memory (``lent`` on any rank): Free would unmap
+    it under them, so the window then stays until MPI_Finalize."""
+    from mpi4py import MPI
+
+    win.Unlock_all()
+    if comm.allreduce(bool(lent), op=MPI.LOR):
+        _LENT_WINDOWS.append(win)
+    else:
+        win.Free()
+
+
 def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
             length: np.ndarray, pos: np.ndarray) -> None:
     """Fetch byte ranges of other ranks' windows into ``stage`` with one ``MPI_Get`` per
@@ -380,6 +395,7 @@ class DistributedStore(SampleStore):
         self._win: Any = None        # the MPI window (rma, or shm under MPI)
         self._node_seg: Optional[NodeSegment] = None   # shm under torch.distributed
         self._segment: Any = None    # the group's shared segment (shm transport)
+        self._lender = Lender()      # the memory get_views lends
         self._closed = False
         self._fetches = {"local": 0, "peer": 0, "pfs": 0}
         self._file_bytes = 0         # read from the files for batches (overlap)
@@ -418,8 +434,11 @@ class DistributedStore(SampleStore):
         self._yielding = self.yields
         self._kept_skipped = 0       # bytes the load did not read: batches had kept them
         self._group_bytes = int(self.layout.nbytes.sum())
+        # the exchange's records arrive in a fresh buffer every batch: nothing to lend
+        self.capabilities = frozenset({"shared"} | ({"views"} if self.transport != "exchange"
+                                                    else set()))
         if self.overlap:
-            self.capabilities = frozenset({"shared", "background_fill"})
+            self.capabilities |= {"background_fill"}
             self._start_load()
             return
         self._preload(as_progress(progress))
@@ -857,18 +876,64 @@ class DistributedStore(SampleStore):
         local = member == self.member
         if self._loader is not None and not self._loaded_all():
             return self._get_loading(ids, rows, local, member, alloc)
+        rec = _trace.active()
+        parts, t_stage = self._memory_parts(ids, rows, member, local, rec, requests, False)
+        timings: Optional[list[Any]] = [] if rec is not None else None
+        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
+                               timings=timings)
+        if rec is not None:
+            self._trace_memory(rec, ids, rows, member, local, parts, timings, t_stage)
+        return batch
+
+    def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
+        """Samples ``ids`` as read-only views of the group's memory (no copy; remote
+        records under ``rma`` are fetched into a buffer the views then own).  The
+        memory stays mapped while a view of it lives, after :meth:`close` too.  While
+        an overlapped preload is still loading, and with the ``exchange`` transport,
+        the views are of a copy (``get_many``)."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self.transport == "exchange" or (self._loader is not None and
+                                             not self._loaded_all()):
+            return super().get_views(ids)
+        ids = self.ds.normalize_ids(ids)
+        rows = self.ds.rows(ids)
+        member = self.layout.member[ids]
+        local = member == self.member
+        rec = _trace.active()
+        parts, t_stage = self._memory_parts(ids, rows, member, local, rec, None, True)
+        timings: Optional[list[Any]] = [] if rec is not None else None
+        views = assemble_views(ids, rows, self.ds.schema, self.ds.layout, parts, timings)
+        if rec is not None:
+            self._trace_memory(rec, ids, rows, member, local, parts, timings, t_stage)
+        return views
+
+    def _lent(self) -> np.ndarray:
+        """The memory batches are viewed in, read-only: the group's segment (shm),
+        this rank's chunk otherwise."""
+        if self.transport == "shm":
+            return self._lender.lend("segment", self._segment, (self._win, self._node_seg))
+        return self._lender.lend("chunk", self._buf, self._win)
+
+    def _memory_parts(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+                      local: np.ndarray, rec: Any, requests: "Optional[list[np.ndarray]]",
+                      lend: bool) -> "tuple[list[Any], float]":
+        """Where the records of ``ids`` are (assemble_batch parts), once the chunks are
+        loaded: the shared segment, this rank's chunk, records fetched from peers
+        (``rma``; ``exchange``: the collective); ``lend``: read-only sources for views.
+        Also counts the fetches; returns the parts and the seconds spent fetching."""
         nlocal = int(np.count_nonzero(local))
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
-        rec = _trace.active()
         t_stage = 0.0
         if self.transport == "shm":
+            src = self._lent() if lend else self._segment
             seg = self._seg_pos[ids]
             if rec is None:  # one gather over the node's segment, local and peers alike
-                parts = [(self._segment, seg, slice(None))]
-            else:  # traced: local and peer parts timed apart
-                parts = [(self._segment, seg[m], m) for m in (local, ~local) if m.any()]
-        elif self.transport == "exchange":
+                return [(src, seg, slice(None))], t_stage
+            # traced: local and peer parts timed apart
+            return [(src, seg[m], m) for m in (local, ~local) if m.any()], t_stage
+        if self.transport == "exchange":
             t0 = time.perf_counter()
             parts = self._exchange(ids, member, local, requests)
             if rec is not None:
@@ -876,40 +941,41 @@ class DistributedStore(SampleStore):
                 t_stage = t1 - t0
                 rec.span("memstore", "exchange", t0, t1, count=int((~local).sum()),
                          args={"members": self.width})
-        else:
-            offset = self.layout.offset[ids]
-            if nlocal == len(ids):
-                parts = [(self._buf, offset, slice(None))]
-            else:
-                parts = [(self._buf, offset[local], local)] if nlocal else []
-                # stage remote records contiguously, grouped by owner: one Get per owner
-                remote = ~local
-                rlen, rmember = rows[remote, IndexLayout.REC_LEN], member[remote]
-                order = np.argsort(rmember, kind="stable")
-                stage_pos = np.empty(len(rlen), dtype=np.int64)
-                stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
-                stage = np.empty(int(rlen.sum()), dtype=np.uint8)
-                t0 = time.perf_counter()
-                rma_get(self._win, stage, rmember[order],
-                        offset[remote][order] + self._shift[rmember[order]], rlen[order],
-                        stage_pos[order])
-                if rec is not None:
-                    t1 = time.perf_counter()
-                    t_stage = t1 - t0
-                    rec.span("memstore", "get", t0, t1, count=len(rlen), nbytes=len(stage),
-                             args={"owners": len(np.unique(rmember))})
-                parts.append((stage, stage_pos, remote))
-        timings: Optional[list[Any]] = [] if rec is not None else None
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
-                               timings=timings)
+            return parts, t_stage
+        mem = self._lent() if lend else self._buf
+        offset = self.layout.offset[ids]
+        if nlocal == len(ids):
+            return [(mem, offset, slice(None))], t_stage
+        parts = [(mem, offset[local], local)] if nlocal else []
+        # stage remote records contiguously, grouped by owner: one Get per owner
+        remote = ~local
+        rlen, rmember = rows[remote, IndexLayout.REC_LEN], member[remote]
+        order = np.argsort(rmember, kind="stable")
+        stage_pos = np.empty(len(rlen), dtype=np.int64)
+        stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
+        stage = np.empty(int(rlen.sum()), dtype=np.uint8)
+        t0 = time.perf_counter()
+        rma_get(self._win, stage, rmember[order],
+                offset[remote][order] + self._shift[rmember[order]], rlen[order],
+                stage_pos[order])
         if rec is not None:
-            # one data/item per sample; a peer part's time includes its MPI_Get
-            src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
-            owner = self.group_ranks[member]
-            tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, "memory",
-                       owner) for (_, _, sel), (t0, t1) in zip(parts, timings or [])]
-            _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
-        return batch
+            t1 = time.perf_counter()
+            t_stage = t1 - t0
+            rec.span("memstore", "get", t0, t1, count=len(rlen), nbytes=len(stage),
+                     args={"owners": len(np.unique(rmember))})
+        if lend:
+            stage.flags.writeable = False        # the views own it
+        parts.append((stage, stage_pos, remote))
+        return parts, t_stage
+
+    def _trace_memory(self, rec: Any, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+                      local: np.ndarray, parts: list, timings: Any, t_stage: float) -> None:
+        """One data/item per sample; a peer part's time includes its MPI_Get."""
+        src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
+        owner = self.group_ranks[member]
+        tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, "memory",
+                   owner) for (_, _, sel), (t0, t1) in zip(parts, timings or [])]
+        _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
 
     def _loaded_all(self) -> bool:
         """Whether every member's chunk is known to be loaded (overlap)."""
@@ -1043,11 +1109,11 @@ class DistributedStore(SampleStore):
             return
         self._closed = True
         self._stop_loading()         # nothing writes the memory once it is released
+        lent = self._lender.release()
         if self._win is not None:
             self._segment = None
             self._buf = self._raw = np.zeros(0, dtype=np.uint8)
-            self._win.Unlock_all()
-            self._win.Free()
+            free_window(self._win, self.group_comm, lent)
             self._win = None
         if self._node_seg is not None:
             if self.group_comm is not None:

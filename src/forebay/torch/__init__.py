@@ -1,11 +1,12 @@
 """PyTorch integration: a plan-driven DataLoader, a map-style Dataset, a Sampler, collation,
 transform workers."""
 
-from ._collate import collate_graphs, default_collate
+from ._collate import collate_graphs, collate_views, default_collate
 from ._loader import DataLoader, Dataset, PlanSampler
 from ._transforms import BatchDecodeCropFlip, DecodeCropFlip
 from ._workers import TransformError, sample_rng, sample_rngs
 
-__all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "default_collate",
+__all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "collate_views",
+           "default_collate",
            "TransformError", "sample_rng", "sample_rngs", "DecodeCropFlip",
            "BatchDecodeCropFlip"]

@@ -7,11 +7,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..dataset import SampleBatch
+from ..dataset import SampleBatch, SampleViews
 from ..dataset import KIND_BYTES, gather_ranges
 from ..errors import InvalidArgumentError
 
-__all__ = ["default_collate", "collate_graphs", "is_graph_batch", "NODE_FIELDS"]
+__all__ = ["default_collate", "collate_graphs", "collate_views", "is_graph_batch",
+           "NODE_FIELDS"]
 
 #: fields whose first dimension is the node count, in order of preference
 NODE_FIELDS = ("x", "pos", "z", "atomic_numbers")
@@ -22,8 +23,9 @@ def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
     return t.pin_memory() if pin and not t.is_pinned() else t
 
 
-def is_graph_batch(batch: SampleBatch) -> bool:
-    """PyG-style graphs: an ``edge_index`` field of shape (2, E) and a node field."""
+def is_graph_batch(batch: Any) -> bool:
+    """PyG-style graphs: an ``edge_index`` field of shape (2, E) and a node field (of
+    anything with a ``schema``: a batch, views, a dataset)."""
     s = batch.schema
     return ("edge_index" in s and s["edge_index"].ndim == 2 and s["edge_index"].dtype.kind in "iu"
             and any(n in s and s[n].ndim >= 1 for n in NODE_FIELDS))
@@ -113,6 +115,22 @@ def default_collate(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
             out[name] = _tensor(fb.stacked(), pin)
         else:
             out[name] = [_tensor(fb[k], pin) for k in range(n)]
+    return out
+
+
+def collate_views(views: SampleViews, pin: bool = False) -> dict[str, Any]:
+    """:func:`default_collate` for a :class:`~forebay.dataset.SampleViews`
+    (``DataLoader(views=True)``): bytes fields and fields whose samples differ in shape
+    stay lists of the read-only per-sample numpy arrays (no copy: decode them, or copy
+    one with ``np.array`` to change it); fields of one shape are stacked into tensors
+    (a copy, small for labels and scalars)."""
+    out: dict[str, Any] = {}
+    for name, vs in views.fields.items():
+        first = vs[0].shape if vs else None
+        if views.schema[name].kind != KIND_BYTES and all(v.shape == first for v in vs):
+            out[name] = _tensor(views.stacked(name), pin)
+        else:
+            out[name] = vs
     return out
 
 

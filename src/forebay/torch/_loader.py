@@ -13,14 +13,14 @@ import numpy as np
 import torch
 
 from .. import trace as _trace
-from ..dataset import IndexLayout, PackedDataset, SampleBatch, open_dataset
+from ..dataset import IndexLayout, PackedDataset, SampleBatch, SampleViews, open_dataset
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory, warm_enabled)
 from ..comm import all_true, is_mpi
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
-from ._collate import default_collate
+from ._collate import collate_views, default_collate, is_graph_batch
 from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
@@ -129,6 +129,17 @@ class DataLoader:
         staging_bytes: also bound the samples waiting in that staging area by their
             bytes (one batch is always let in); None: only ``prefetch`` bounds it.
         pin_memory: gather batches straight into pinned host memory (CUDA only).
+        views: lend the samples instead of copying them (``workers=0``): the store's
+            ``get_views`` gives read-only numpy arrays over the memory that holds the
+            samples (the preload's shared memory, the shards' maps in direct mode;
+            clairvoyant mode and the ``exchange`` transport copy), ``transform`` and
+            ``batch_transform`` get those (a :class:`~forebay.dataset.SampleViews`),
+            and the default collation leaves bytes fields and fields of varying
+            shape as lists of them (:func:`~forebay.torch.collate_views`): for a
+            decoder that reads each sample once, a copy of every byte saved.  Writing
+            into one raises ``ValueError`` (copy it with ``np.array`` first); each
+            stays valid while referenced.  Not with graph batches (concatenated: a
+            copy anyway) unless ``collate_fn`` is given.
         system: a TOML system file (the ``forebay calibrate`` profile format) whose
             ``[tiers]`` table gives ``ram_bytes``, ``ssd_dir``, ``ssd_bytes``,
             ``staging_bytes``, ``prefetch``, ``ram_threads`` and ``ssd_threads``
@@ -165,7 +176,8 @@ class DataLoader:
                  pin_memory: bool = False, progress: Any = None,
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None,
-                 warm_files: "bool | str" = "auto", overlap_preload: bool = False) -> None:
+                 warm_files: "bool | str" = "auto", overlap_preload: bool = False,
+                 views: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
@@ -225,6 +237,12 @@ class DataLoader:
         else:
             self.store = DirectStore(self.ds, warm=self._direct_warm(warm))
         self.collate_fn = collate_fn
+        self.views = bool(views)
+        if self.views and collate_fn is None and transform is None and \
+                batch_transform is None and is_graph_batch(self.ds):
+            raise InvalidArgumentError("views=True lends per-sample arrays; graph batches are "
+                                       "concatenated (a copy) by the default collation: "
+                                       "leave views off, or give a collate_fn")
         self.transform = transform
         self.batch_transform = batch_transform
         self.prefetch = max(0, int(prefetch))
@@ -345,15 +363,27 @@ class DataLoader:
         if rec is not None:
             rec.context.epoch, rec.context.step = epoch, step
         t0 = time.perf_counter()
-        batch: SampleBatch
+        batch: "SampleBatch | SampleViews"
         if isinstance(self.store, (DistributedStore, ClairvoyantStore)) and \
                 self.store.transport == "exchange":
             # every peer's request is known from the plan: no all-gather of the ids
             batch = self.store.get_step(self._group_requests(epoch, step), alloc=alloc)
+            if self.views and self._pool is None:
+                batch = SampleViews.of_batch(batch)
+        elif self.views and self._pool is None:
+            batch = self.store.get_views(ids)
         else:
             batch = self.store.get_many(ids, alloc=alloc)
         out: Any
-        if self._pool is not None:
+        if isinstance(batch, SampleViews):
+            if self.transform is not None or self.batch_transform is not None:
+                out = transform_batch(batch, self.transform, self.batch_transform,
+                                      self.collate_fn, self.plan.seed, epoch)
+            elif self.collate_fn is not None:
+                out = self.collate_fn(batch)
+            else:
+                out = collate_views(batch, pin=self.pin_memory)
+        elif self._pool is not None:
             # resolved by the consumer
             out = self._pool.submit(epoch, step, batch, alloc.last)
         elif self.transform is not None or self.batch_transform is not None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..dataset import FieldBatch, SampleBatch
+from ..dataset import FieldBatch, SampleBatch, SampleViews
 from ..errors import ForebayError, InvalidArgumentError
 
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
@@ -103,7 +103,7 @@ def sample_rngs(ids: "np.ndarray | list[int]") -> list[np.random.Generator]:
     return [np.random.default_rng(_mix(se[0], se[1], int(i))) for i in ids]
 
 
-def transform_batch(batch: SampleBatch, transform: Optional[Callable],
+def transform_batch(batch: "SampleBatch | SampleViews", transform: Optional[Callable],
                     batch_transform: Optional[Callable], collate_fn: Optional[Callable],
                     seed: int, epoch: int, in_worker: bool = False) -> Any:
     """What a worker (or the loader's own thread) does with one batch."""
