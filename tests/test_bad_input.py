@@ -65,6 +65,24 @@ def test_a_shard_truncated_while_mapped_ends_the_reader_with_sigbus(packed):
         forebay.open_dataset(path)
 
 
+def test_views_of_a_shard_truncated_while_mapped_raise_instead(packed, tmp_path):
+    """get_views maps a batch's pages in before it lends them: a shard cut short after
+    it was mapped raises TruncatedShardError naming it, where a read of the views
+    would end the process with SIGBUS (the test above)."""
+    import os
+    import shutil
+
+    path = tmp_path / "copy"
+    shutil.copytree(packed[0], path)
+    ds = forebay.open_dataset(path)
+    last = len(ds) - 1
+    assert ds.get_views([0, last]).equals(ds.get_many([0, last]))     # mapped
+    shard = _record_of(ds, last)[0]
+    os.truncate(shard, 0)
+    with pytest.raises(errors.TruncatedShardError, match=shard.name):
+        ds.get_views([last])
+
+
 def test_missing_shard_file(packed):
     path, _ = packed
     (path / "shard-00000.bin").unlink()

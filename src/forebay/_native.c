@@ -8,9 +8,13 @@
  *
  * batch_layout and gather_fields do all of assemble_batch's arithmetic and copies for
  * a batch in two calls (its fixed cost per batch was ~30 numpy calls).
+ *
+ * willneed and populate advise the kernel on a batch's byte ranges of a memory map:
+ * read them ahead, or map them in now (views lent to a reader).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -68,16 +72,26 @@ done:
     return result;
 }
 
-/* willneed(map, starts, ends): madvise(MADV_WILLNEED) the pages of byte ranges
- * [starts[k], ends[k]) of a page-aligned memory map, so the kernel starts reading them
- * all before the first fault.  Advice only: errors from madvise are ignored. */
-static PyObject *willneed(PyObject *self, PyObject *args) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+
+/* Advice on byte ranges [starts[k], ends[k]) of a page-aligned memory map, without the
+ * GIL.  populate == 0: madvise(MADV_WILLNEED), so the kernel starts reading them all
+ * before the first fault (advice only: errors are ignored; returns None).
+ * populate == 1: map them into this process now, reading what is not cached
+ * (MADV_POPULATE_READ; a kernel without it: a read of one byte per page), so that a
+ * batch's views are read by the thread that fetches it, not by their first reader;
+ * returns how many ranges failed (an I/O error, or a file shorter than its map: a read
+ * of those pages would raise SIGBUS). */
+static PyObject *advise_ranges(PyObject *args, int populate) {
     Py_buffer src, st, en;
     if (!PyArg_ParseTuple(args, "y*y*y*", &src, &st, &en))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n1, n2;
     long ps = sysconf(_SC_PAGESIZE);
+    long long failed = 0;
     if (as_i64(&st, "starts", &n1) || as_i64(&en, "ends", &n2))
         goto done;
     if (n1 != n2) {
@@ -85,7 +99,7 @@ static PyObject *willneed(PyObject *self, PyObject *args) {
         goto done;
     }
     if (ps <= 0 || ((uintptr_t)src.buf) % (uintptr_t)ps != 0) {
-        PyErr_SetString(PyExc_ValueError, "willneed: the buffer is not page-aligned");
+        PyErr_SetString(PyExc_ValueError, "advise: the buffer is not page-aligned");
         goto done;
     }
     {
@@ -96,19 +110,35 @@ static PyObject *willneed(PyObject *self, PyObject *args) {
         for (Py_ssize_t k = 0; k < n1; k++) {
             int64_t a = s[k] < 0 ? 0 : s[k] - s[k] % ps;
             int64_t b = e[k] > len ? len : e[k];
-            if (b > a)
+            if (b <= a)
+                continue;
+            if (!populate) {
                 (void)madvise(base + a, (size_t)(b - a), MADV_WILLNEED);
+            } else if (madvise(base + a, (size_t)(b - a), MADV_POPULATE_READ) != 0) {
+                if (errno == EINVAL) {
+                    volatile const char *p = (volatile const char *)base;
+                    char sink = 0;
+                    for (int64_t q = a; q < b; q += ps)
+                        sink ^= p[q];
+                    (void)sink;
+                } else {
+                    failed++;
+                }
+            }
         }
         Py_END_ALLOW_THREADS
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = populate ? PyLong_FromLongLong(failed) : Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&st);
     PyBuffer_Release(&en);
     return result;
 }
+
+static PyObject *willneed(PyObject *self, PyObject *args) { return advise_ranges(args, 0); }
+
+static PyObject *populate(PyObject *self, PyObject *args) { return advise_ranges(args, 1); }
 
 /* batch_layout(rows, ncols, nbytes_cols, itemsizes, align, meta) -> size
  *
@@ -293,6 +323,8 @@ static PyMethodDef methods[] = {
      "sharing the memory before stores after it; loads likewise)"},
     {"willneed", willneed, METH_VARARGS,
      "willneed(map, starts, ends): madvise(MADV_WILLNEED) byte ranges of a memory map"},
+    {"populate", populate, METH_VARARGS,
+     "populate(map, starts, ends) -> failed ranges: map byte ranges in now (MADV_POPULATE_READ)"},
     {"batch_layout", batch_layout, METH_VARARGS,
      "batch_layout(rows, ncols, nbytes_cols, itemsizes, align, meta) -> output bytes"},
     {"gather_fields", gather_fields, METH_VARARGS,

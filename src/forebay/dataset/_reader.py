@@ -328,20 +328,41 @@ class PackedDataset:
                 if y > x:
                     mm.madvise(mmap.MADV_DONTNEED, x, y - x)
 
-    def record_parts(self, ids: np.ndarray, rows: np.ndarray
+    def record_parts(self, ids: np.ndarray, rows: np.ndarray, *, populate: bool = False
                      ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
         """``(shard buffer, record starts, selector)`` per shard among samples ``ids``
         (rows ``rows``), advised for reading: the parts :func:`assemble_batch` and
-        :func:`gather_ranges` take to read those records from the files."""
+        :func:`gather_ranges` take to read those records from the files.  ``populate``:
+        also read them into this process's map now (for views, which are read later by
+        someone else); a record the file cannot give (an I/O error, a shard that shrank
+        after it was mapped) raises :class:`TruncatedShardError` here instead of
+        SIGBUS at its first read."""
         shard = self._shard_of[ids]
         rec = rows[:, IndexLayout.REC_OFF]
         shards = np.unique(shard)
         parts = []
         for s in shards.tolist():
             sel: Any = shard == s if len(shards) > 1 else slice(None)
-            self.advise(s, rec[sel], rec[sel] + rows[sel, IndexLayout.REC_LEN])
+            end = rec[sel] + rows[sel, IndexLayout.REC_LEN]
+            self.advise(s, rec[sel], end)
+            if populate:
+                self._populate(s, rec[sel], end)
             parts.append((self._map(s), rec[sel], sel))
         return parts
+
+    def _populate(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Map byte ranges [starts, ends) of a shard in now (MADV_POPULATE_READ)."""
+        m = self._map(shard)
+        if _native is None or not hasattr(_native, "populate") or not len(m):
+            return            # (without the C kernel: read at the views' first read)
+        failed = _native.populate(m, np.ascontiguousarray(starts, dtype=np.int64),
+                                  np.ascontiguousarray(ends, dtype=np.int64))
+        if failed:
+            size = os.stat(self.shard_path(shard)).st_size
+            raise TruncatedShardError(
+                f"{self.shard_path(shard)}: {failed} record(s) could not be read (the file "
+                f"has {size} bytes, its map {len(m)}: it changed after it was opened, or "
+                f"the device failed)")
 
     def _check_rows(self) -> None:
         """Every index row, once, vectorised (the index is untrusted input): the record
@@ -544,7 +565,7 @@ class PackedDataset:
             self.check_records(ids)
         rows = self._index[ids]
         return assemble_views(ids, rows, self.schema, self._layout,
-                              self.record_parts(ids, rows))
+                              self.record_parts(ids, rows, populate=True))
 
     # -- integrity ----------------------------------------------------------------
     def check_records(self, ids: np.ndarray, buf: Optional[np.ndarray] = None,

@@ -431,9 +431,9 @@ class ClairvoyantStore(SampleStore):
         return out
 
     # -- filling ----------------------------------------------------------------------------
-    def _record_parts(self, ids: np.ndarray, rows: np.ndarray):
+    def _record_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False):
         """Parts for assemble_batch / gathers that read records from the dataset."""
-        return self.ds.record_parts(ids, rows)
+        return self.ds.record_parts(ids, rows, populate=populate)
 
     def _done_at(self, lpos: np.ndarray) -> np.ndarray:
         if len(self._state) == 0:
@@ -892,7 +892,7 @@ class ClairvoyantStore(SampleStore):
             pidx = np.flatnonzero(pfs)
             if self.ds.verify_on_read:
                 self.ds.check_records(ids[pidx])
-            for src, rec, sel in self._record_parts(ids[pidx], rows[pidx]):
+            for src, rec, sel in self._record_parts(ids[pidx], rows[pidx], populate=lend):
                 mask = np.zeros(len(ids), dtype=bool)
                 mask[pidx[sel]] = True
                 parts.append((src, rec, mask))
