@@ -130,6 +130,7 @@ class PackedDataset:
         self._maps: list[Optional[np.ndarray]] = [None] * len(self.manifest.shards)
         self._mmaps: list[Optional[mmap.mmap]] = [None] * len(self.manifest.shards)
         self._lock = threading.Lock()
+        self._mapped_in: Optional[np.ndarray] = None    # samples get_views mapped in
         _live.add(self)
 
     # -- index ----------------------------------------------------------------
@@ -346,23 +347,33 @@ class PackedDataset:
             end = rec[sel] + rows[sel, IndexLayout.REC_LEN]
             self.advise(s, rec[sel], end)
             if populate:
-                self._populate(s, rec[sel], end)
+                self._populate(s, ids[sel], rec[sel], end)
             parts.append((self._map(s), rec[sel], sel))
         return parts
 
-    def _populate(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Map byte ranges [starts, ends) of a shard in now (MADV_POPULATE_READ)."""
+    def _populate(self, shard: int, ids: np.ndarray, starts: np.ndarray,
+                  ends: np.ndarray) -> None:
+        """Map the records of samples ``ids`` (byte ranges [starts, ends) of a shard) in
+        now (MADV_POPULATE_READ), those this process has not mapped in before (a
+        page-table walk per record costs a few microseconds: once per sample and
+        process; pages the kernel later reclaims are read again at their next read)."""
         m = self._map(shard)
         if _native is None or not hasattr(_native, "populate") or not len(m):
             return            # (without the C kernel: read at the views' first read)
-        failed = _native.populate(m, np.ascontiguousarray(starts, dtype=np.int64),
-                                  np.ascontiguousarray(ends, dtype=np.int64))
+        if self._mapped_in is None:
+            self._mapped_in = np.zeros(len(self), dtype=bool)
+        fresh = ~self._mapped_in[ids]
+        if not fresh.any():
+            return
+        failed = _native.populate(m, np.ascontiguousarray(starts[fresh], dtype=np.int64),
+                                  np.ascontiguousarray(ends[fresh], dtype=np.int64))
         if failed:
             size = os.stat(self.shard_path(shard)).st_size
             raise TruncatedShardError(
                 f"{self.shard_path(shard)}: {failed} record(s) could not be read (the file "
                 f"has {size} bytes, its map {len(m)}: it changed after it was opened, or "
                 f"the device failed)")
+        self._mapped_in[ids[fresh]] = True
 
     def _check_rows(self) -> None:
         """Every index row, once, vectorised (the index is untrusted input): the record
@@ -446,6 +457,7 @@ class PackedDataset:
         state = self.__dict__.copy()
         state["_maps"] = [None] * len(self._maps)
         state["_mmaps"] = [None] * len(self._maps)
+        state["_mapped_in"] = None
         del state["_lock"]
         return state
 
