@@ -375,15 +375,7 @@ class DataLoader:
         else:
             batch = self.store.get_many(ids, alloc=alloc)
         out: Any
-        if isinstance(batch, SampleViews):
-            if self.transform is not None or self.batch_transform is not None:
-                out = transform_batch(batch, self.transform, self.batch_transform,
-                                      self.collate_fn, self.plan.seed, epoch)
-            elif self.collate_fn is not None:
-                out = self.collate_fn(batch)
-            else:
-                out = collate_views(batch, pin=self.pin_memory)
-        elif self._pool is not None:
+        if self._pool is not None and isinstance(batch, SampleBatch):  # (never views)
             # resolved by the consumer
             out = self._pool.submit(epoch, step, batch, alloc.last)
         elif self.transform is not None or self.batch_transform is not None:
@@ -391,6 +383,8 @@ class DataLoader:
                                   self.collate_fn, self.plan.seed, epoch)
         elif self.collate_fn is not None:
             out = self.collate_fn(batch)
+        elif isinstance(batch, SampleViews):
+            out = collate_views(batch, pin=self.pin_memory)
         else:
             out = default_collate(batch, pin=self.pin_memory)
         if rec is not None:
