@@ -183,16 +183,21 @@ def test_the_batched_imagenet_transform_makes_the_per_sample_crops_and_flips(tmp
     """BatchDecodeCropFlip (here on the CPU: Pillow decodes) as a batch_transform: the
     crops and flips DecodeCropFlip makes per sample (the pixels differ by the
     resampling: a fraction of a level on average, against tens for the mirror image),
-    the labels, and the same tensors in the loader's thread and in 2 workers."""
+    the labels, and the same tensors in the loader's thread, in 2 workers, and from
+    samples lent by the store (views=True)."""
     from forebay.torch import BatchDecodeCropFlip, DecodeCropFlip
 
     path = _jpeg_dataset(tmp_path)
     per_sample = _epoch(path, transform=DecodeCropFlip(224))
     runs = [_epoch(path, batch_transform=BatchDecodeCropFlip(224, device="cpu"),
                    workers=w) for w in (0, 2)]
-    for want, got, other in zip(per_sample, *runs):
+    runs.append(_epoch(path, batch_transform=BatchDecodeCropFlip(224, device="cpu"),
+                       views=True))
+    for want, got, *others in zip(per_sample, *runs):
         assert got["image"].shape == (4, 3, 224, 224) and got["image"].dtype == torch.uint8
-        assert torch.equal(got["image"], other["image"])
+        for other in others:
+            assert torch.equal(got["image"], other["image"])
+            assert torch.equal(got["label"], other["label"])
         assert torch.equal(got["label"], want["label"]) and got["label"].dtype == torch.int64
         a, b = want["image"].float(), got["image"].float()
         assert ((a - b).abs().mean((1, 2, 3)) < 1.0).all()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..dataset import SampleViews
 from ..errors import InvalidArgumentError
 from ._workers import sample_rng
 
@@ -102,7 +103,8 @@ class BatchDecodeCropFlip(DecodeCropFlip):
     the crops and flips the per-sample transform makes; the pixels differ from it by
     the resampling (torch's antialiased bilinear instead of Pillow's).  ``decode``: a
     callable ``(list of 1-D uint8 CPU tensors, device) -> list of (3, H, W) uint8
-    tensors`` to use instead.
+    tensors`` to use instead.  With the loader's ``views=True`` the store's memory is
+    copied once, straight into the pinned buffer (no batch buffer in between).
 
     Checked on CPU (Pillow decode) by the test suite; the CUDA path (nvjpeg, pinned
     staging) is untested: no session so far had a GPU.
@@ -123,21 +125,28 @@ class BatchDecodeCropFlip(DecodeCropFlip):
         state["_staging"] = state["_copied"] = None   # pinned memory stays in its process
         return state
 
-    def _host(self, values: np.ndarray, cuda: bool) -> Any:
-        """The batch's JPEG bytes as one host tensor (pinned on CUDA, reused)."""
+    def _host(self, parts: "list[np.ndarray]", cuda: bool) -> "list[Any]":
+        """The batch's JPEG bytes (one array per sample) gathered into one host tensor
+        (pinned on CUDA, reused), as per-sample 1-D uint8 tensors: a batch lent by the
+        store (``views=True``) is copied once, straight into the pinned buffer."""
         import torch
 
-        flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
-        src = torch.from_numpy(flat if flat.flags.writeable else flat.copy())
-        if not cuda:
-            return src
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous batch's copies from it are done
-        if self._staging is None or self._staging.numel() < src.numel():
-            self._staging = torch.empty(max(src.numel(), 1) * 5 // 4, dtype=torch.uint8,
-                                        pin_memory=True)
-        self._staging[:src.numel()].copy_(src)
-        return self._staging
+        sizes = [p.nbytes for p in parts]
+        ends = np.cumsum(sizes).tolist()
+        total = ends[-1] if ends else 0
+        if cuda:
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous batch's copies from it are done
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = torch.empty(max(total, 1) * 5 // 4, dtype=torch.uint8,
+                                            pin_memory=True)
+            host = self._staging
+        else:
+            host = torch.empty(total, dtype=torch.uint8)
+        buf = host.numpy()
+        for p, a, b in zip(parts, [0] + ends[:-1], ends):
+            buf[a:b] = p.reshape(-1).view(np.uint8)
+        return [host[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
     def __call__(self, batch: Any) -> dict[str, Any]:
         import torch
@@ -147,16 +156,18 @@ class BatchDecodeCropFlip(DecodeCropFlip):
 
         device = torch.device(self.device)
         cuda = device.type == "cuda"
-        fb = batch.field(self.image)
         n = batch.num_samples
         try:
             rngs = sample_rngs(batch.ids)
         except InvalidArgumentError:    # outside forebay's loader
             rngs = [np.random.default_rng() for _ in range(n)]
-        host = self._host(fb.values, cuda)
-        item = fb.values.dtype.itemsize
-        data = [host[int(fb.offsets[k]) * item:int(fb.offsets[k + 1]) * item]
-                for k in range(n)]
+        if isinstance(batch, SampleViews):
+            data = self._host(batch[self.image], cuda)
+            label_values = np.asarray(batch.stacked(self.label))
+        else:
+            fb = batch.field(self.image)
+            data = self._host([fb[k] for k in range(n)], cuda)
+            label_values = batch.field(self.label).values
         decode = self.decode or (_torchvision_decode if cuda else _pillow_decode)
         images = decode(data, device)
         out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=device)
@@ -169,8 +180,7 @@ class BatchDecodeCropFlip(DecodeCropFlip):
             if rngs[k].random() < 0.5:
                 res = res.flip(-1)
             out[k] = res.round_().clamp_(0, 255).to(torch.uint8)
-        labels = torch.as_tensor(batch.field(self.label).values.astype(np.int64)
-                                 .reshape(n), device=device)
+        labels = torch.as_tensor(label_values.astype(np.int64).reshape(n), device=device)
         if cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
