@@ -203,13 +203,14 @@ def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path):
     assert_ranks_ok(run_ranks(2, rank_damage_fails_every_rank, path, owner, sample), 2)
 
 
-def rank_loader_batches(path: str) -> None:
+def rank_loader_batches(path: str, transport: str = "auto") -> None:
     """The same batches with and without overlap, epoch after epoch."""
     from forebay.torch import DataLoader
 
     got = {}
     for overlap in (False, True):
-        with DataLoader(path, 8, epochs=2, seed=5, overlap_preload=overlap) as dl:
+        with DataLoader(path, 8, epochs=2, seed=5, overlap_preload=overlap,
+                        transport=transport) as dl:
             assert dl.stats()["overlap"] == overlap
             got[overlap] = []
             for epoch in range(2):
@@ -220,3 +221,85 @@ def rank_loader_batches(path: str) -> None:
 
 def test_loader_batches_are_the_same_with_overlap(dataset):
     assert_ranks_ok(run_ranks(2, rank_loader_batches, dataset), 2)
+
+
+def test_loader_batches_are_the_same_with_overlap_over_the_exchange(dataset):
+    assert_ranks_ok(run_torchrun(2, rank_loader_batches, dataset, "exchange"), 2)
+
+
+# ------------------------------------------------------------------ the exchange transport
+# Across nodes under torchrun (forced here on one node): each member serves its own
+# records, from memory once loaded, from the files before; no header is read remotely.
+
+def rank_exchange_held(path: str, held_: str) -> None:
+    """Member ``held`` announces nothing until the others have read everything; every
+    batch is a collective, and the held member serves its records from the files."""
+    from forebay.world import resolve_comm
+
+    held = int(held_)
+    comm = resolve_comm()
+    rank = comm.Get_rank()
+    ds = forebay.open_dataset(path)
+    gate = threading.Event()
+
+    def hold(nbytes, samples, seconds):
+        if rank == held:
+            assert gate.wait(timeout=60)
+
+    st = DistributedStore(ds, comm, overlap=True, transport="exchange", on_pfs_read=hold,
+                          progress=False)
+    assert st.overlap and st.transport == "exchange" and not st.yields, st.stats()
+    if rank != held:
+        assert st.wait_filled(timeout=60)
+    comm.Barrier()
+    _check_all(st, ds)                       # collective: every rank, in step
+    owned = st.layout.member[np.arange(len(ds))]
+    ids = np.random.default_rng(1).integers(-len(ds), len(ds), size=64) % len(ds)
+    mine = int((owned == rank).sum() + (owned[ids] == rank).sum())
+    s = st.stats()
+    # the held member read its own samples from the files, and served the others' asks
+    # of its samples from the files too; the others from memory
+    want_files = mine if rank == held else 0
+    assert s["fetches_by_source"].get("pfs", 0) == want_files, s
+    asked_of_me = (comm.Get_size() - 1) * mine if rank == held else 0
+    assert s["pfs_reads"] == int((owned == rank).sum()) + want_files + asked_of_me, s
+    gate.set()
+    assert st.wait_filled(timeout=60)
+    comm.Barrier()                           # every member has loaded its chunk
+    _check_all(st, ds)
+    assert st.stats()["fetches_by_source"].get("pfs", 0) == want_files   # none since
+    st.close()
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_over_the_exchange_the_owner_serves_what_has_not_arrived(dataset, launcher):
+    run = run_ranks if launcher == "mpiexec" else run_torchrun
+    assert_ranks_ok(run(2, rank_exchange_held, dataset, 1), 2)
+
+
+def rank_exchange_damage(path: str, owner_: str, sample_: str) -> None:
+    from forebay.world import resolve_comm
+
+    owner, sample = int(owner_), int(sample_)
+    comm = resolve_comm()
+    ds = forebay.open_dataset(path, verify_on_read=True)
+    st = DistributedStore(ds, comm, overlap=True, transport="exchange", progress=False)
+    if comm.Get_rank() == owner:
+        with pytest.raises(ChecksumError, match=f"sample {sample} fails"):
+            st.wait_filled(timeout=60)
+    comm.Barrier()                           # the owner's load has failed
+    want = (ChecksumError, f"sample {sample} fails") if comm.Get_rank() == owner else \
+        (StoreError, f"rank {owner}'s background preload .*failed: ChecksumError: .*"
+                     f"sample {sample} fails")
+    with pytest.raises(want[0], match=want[1]):
+        st.get_many([0])                     # on every rank, none left in a collective
+    st.close()
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_over_the_exchange_a_damaged_record_fails_every_rank(dataset, tmp_path, launcher):
+    sample = 100
+    path = damaged_copy(dataset, tmp_path / "ds", sample)
+    owner = int(StoreLayout(forebay.open_dataset(path), 2).member[sample])
+    run = run_ranks if launcher == "mpiexec" else run_torchrun
+    assert_ranks_ok(run(2, rank_exchange_damage, path, owner, sample), 2)

@@ -46,6 +46,8 @@ FACTORIES = {
                                                          progress=False),
     "preload-exchange": lambda ds, comm: DistributedStore(ds, comm, transport="exchange",
                                                           progress=False),
+    "preload-overlap-exchange": lambda ds, comm: DistributedStore(
+        ds, comm, transport="exchange", overlap=True, progress=False),
     "clairvoyant-ram": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=1 << 20),
     "clairvoyant-rma": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
@@ -188,6 +190,11 @@ class TestPreloadOverlap(DistributedStoreContract):
 
 class TestPreloadExchange(DistributedStoreContract):
     kind = "preload-exchange"
+    under_torchrun = "exchange"
+
+
+class TestPreloadOverlapExchange(DistributedStoreContract):
+    kind = "preload-overlap-exchange"
     under_torchrun = "exchange"
 
 

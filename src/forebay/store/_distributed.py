@@ -286,6 +286,13 @@ def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarra
     return view, addrs - addrs[0]
 
 
+def _mask(n: int, where: np.ndarray) -> np.ndarray:
+    """A boolean mask of length ``n``, True at positions ``where``."""
+    m = np.zeros(n, dtype=bool)
+    m[where] = True
+    return m
+
+
 def free_window(win: Any, comm: Any, lent: bool) -> None:
     """End the access epoch and free window ``win`` (collective over ``comm``) unless
     some rank's views still hold its memory (``lent`` on any rank): Free would unmap
@@ -359,17 +366,19 @@ class DistributedStore(SampleStore):
             (bytes, samples, seconds): an instrumentation hook (tracing, PFS emulation).
         read_threads: preload reads in flight at once per rank (pieces of 16 MiB).
         overlap: return as soon as the memory is allocated and load in a background
-            thread (transports ``shm`` and local; others load before returning).
-            While it runs, a sample whose bytes have not arrived in its owner's memory
-            is read from the dataset files instead (each rank loads its chunk in
-            order and announces how far it has got in a header of its memory), so
-            training starts at once; :meth:`wait_filled` waits for the end.  For
-            records of 64 KiB and more the load yields to batches reading the files
-            (:attr:`yields`: it queues a piece only when none has for 10 ms); smaller
-            records, bound by requests, load alongside.  A load that fails (a damaged
-            record with ``verify_on_read``, a short file) fails the next
-            ``get_many`` of every rank of the group, naming the cause.  The files
-            must stay readable until the load ends (see docs/store.md).
+            thread (transports ``shm``, ``exchange`` and local; ``rma`` loads before
+            returning).  While it runs, a sample whose bytes have not arrived in its
+            owner's memory is read from the dataset files instead (each rank loads its
+            chunk in order and announces how far it has got in a header of its
+            memory; over ``exchange`` the owner itself reads from the files what it
+            has not loaded yet and sends it), so training starts at once;
+            :meth:`wait_filled` waits for the end.  For records of 64 KiB and more on
+            one node the load yields to batches reading the files (:attr:`yields`: it
+            queues a piece only when none has for 10 ms); smaller records, bound by
+            requests, load alongside.  A load that fails (a damaged record with
+            ``verify_on_read``, a short file) fails the next ``get_many`` of every
+            rank of the group, naming the cause.  The files must stay readable until
+            the load ends (see docs/store.md).
 
     Setup is collective: every rank of ``comm`` constructs the store with the same
     arguments; every check that fails (width, dataset fingerprints, memory) raises
@@ -424,13 +433,22 @@ class DistributedStore(SampleStore):
         self._allocate(bool(overlap))
         if self.transport == "shm":
             self._map_peers()        # may find the MPI's layout unusable: then rma
-        #: loading in the background (shm and local only: a reader needs the owner's header)
-        self.overlap = bool(overlap) and self.transport in ("shm", "local") and \
-            (self.transport == "local" or ordered_shared_memory())
+        #: loading in the background: shm and local (a reader reads the owner's
+        #: header), exchange (the owner serves what it has not loaded from the files);
+        #: not rma (a reader would need the owner's header through MPI, from two threads)
+        self.overlap = bool(overlap) and (
+            self.transport in ("local", "exchange") or
+            (self.transport == "shm" and ordered_shared_memory()))
         #: the background load yields to batches reading the files: for large records,
         #: whose random reads cost about what sequential ones do (small ones are bound
-        #: by requests: the sequential load then serves the batches sooner)
-        self.yields = self.overlap and not self.ds.small_records
+        #: by requests: the sequential load then serves the batches sooner); one node
+        #: only (it watches every member's header)
+        self.yields = self.overlap and not self.ds.small_records and \
+            self.transport != "exchange"
+        #: exchange + overlap: every member's chunk is known loaded (agreed in a batch)
+        self._group_loaded = not self.overlap
+        self._served_from_files = [0, 0]    # records, bytes: sent to peers from the files
+        self._files_mask: Optional[np.ndarray] = None   # a batch's samples read from files
         self._yielding = self.yields
         self._kept_skipped = 0       # bytes the load did not read: batches had kept them
         self._group_bytes = int(self.layout.nbytes.sum())
@@ -874,7 +892,8 @@ class DistributedStore(SampleStore):
         rows = self.ds.rows(ids)
         member = self.layout.member[ids]
         local = member == self.member
-        if self._loader is not None and not self._loaded_all():
+        if self._loader is not None and self.transport != "exchange" and \
+                not self._loaded_all():
             return self._get_loading(ids, rows, local, member, alloc)
         rec = _trace.active()
         parts, t_stage = self._memory_parts(ids, rows, member, local, rec, requests, False)
@@ -935,7 +954,7 @@ class DistributedStore(SampleStore):
             return [(src, seg[m], m) for m in (local, ~local) if m.any()], t_stage
         if self.transport == "exchange":
             t0 = time.perf_counter()
-            parts = self._exchange(ids, member, local, requests)
+            parts = self._exchange(ids, rows, member, local, requests)
             if rec is not None:
                 t1 = time.perf_counter()
                 t_stage = t1 - t0
@@ -970,12 +989,20 @@ class DistributedStore(SampleStore):
 
     def _trace_memory(self, rec: Any, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
                       local: np.ndarray, parts: list, timings: Any, t_stage: float) -> None:
-        """One data/item per sample; a peer part's time includes its MPI_Get."""
+        """One data/item per sample; a peer part's time includes its MPI_Get; this
+        rank's samples an overlapped exchange read from the files are PFS reads."""
         src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
         owner = self.group_ranks[member]
-        tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, "memory",
+        tier: Any = "memory"
+        files = self._files_mask
+        if files is not None and len(files) == len(ids) and files.any():
+            src[files] = _hooks.SRC["pfs"]
+            tier = np.where(files, _hooks.TIER["pfs"], _hooks.TIER["memory"])
+            owner = np.where(files, -1, owner)
+        tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, tier,
                    owner) for (_, _, sel), (t0, t1) in zip(parts, timings or [])]
         _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
+        self._files_mask = None
 
     def _loaded_all(self) -> bool:
         """Whether every member's chunk is known to be loaded (overlap)."""
@@ -1041,15 +1068,18 @@ class DistributedStore(SampleStore):
                     _hooks.record_pfs(rec, self.ds, ids[sel], rows[sel], t0, t1)
         return batch
 
-    def _exchange(self, ids: np.ndarray, member: np.ndarray, local: np.ndarray,
-                  requests: "Optional[list[np.ndarray]]") -> list:
+    def _exchange(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+                  local: np.ndarray, requests: "Optional[list[np.ndarray]]") -> list:
         """The ``exchange`` transport's collective: every member of the replica group
         sends each other member the records of its request that it owns (in the order
         asked), with one all-gather of the ids (skipped when ``requests`` says what
         every member asks) and one all-to-all whose sizes both ends compute from the
-        index.  Returns assemble_batch parts."""
+        index.  While an overlapped preload runs, a member reads from the files what
+        it has not loaded yet (to send, or for itself), and the members agree on how
+        the loads stand before sending.  Returns assemble_batch parts."""
         gc = self.group_comm
         reclen = self.ds.record_nbytes
+        self._files_mask = None
         asked = allgather_array(gc, ids) if requests is None else requests
         cat = np.concatenate(asked)
         by = np.repeat(np.arange(self.width), [len(a) for a in asked])
@@ -1059,7 +1089,14 @@ class DistributedStore(SampleStore):
         sids, to = cat[mine], by[mine]
         slen = reclen[sids]
         send = np.empty(int(slen.sum()), dtype=np.uint8)
-        gather_ranges(self._buf, self.layout.offset[sids], slen, send, np.cumsum(slen) - slen)
+        sent_at = np.cumsum(slen) - slen
+        parts: list = []
+        if self._group_loaded:
+            gather_ranges(self._buf, self.layout.offset[sids], slen, send, sent_at)
+            if local.any():
+                parts.append((self._buf, self.layout.offset[ids[local]], local))
+        else:
+            parts = self._exchange_loading(ids, rows, local, sids, slen, send, sent_at)
         send_counts = np.bincount(to, weights=slen, minlength=self.width).astype(np.int64)
         remote = ~local
         rlen, rmember = reclen[ids[remote]], member[remote]
@@ -1068,12 +1105,71 @@ class DistributedStore(SampleStore):
         stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
         recv_counts = np.bincount(rmember, weights=rlen, minlength=self.width).astype(np.int64)
         stage = alltoall_bytes(gc, send, send_counts, recv_counts)
-        parts: list = []
-        if local.any():
-            parts.append((self._buf, self.layout.offset[ids[local]], local))
         if remote.any():
             parts.append((stage, stage_pos, remote))
         return parts
+
+    def _exchange_loading(self, ids: np.ndarray, rows: np.ndarray, local: np.ndarray,
+                          sids: np.ndarray, slen: np.ndarray, send: np.ndarray,
+                          sent_at: np.ndarray) -> list:
+        """The exchange's reads while overlapped loads run: this member's records that
+        its load has announced from memory, the rest from the files (checked with
+        ``verify_on_read``), into ``send`` and the local parts; then one all-gather of
+        every member's state, so a failed load (or a failed read) raises on every member
+        before anyone waits in the all-to-all, and once every load is done later
+        batches skip all this."""
+        err: Optional[BaseException] = None
+        parts: list = []
+        try:
+            self._raise_load_error()
+            loaded = int(self._hdr[_H_LOADED])
+            fence()            # later loads of the chunk see what preceded the counter
+            off, nb = self.layout.offset, self.ds.record_nbytes
+            ready = off[sids] + slen <= loaded                  # to send
+            gather_ranges(self._buf, off[sids[ready]], slen[ready], send, sent_at[ready])
+            late = np.flatnonzero(~ready)
+            for buf, starts, lens, k in self._file_reads(sids[late]):
+                gather_ranges(buf, starts, lens, send, sent_at[late[k]])
+            self._served_from_files[0] += len(late)
+            self._served_from_files[1] += int(slen[late].sum())
+            mine = np.flatnonzero(local)                        # for this member
+            ready = off[ids[mine]] + nb[ids[mine]] <= loaded
+            if ready.any():
+                m = _mask(len(ids), mine[ready])
+                parts.append((self._buf, off[ids[m]], m))
+            late = mine[~ready]
+            for buf, starts, _, k in self._file_reads(ids[late]):
+                parts.append((buf, starts, _mask(len(ids), late[k])))
+            self._files_mask = _mask(len(ids), late)            # (tracing)
+            self._fetches["local"] -= len(late)
+            self._fetches["pfs"] += len(late)
+            self._file_bytes += int(nb[ids[late]].sum())
+        except Exception as e:  # noqa: BLE001 - raised below, on every member
+            err = e
+        done = err is None and self._loader is not None and not self._loader.is_alive()
+        states = self.group_comm.allgather(
+            [bool(done), None if err is None else f"{type(err).__name__}: {err}"])
+        if err is not None:
+            raise err
+        failed = [(r, msg) for r, (_, msg) in enumerate(states) if msg]
+        if failed:
+            r, msg = failed[0]
+            raise StoreError(f"rank {int(self.group_ranks[r])}'s background preload (or a "
+                             f"read of its records from the files) failed: {msg}")
+        self._group_loaded = all(d for d, _ in states)
+        return parts
+
+    def _file_reads(self, want: np.ndarray):
+        """Samples ``want`` read from the dataset files (checked with verify_on_read):
+        (source, record starts, lengths, positions in ``want``) per shard."""
+        if not len(want):
+            return
+        if self.ds.verify_on_read:
+            self.ds.check_records(want)
+        rows = self.ds.rows(want)
+        every = np.arange(len(want))
+        for buf, starts, sel in self.ds.record_parts(want, rows):
+            yield buf, starts, rows[sel, IndexLayout.REC_LEN], every[sel]
 
     def stats(self) -> dict[str, Any]:
         """``fetches_by_source`` (local memory, a peer's memory, and with ``overlap``
@@ -1086,8 +1182,10 @@ class DistributedStore(SampleStore):
         mine = self.layout.member == self.member
         return {"fetches_by_source": {k: v for k, v in self._fetches.items()
                                       if v or k != "pfs"},
-                "pfs_reads": int(mine.sum()) + self._fetches["pfs"],
-                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_bytes,
+                "pfs_reads": int(mine.sum()) + self._fetches["pfs"] +
+                self._served_from_files[0],
+                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_bytes +
+                self._served_from_files[1],
                 "preload_seconds": self.preload_seconds, "transport": self.transport,
                 "overlap": self.overlap, "preload_skipped_bytes": self._kept_skipped}
 
