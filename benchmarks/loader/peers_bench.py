@@ -8,7 +8,8 @@ contender's files before its job (epoch 1 is cold), later epochs are warm:
   the packed dataset (``mode=``), its own vectorised collation; ``preload-overlap``:
   preload with ``overlap_preload=True`` (training starts while the chunks load); a
   ``views`` suffix (``forebay direct views``...): ``views=True``, the samples lent as
-  read-only arrays over the store's memory instead of copied;
+  read-only arrays over the store's memory instead of copied; an ``exchange`` suffix
+  (``forebay preload-overlap exchange``): the transport used across nodes, forced;
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
   ImageFolder tree of blobs for images), per-sample collation;
@@ -120,12 +121,15 @@ def worker(a) -> None:
     set_epoch = None
     if c.startswith("forebay"):
         from forebay.torch import DataLoader
-        mode = c.split()[1]
+        words = c.split()
+        mode = words[1]
         kw: dict = {"ram_bytes": a.ram_bytes} if mode == "clairvoyant" else {}
         if mode == "preload-overlap":
             mode, kw = "preload", {"overlap_preload": True}
+        if "exchange" in words:      # the transport across nodes, forced on one
+            kw["transport"] = "exchange"
         loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
-                            progress=False, views=c.endswith(" views"), **kw)
+                            progress=False, views="views" in words, **kw)
         set_epoch = loader.set_epoch
     elif c.startswith("torch"):
         ds = image_folder_dataset(Path(a.pff))[0] if images else pff_dataset(Path(a.pff))[0]

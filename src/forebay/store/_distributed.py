@@ -441,17 +441,15 @@ class DistributedStore(SampleStore):
             (self.transport == "shm" and ordered_shared_memory()))
         #: the background load yields to batches reading the files: for large records,
         #: whose random reads cost about what sequential ones do (small ones are bound
-        #: by requests: the sequential load then serves the batches sooner); one node
-        #: only (it watches every member's header)
-        self.yields = self.overlap and not self.ds.small_records and \
-            self.transport != "exchange"
+        #: by requests: the sequential load then serves the batches sooner); over the
+        #: exchange each member's load yields to its own reads (no remote header)
+        self.yields = self.overlap and not self.ds.small_records
         #: exchange + overlap: every member's chunk is known loaded (agreed in a batch)
         self._group_loaded = not self.overlap
         self._served_from_files = [0, 0]    # records, bytes: sent to peers from the files
         self._files_mask: Optional[np.ndarray] = None   # a batch's samples read from files
         self._yielding = self.yields
         self._kept_skipped = 0       # bytes the load did not read: batches had kept them
-        self._group_bytes = int(self.layout.nbytes.sum())
         # the exchange's records arrive in a fresh buffer every batch: nothing to lend
         self.capabilities = frozenset({"shared"} | ({"views"} if self.transport != "exchange"
                                                     else set()))
@@ -770,16 +768,18 @@ class DistributedStore(SampleStore):
         if not self._yielding or self.ds.cached(shard, start + a, length):
             return False
         poll = Backoff(first=0.001, cap=0.005)
+        # over the exchange a member sees (and reads for) its own records only
+        members = [self.member] if self.transport == "exchange" else range(self.width)
+        held = int(self.layout.nbytes[members].sum())
         while not self._stop.is_set():
-            # once the batches have read as many bytes from the files as the whole
-            # group holds, they are reading again what the load would have brought
+            # once the batches have read as many bytes from the files as the members
+            # watched hold, they are reading again what the load would have brought
             # for good (a first epoch is over): the load stops giving way
-            if sum(self._word(m, _H_READ_BYTES) for m in range(self.width)) >= \
-                    self._group_bytes:
+            if sum(self._word(m, _H_READ_BYTES) for m in members) >= held:
                 self._yielding = False
                 return False
             quiet = time.monotonic_ns() - _QUIET_NS
-            if all(self._word(m, _H_READING) <= quiet for m in range(self.width)):
+            if all(self._word(m, _H_READING) <= quiet for m in members):
                 return False
             poll.sleep()
         return False
@@ -787,17 +787,8 @@ class DistributedStore(SampleStore):
     def _ready(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> np.ndarray:
         """Which of samples ``ids`` are in their owners' memory now (overlap), from the
         headers of the members still loading (a failed one fails every reader)."""
-        if self._load_error is not None:
-            self._raise_load_error()
         ends = self.layout.offset[ids] + rows[:, IndexLayout.REC_LEN]
-        for m in np.flatnonzero(self._known < self.layout.nbytes).tolist():
-            loaded, state = self._word(m, _H_LOADED), self._word(m, _H_STATE)
-            fence()   # later loads of the member's data see what preceded its counter
-            if state == _FAILED:
-                msg = bytes(self._header(m)[64:]).rstrip(b"\0").decode("utf-8", "replace")
-                raise StoreError(f"rank {int(self.group_ranks[m])}'s background preload "
-                                 f"failed: {msg}")
-            self._known[m] = loaded
+        self._refresh_known()
         ready = ends <= self._known[member]
         if self.yields and not ready.all():     # what batches read and kept
             late = np.flatnonzero(~ready)
@@ -1005,11 +996,27 @@ class DistributedStore(SampleStore):
         self._files_mask = None
 
     def _loaded_all(self) -> bool:
-        """Whether every member's chunk is known to be loaded (overlap)."""
+        """Whether every member's chunk is loaded (overlap), from their headers."""
         if (self._known < self.layout.nbytes).any():
-            return False
+            self._refresh_known()
+            if (self._known < self.layout.nbytes).any():
+                return False
         self._raise_load_error()
         return True
+
+    def _refresh_known(self) -> None:
+        """Read how far the members still loading have got (a failed one fails every
+        reader)."""
+        if self._load_error is not None:
+            self._raise_load_error()
+        for m in np.flatnonzero(self._known < self.layout.nbytes).tolist():
+            loaded, state = self._word(m, _H_LOADED), self._word(m, _H_STATE)
+            fence()   # later loads of the member's data see what preceded its counter
+            if state == _FAILED:
+                msg = bytes(self._header(m)[64:]).rstrip(b"\0").decode("utf-8", "replace")
+                raise StoreError(f"rank {int(self.group_ranks[m])}'s background preload "
+                                 f"failed: {msg}")
+            self._known[m] = loaded
 
     def _get_loading(self, ids: np.ndarray, rows: np.ndarray, local: np.ndarray,
                      member: np.ndarray, alloc: Any) -> SampleBatch:
@@ -1122,28 +1129,44 @@ class DistributedStore(SampleStore):
         parts: list = []
         try:
             self._raise_load_error()
-            loaded = int(self._hdr[_H_LOADED])
-            fence()            # later loads of the chunk see what preceded the counter
             off, nb = self.layout.offset, self.ds.record_nbytes
-            ready = off[sids] + slen <= loaded                  # to send
-            gather_ranges(self._buf, off[sids[ready]], slen[ready], send, sent_at[ready])
-            late = np.flatnonzero(~ready)
-            for buf, starts, lens, k in self._file_reads(sids[late]):
-                gather_ranges(buf, starts, lens, send, sent_at[late[k]])
-            self._served_from_files[0] += len(late)
-            self._served_from_files[1] += int(slen[late].sum())
-            mine = np.flatnonzero(local)                        # for this member
-            ready = off[ids[mine]] + nb[ids[mine]] <= loaded
-            if ready.any():
-                m = _mask(len(ids), mine[ready])
+            mine = np.flatnonzero(local)
+            ready_s, ready_l = self._own_ready(sids), self._own_ready(ids[mine])
+            late_s, late_l = np.flatnonzero(~ready_s), mine[~ready_l]
+            gather_ranges(self._buf, off[sids[ready_s]], slen[ready_s], send, sent_at[ready_s])
+            if ready_l.any():
+                m = _mask(len(ids), mine[ready_l])
                 parts.append((self._buf, off[ids[m]], m))
-            late = mine[~ready]
-            for buf, starts, _, k in self._file_reads(ids[late]):
-                parts.append((buf, starts, _mask(len(ids), late[k])))
-            self._files_mask = _mask(len(ids), late)            # (tracing)
-            self._fetches["local"] -= len(late)
-            self._fetches["pfs"] += len(late)
-            self._file_bytes += int(nb[ids[late]].sum())
+            reading = self.yields and (len(late_s) + len(late_l)) > 0
+            if reading:        # the background load waits while this member reads files
+                self._hdr[_H_READING] = _READING
+            try:
+                for buf, starts, lens, k in self._file_reads(sids[late_s]):
+                    gather_ranges(buf, starts, lens, send, sent_at[late_s[k]])
+                files = [(buf, starts, _mask(len(ids), late_l[k]))
+                         for buf, starts, _, k in self._file_reads(ids[late_l])]
+                if reading:    # kept in this member's chunk: the load skips them
+                    gather_ranges(send, sent_at[late_s], slen[late_s], self._buf,
+                                  off[sids[late_s]])
+                    for buf, starts, m in files:
+                        gather_ranges(buf, starts, nb[ids[m]], self._buf, off[ids[m]])
+                    fence()    # the bytes are visible before the flags that announce them
+                    kept = np.concatenate([sids[late_s], ids[late_l]])
+                    buf_, at = self._kept_at(kept, np.full(len(kept), self.member))
+                    buf_[at] = 1
+            finally:
+                if reading:
+                    self._hdr[_H_READING] = time.monotonic_ns()
+            parts += files
+            nbytes_s, nbytes_l = int(slen[late_s].sum()), int(nb[ids[late_l]].sum())
+            if reading:
+                self._hdr[_H_READ_BYTES] += nbytes_s + nbytes_l
+            self._files_mask = _mask(len(ids), late_l)          # (tracing)
+            self._served_from_files[0] += len(late_s)
+            self._served_from_files[1] += nbytes_s
+            self._fetches["local"] -= len(late_l)
+            self._fetches["pfs"] += len(late_l)
+            self._file_bytes += nbytes_l
         except Exception as e:  # noqa: BLE001 - raised below, on every member
             err = e
         done = err is None and self._loader is not None and not self._loader.is_alive()
@@ -1158,6 +1181,18 @@ class DistributedStore(SampleStore):
                              f"read of its records from the files) failed: {msg}")
         self._group_loaded = all(d for d, _ in states)
         return parts
+
+    def _own_ready(self, want: np.ndarray) -> np.ndarray:
+        """Which of this member's samples ``want`` are in its chunk now (exchange with
+        an overlapped load): announced by its load, or kept there by a batch."""
+        loaded = int(self._hdr[_H_LOADED])
+        fence()                # later loads of the chunk see what preceded the counter
+        ready = self.layout.offset[want] + self.ds.record_nbytes[want] <= loaded
+        if self.yields and not ready.all():
+            late = np.flatnonzero(~ready)
+            ready[late] = self._kept_flags(want[late], np.full(len(late), self.member)) == 1
+            fence()            # later loads of those records see what preceded their flags
+        return ready
 
     def _file_reads(self, want: np.ndarray):
         """Samples ``want`` read from the dataset files (checked with verify_on_read):
