@@ -125,7 +125,7 @@ def test_closing_stops_the_load(dataset):
         st.get_many([0])
 
 
-def rank_held_member(path: str, held_: str) -> None:
+def rank_held_member(path: str, held_: str, transport: str = "shm") -> None:
     """Member ``held`` announces nothing until the others have read everything."""
     from forebay.world import resolve_comm
 
@@ -139,8 +139,9 @@ def rank_held_member(path: str, held_: str) -> None:
         if rank == held:
             assert gate.wait(timeout=60)
 
-    st = DistributedStore(ds, comm, overlap=True, on_pfs_read=hold, progress=False)
-    assert st.overlap and st.transport == "shm", st.stats()
+    st = DistributedStore(ds, comm, overlap=True, on_pfs_read=hold, progress=False,
+                          transport=transport)
+    assert st.overlap and st.transport == transport, st.stats()
     if rank != held:
         assert st.wait_filled(timeout=60)
     comm.Barrier()                           # every other member has loaded its chunk
@@ -171,17 +172,27 @@ def test_what_has_not_arrived_is_read_from_the_files(request, ranks, kind):
     assert_ranks_ok(run_ranks(ranks, rank_held_member, path, 1), ranks)
 
 
+@pytest.mark.parametrize("kind", ["dataset", "large"])
+def test_what_has_not_arrived_is_read_from_the_files_rma(request, kind):
+    """Over MPI RMA (across nodes; forced here): the owners' headers are fetched with
+    MPI atomics, what has arrived with MPI_Get, the rest read from the files."""
+    path = request.getfixturevalue(kind)
+    assert_ranks_ok(run_ranks(2, rank_held_member, path, 1, "rma"), 2)
+
+
 def test_what_has_not_arrived_is_read_from_the_files_torchrun(dataset):
     assert_ranks_ok(run_torchrun(2, rank_held_member, dataset, 0), 2)
 
 
-def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str) -> None:
+def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str,
+                                 transport: str = "auto") -> None:
     from forebay.world import resolve_comm
 
     owner, sample = int(owner_), int(sample_)
     comm = resolve_comm()
     ds = forebay.open_dataset(path, verify_on_read=True)
-    st = DistributedStore(ds, comm, overlap=True, progress=False)
+    st = DistributedStore(ds, comm, overlap=True, progress=False, transport=transport)
+    assert st.overlap
     mine = np.flatnonzero(st.layout.member == st.member)
     if comm.Get_rank() == owner:
         with pytest.raises(ChecksumError, match=f"sample {sample} fails"):
@@ -195,12 +206,14 @@ def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str) -> None:
     st.close()
 
 
-def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "rma"])
+def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path, transport):
     sample = 100
     path = damaged_copy(dataset, tmp_path / "ds", sample)
     ds = forebay.open_dataset(path)
     owner = int(StoreLayout(ds, 2).member[sample])
-    assert_ranks_ok(run_ranks(2, rank_damage_fails_every_rank, path, owner, sample), 2)
+    assert_ranks_ok(run_ranks(2, rank_damage_fails_every_rank, path, owner, sample,
+                              transport), 2)
 
 
 def rank_loader_batches(path: str, transport: str = "auto") -> None:

@@ -48,6 +48,8 @@ FACTORIES = {
                                                           progress=False),
     "preload-overlap-exchange": lambda ds, comm: DistributedStore(
         ds, comm, transport="exchange", overlap=True, progress=False),
+    "preload-overlap-rma": lambda ds, comm: DistributedStore(
+        ds, comm, transport="rma", overlap=True, progress=False),
     "clairvoyant-ram": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=1 << 20),
     "clairvoyant-rma": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
@@ -196,6 +198,10 @@ class TestPreloadExchange(DistributedStoreContract):
 class TestPreloadOverlapExchange(DistributedStoreContract):
     kind = "preload-overlap-exchange"
     under_torchrun = "exchange"
+
+
+class TestPreloadOverlapRma(DistributedStoreContract):
+    kind = "preload-overlap-rma"
 
 
 class TestPreloadRma(DistributedStoreContract):

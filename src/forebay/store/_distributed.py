@@ -286,6 +286,13 @@ def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarra
     return view, addrs - addrs[0]
 
 
+def _mpi_threads() -> bool:
+    """Whether MPI lets several threads of this process call it at once."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
 def _mask(n: int, where: np.ndarray) -> np.ndarray:
     """A boolean mask of length ``n``, True at positions ``where``."""
     m = np.zeros(n, dtype=bool)
@@ -366,19 +373,20 @@ class DistributedStore(SampleStore):
             (bytes, samples, seconds): an instrumentation hook (tracing, PFS emulation).
         read_threads: preload reads in flight at once per rank (pieces of 16 MiB).
         overlap: return as soon as the memory is allocated and load in a background
-            thread (transports ``shm``, ``exchange`` and local; ``rma`` loads before
-            returning).  While it runs, a sample whose bytes have not arrived in its
-            owner's memory is read from the dataset files instead (each rank loads its
-            chunk in order and announces how far it has got in a header of its
-            memory; over ``exchange`` the owner itself reads from the files what it
-            has not loaded yet and sends it), so training starts at once;
-            :meth:`wait_filled` waits for the end.  For records of 64 KiB and more on
-            one node the load yields to batches reading the files (:attr:`yields`: it
-            queues a piece only when none has for 10 ms); smaller records, bound by
-            requests, load alongside.  A load that fails (a damaged record with
-            ``verify_on_read``, a short file) fails the next ``get_many`` of every
-            rank of the group, naming the cause.  The files must stay readable until
-            the load ends (see docs/store.md).
+            thread (every transport; ``rma`` needs MPI_THREAD_MULTIPLE, else it loads
+            before returning).  While it runs, a sample whose bytes have not arrived
+            in its owner's memory is read from the dataset files instead (each rank
+            loads its chunk in order and announces how far it has got in a header of
+            its memory, read through MPI atomics over ``rma``; over ``exchange`` the
+            owner itself reads from the files what it has not loaded yet and sends
+            it), so training starts at once; :meth:`wait_filled` waits for the end.
+            For records of 64 KiB and more (``shm``, ``exchange``) the load yields to
+            batches reading the files (:attr:`yields`: it queues a piece only when
+            none has for 10 ms); smaller records, bound by requests, load alongside.
+            A load that fails (a damaged record with ``verify_on_read``, a short
+            file) fails the next ``get_many`` of every rank of the group, naming the
+            cause.  The files must stay readable until the load ends (see
+            docs/store.md).
 
     Setup is collective: every rank of ``comm`` constructs the store with the same
     arguments; every check that fails (width, dataset fingerprints, memory) raises
@@ -434,16 +442,19 @@ class DistributedStore(SampleStore):
         if self.transport == "shm":
             self._map_peers()        # may find the MPI's layout unusable: then rma
         #: loading in the background: shm and local (a reader reads the owner's
-        #: header), exchange (the owner serves what it has not loaded from the files);
-        #: not rma (a reader would need the owner's header through MPI, from two threads)
+        #: header), rma (through MPI: the load publishes from its thread, which needs
+        #: MPI_THREAD_MULTIPLE), exchange (the owner serves what it has not loaded from
+        #: the files)
         self.overlap = bool(overlap) and (
             self.transport in ("local", "exchange") or
-            (self.transport == "shm" and ordered_shared_memory()))
+            (self.transport == "shm" and ordered_shared_memory()) or
+            (self.transport == "rma" and _mpi_threads()))
         #: the background load yields to batches reading the files: for large records,
         #: whose random reads cost about what sequential ones do (small ones are bound
         #: by requests: the sequential load then serves the batches sooner); over the
-        #: exchange each member's load yields to its own reads (no remote header)
-        self.yields = self.overlap and not self.ds.small_records
+        #: exchange each member's load yields to its own reads (no remote header); not
+        #: over rma (a batch would keep records in a peer's memory: an MPI_Put each)
+        self.yields = self.overlap and not self.ds.small_records and self.transport != "rma"
         #: exchange + overlap: every member's chunk is known loaded (agreed in a batch)
         self._group_loaded = not self.overlap
         self._served_from_files = [0, 0]    # records, bytes: sent to peers from the files
@@ -650,14 +661,29 @@ class DistributedStore(SampleStore):
 
     # -- background preload (overlap) ---------------------------------------------------
     def _header(self, member: int) -> np.ndarray:
-        """Member ``member``'s header (uint8): its own memory, or the shared segment."""
+        """Member ``member``'s header (uint8): its own memory, the shared segment, or
+        (rma) fetched from the member's window."""
         if member == self.member:
             return self._raw[:_HEADER]
+        if self.transport == "rma":
+            out = np.zeros(_HEADER, dtype=np.uint8)
+            rma_get(self._win, out, np.array([member]), np.zeros(1, dtype=np.int64),
+                    np.array([_HEADER]), np.zeros(1, dtype=np.int64))
+            return out
         at = int(self._seg_hdr[member])
         return self._segment[at:at + _HEADER]
 
     def _word(self, member: int, k: int) -> int:
         """Int64 word ``k`` (_H_*) of member ``member``'s header."""
+        if self.transport == "rma" and member != self.member:
+            from mpi4py import MPI
+
+            out = np.zeros(1, dtype=np.int64)
+            self._win.Fetch_and_op([np.zeros(1, dtype=np.int64), MPI.INT64_T],
+                                   [out, MPI.INT64_T], member, 8 * k, MPI.NO_OP)
+            self._win.Flush(member)
+            self._win.Sync()   # later loads of the member's data see what preceded it
+            return int(out[0])
         return int(self._header(member)[8 * k:8 * k + 8].view(np.int64)[0])
 
     def _start_load(self) -> None:
@@ -688,15 +714,27 @@ class DistributedStore(SampleStore):
             state = _FAILED
             msg = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:_HEADER - 65]
             self._raw[64:64 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
-        fence()
-        self._hdr[_H_STATE] = state
+        self._set_word(_H_STATE, state)
         self.preload_seconds = time.perf_counter() - self._t0
 
     def _publish(self, nbytes: int) -> None:
         """Announce that bytes ``[0, nbytes)`` of this rank's chunk are loaded (and
         checked): the data is visible before the counter that announces it."""
-        fence()
-        self._hdr[_H_LOADED] = nbytes
+        self._set_word(_H_LOADED, nbytes)
+
+    def _set_word(self, k: int, value: int) -> None:
+        """Set this member's header word ``k`` after everything written before it is
+        visible (rma: MPI_Win_sync, then an atomic replace readers fetch atomically)."""
+        if self.transport != "rma":
+            fence()
+            self._hdr[k] = value
+            return
+        from mpi4py import MPI
+
+        self._win.Sync()
+        self._win.Accumulate([np.array([value], dtype=np.int64), MPI.INT64_T], self.member,
+                             [8 * k, 1, MPI.INT64_T], MPI.REPLACE)
+        self._win.Flush(self.member)
 
     def _load_chunk(self) -> None:
         """Read this rank's chunk in order (pieces of 16 MiB, or 4 MiB when yielding;
@@ -957,26 +995,31 @@ class DistributedStore(SampleStore):
         if nlocal == len(ids):
             return [(mem, offset, slice(None))], t_stage
         parts = [(mem, offset[local], local)] if nlocal else []
-        # stage remote records contiguously, grouped by owner: one Get per owner
-        remote = ~local
-        rlen, rmember = rows[remote, IndexLayout.REC_LEN], member[remote]
-        order = np.argsort(rmember, kind="stable")
-        stage_pos = np.empty(len(rlen), dtype=np.int64)
-        stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
-        stage = np.empty(int(rlen.sum()), dtype=np.uint8)
         t0 = time.perf_counter()
-        rma_get(self._win, stage, rmember[order],
-                offset[remote][order] + self._shift[rmember[order]], rlen[order],
-                stage_pos[order])
+        stage, stage_pos, remote = self._staged(ids, rows, member, ~local)
         if rec is not None:
             t1 = time.perf_counter()
             t_stage = t1 - t0
-            rec.span("memstore", "get", t0, t1, count=len(rlen), nbytes=len(stage),
-                     args={"owners": len(np.unique(rmember))})
+            rec.span("memstore", "get", t0, t1, count=int(remote.sum()), nbytes=len(stage),
+                     args={"owners": len(np.unique(member[remote]))})
         if lend:
             stage.flags.writeable = False        # the views own it
         parts.append((stage, stage_pos, remote))
         return parts, t_stage
+
+    def _staged(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+                sel: np.ndarray) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+        """Peers' records ``ids[sel]`` fetched into a fresh buffer, contiguous and
+        grouped by owner (one MPI_Get per owner): an assemble_batch part."""
+        rlen, rmember = rows[sel, IndexLayout.REC_LEN], member[sel]
+        order = np.argsort(rmember, kind="stable")
+        stage_pos = np.empty(len(rlen), dtype=np.int64)
+        stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
+        stage = np.empty(int(rlen.sum()), dtype=np.uint8)
+        rma_get(self._win, stage, rmember[order],
+                self.layout.offset[ids[sel]][order] + self._shift[rmember[order]],
+                rlen[order], stage_pos[order])
+        return stage, stage_pos, sel
 
     def _trace_memory(self, rec: Any, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
                       local: np.ndarray, parts: list, timings: Any, t_stage: float) -> None:
@@ -1027,7 +1070,13 @@ class DistributedStore(SampleStore):
             src, pos = self._segment, self._seg_pos[ids]
         else:
             src, pos = self._buf, self.layout.offset[ids]
-        parts: list = [(src, pos[m], m) for m in (local & ready, ~local & ready) if m.any()]
+        parts: list = []
+        if (local & ready).any():
+            parts.append((src, pos[local & ready], local & ready))
+        peer = ~local & ready
+        if peer.any():       # rma: one MPI_Get per owner; else the memory in reach
+            parts.append(self._staged(ids, rows, member, peer) if self.transport == "rma"
+                         else (src, pos[peer], peer))
         sub = np.flatnonzero(~ready)
         files = []                       # the parts read from the dataset files
         if len(sub):

@@ -87,8 +87,8 @@ class DataLoader:
         overlap_preload: preload mode: start training at once while each rank loads
             its chunk in the background; batches read what has not arrived yet from
             the dataset files (``DistributedStore(overlap=True)``: over shared memory
-            on one node, and over the ``exchange`` transport across nodes under
-            torchrun; over MPI RMA the load finishes before the first batch).
+            on one node, MPI RMA across nodes (with MPI_THREAD_MULTIPLE) and the
+            ``exchange`` transport across nodes under torchrun).
         ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
             available memory shared by its ranks).
         ssd_dir, ssd_bytes: clairvoyant mode: a node-local directory for this rank's SSD
