@@ -568,10 +568,12 @@ class PackedDataset:
 
     def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
         """Samples ``ids`` as read-only views of the memory-mapped shards (no copy): a
-        :class:`SampleViews`, bit-exact to :meth:`get_many`.  Their pages are asked
-        of the kernel ahead (as a batch's are) and read when the views are first read;
-        with ``verify_on_read`` the records are checked here, before they are handed
-        out.  The views keep their shard mapped while they live."""
+        :class:`SampleViews`, bit-exact to :meth:`get_many`.  The records are read
+        into this process's map here, the first time it lends each sample (so a cold
+        read happens in the calling thread, and a shard cut short raises
+        :class:`TruncatedShardError`); with ``verify_on_read`` they are checked here,
+        before they are handed out.  The views keep their shard mapped while they
+        live."""
         ids = self.normalize_ids(ids)
         if self.verify_on_read:
             self.check_records(ids)
