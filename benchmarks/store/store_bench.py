@@ -13,7 +13,8 @@ time, as training ranks do).  Contenders, interleaved round by round:
   rows, no ingest): ``get(name, start)`` for one row, ``get_rows(name, ids)`` for a
   batch (one ``MPI_Get`` per owner, or one gather over the node's shared memory);
 * ``forebay dataset rma`` / ``dataset shm``: the packed-dataset store
-  (``DistributedStore``) over the same rows ingested as one field, ``get_many``.
+  (``DistributedStore``) over the same rows ingested as one field, ``get_many``;
+  ``dataset shm views``: the same store's ``get_views`` (the rows lent, not copied).
 
 Reported: per-call latency p50 (median over rounds of each round's median) and the
 best round, for one remote row, one local row and a batch of 128 random rows; set-up
@@ -154,6 +155,7 @@ def main() -> None:
         "forebay array shm": (lambda i: arr_shm.get("row", i), base),
         "forebay dataset rma": (lambda i: ds_rma.get_many(np.array([i])), base),
         "forebay dataset shm": (lambda i: ds_shm.get_many(np.array([i])), base),
+        "forebay dataset shm views": (lambda i: ds_shm.get_views(np.array([i])), base),
     }
     if pyddstore is not None:
         single["DDStore"] = (dd_get, base)
@@ -162,6 +164,7 @@ def main() -> None:
         "forebay array shm": (lambda i: arr_shm.get("row", i), mine0),
         "forebay dataset rma": (lambda i: ds_rma.get_many(np.array([i])), mine0),
         "forebay dataset shm": (lambda i: ds_shm.get_many(np.array([i])), mine0),
+        "forebay dataset shm views": (lambda i: ds_shm.get_views(np.array([i])), mine0),
     }
     if pyddstore is not None:
         local_one["DDStore"] = (dd_get, mine0)
@@ -170,6 +173,7 @@ def main() -> None:
         "forebay array shm": lambda ids: arr_shm.get_rows("row", ids),
         "forebay dataset rma": lambda ids: ds_rma.get_many(ids),
         "forebay dataset shm": lambda ids: ds_shm.get_many(ids),
+        "forebay dataset shm views": lambda ids: ds_shm.get_views(ids),
     }
     if pyddstore is not None:
         batch["DDStore"] = dd_batch
@@ -183,6 +187,7 @@ def main() -> None:
     assert np.array_equal(arr_rma.get("row", base + 7)[0], want[7])
     assert np.array_equal(arr_shm.get("row", base + 7)[0], want[7])
     assert np.array_equal(ds_rma.get_many([base + 7])["row"][0], want[7])
+    assert np.array_equal(ds_shm.get_views([base + 7])["row"][0], want[7])
 
     results: dict[str, dict[str, list[float]]] = {"remote": {}, "local": {}, "batch": {}}
     for rnd in range(args.rounds):
@@ -223,10 +228,10 @@ def main() -> None:
                     extra += f"  {med / (np.median(ref) * 1e6):6.2f}x DDStore"
                 if fl:
                     extra += f"  {med / (np.median(fl) * 1e6):6.2f}x floor"
-                print(f"{name:22s} {med:9.1f} {best:9.1f}{extra}")
+                print(f"{name:26s} {med:9.1f} {best:9.1f}{extra}")
         print("\n## set-up (s) and RSS added on rank 0 (MiB)")
         for name, v in setup.items():
-            print(f"{name:22s} {np.median(v):8.3f} {mem[name] / 2**20:9.1f}")
+            print(f"{name:26s} {np.median(v):8.3f} {mem[name] / 2**20:9.1f}")
     for s in (arr_rma, arr_shm, ds_rma, ds_shm):
         s.close()
     if pyddstore is not None:

@@ -355,6 +355,9 @@ def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
     :class:`ReadOnly`); a range outside its source raises instead of viewing less."""
     n = len(ids)
     fields: dict[str, list[Any]] = {f.name: [None] * n for f in schema.fields}
+    if n <= _FEW and timings is None:
+        _few_views(rows, layout, parts, fields)
+        return SampleViews(ids, schema, fields)
     every = np.arange(n)
     for src, rec_start, sel in parts:
         if src.flags.writeable:
@@ -378,3 +381,32 @@ def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
         if timings is not None:
             timings.append((t0, time.perf_counter()))
     return SampleViews(ids, schema, fields)
+
+
+#: batches of at most this many samples get their views in plain Python (a one-sample
+#: get's fixed cost is then a few list operations, not a dozen numpy calls)
+_FEW = 16
+
+
+def _few_views(rows: np.ndarray, layout, parts: list, fields: dict) -> None:
+    """assemble_views for a few samples: the same views, bounds checked alike."""
+    rl = rows.tolist()
+    meta = [(name, dtype, shape, off, nb, dtype == np.uint8 and shape.stop - shape.start == 1)
+            for (name, dtype, shape), off, nb in zip(layout.fields, layout.off_cols.tolist(),
+                                                     layout.nbytes_cols.tolist())]
+    for src, rec_start, sel in parts:
+        if src.flags.writeable:
+            raise InvalidArgumentError("assemble_views: a part's source is writable")
+        at = range(len(rl)) if isinstance(sel, slice) and sel == slice(None) else \
+            np.arange(len(rl))[sel].tolist()
+        size = len(src)
+        for i, r0 in zip(at, np.asarray(rec_start).tolist()):
+            row = rl[i]
+            for name, dtype, shape, off, nb, plain in meta:
+                a = r0 + row[off]
+                b = a + row[nb]
+                if a < 0 or b > size:
+                    raise InvalidArgumentError("assemble_views: a record lies outside its "
+                                               "source")
+                v = src[a:b]
+                fields[name][i] = v if plain else v.view(dtype).reshape(row[shape])
