@@ -383,3 +383,28 @@ def test_a_failed_warm_up_fails_the_next_batch_with_its_cause(tmp_path):
                                          "TruncatedShardError: .*shard-00000"):
         store.get_many([1, 2])
     store.close()
+
+
+@pytest.mark.parametrize("n", [1, 40])          # the few-samples path and the numpy one
+def test_views_never_reach_outside_their_source(tmp_path, n):
+    """assemble_views checks every range against its source and takes read-only
+    sources only: a short or writable source raises instead of lending less."""
+    from forebay.dataset import IndexLayout, ReadOnly, assemble_views
+    from forebay.errors import InvalidArgumentError
+
+    forebay.write_dataset(tmp_path / "ds", ({"b": bytes([i]) * 300, "y": np.int64(i)}
+                                            for i in range(n)))
+    ds = forebay.open_dataset(tmp_path / "ds")
+    ids = np.arange(n)
+    rows = ds.rows(ids)
+    starts = rows[:, IndexLayout.REC_OFF] - rows[0, IndexLayout.REC_OFF]
+    need = int((starts + rows[:, IndexLayout.REC_LEN]).max())
+    src = ReadOnly(np.zeros(need, dtype=np.uint8)).array()
+    views = assemble_views(ids, rows, ds.schema, ds.layout, [(src, starts, slice(None))])
+    assert [v.tobytes() for v in views["b"]] == [bytes(300)] * n
+    short = ReadOnly(np.zeros(need - 1, dtype=np.uint8)).array()
+    with pytest.raises(InvalidArgumentError, match="outside its source"):
+        assemble_views(ids, rows, ds.schema, ds.layout, [(short, starts, slice(None))])
+    with pytest.raises(InvalidArgumentError, match="writable"):
+        assemble_views(ids, rows, ds.schema, ds.layout,
+                       [(np.zeros(need, dtype=np.uint8), starts, slice(None))])
