@@ -68,6 +68,7 @@ PRELUDES = {
     "fr.init_process_group()              # rank/size from torchrun": DATA + MODEL + TRAINING,
     "from forebay.sim import simulate": "",
     "store = DistributedStore.from_arrays(": "",
+    "loader = DataLoader(\"photos.fb\", batch_size=16, views=True)": "",
     "forebay.trace.enable(\"traces/\")          # or:": DATA + "import forebay.torch\nE = 1\n"
                                                        "step = lambda batch: None\n",
 }
