@@ -78,7 +78,8 @@ def _read(out: Path, world: int) -> list[dict]:
     ("preload", "auto", "shm", 0), ("preload", "exchange", "exchange", 0),
     ("clairvoyant", "auto", "shm", 0), ("clairvoyant", "exchange", "exchange", 0),
     ("direct", "auto", None, 0),
-    ("preload", "auto", "shm", 1), ("clairvoyant", "auto", "shm", 1), ("direct", "auto", None, 1)])
+    ("preload", "auto", "shm", 1), ("preload", "exchange", "exchange", 1),
+    ("clairvoyant", "auto", "shm", 1), ("direct", "auto", None, 1)])
 def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_path, mode,
                                                                  transport, want, views):
     before = _segments()
