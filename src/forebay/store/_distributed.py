@@ -1258,7 +1258,8 @@ class DistributedStore(SampleStore):
     def stats(self) -> dict[str, Any]:
         """``fetches_by_source`` (local memory, a peer's memory, and with ``overlap``
         the files, for samples not yet loaded), and ``pfs_reads`` / ``pfs_bytes``: what
-        this rank read from the dataset files (its preload, and those samples);
+        this rank read from the dataset files (its preload, those samples, and over
+        the exchange the records of its chunk it sent to peers from the files);
         ``transport``: how peers' memory is read; ``preload_seconds``: from setup to
         this rank's chunk loaded (None while an overlapped load runs);
         ``preload_skipped_bytes``: what the overlapped load did not read because
