@@ -9,7 +9,8 @@ contender's files before its job (epoch 1 is cold), later epochs are warm:
   preload with ``overlap_preload=True`` (training starts while the chunks load); a
   ``views`` suffix (``forebay direct views``...): ``views=True``, the samples lent as
   read-only arrays over the store's memory instead of copied; an ``exchange`` suffix
-  (``forebay preload-overlap exchange``): the transport used across nodes, forced;
+  (``forebay preload-overlap exchange``; ``rma`` under ``--launcher mpiexec``): a
+  transport used across nodes, forced;
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
   ImageFolder tree of blobs for images), per-sample collation;
@@ -102,6 +103,9 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
+    if "PMI_RANK" in os.environ and "RANK" not in os.environ:     # under mpiexec
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = (os.environ["PMI_RANK"],
+                                                        os.environ["PMI_SIZE"])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     images = a.kind == "imagenet"
@@ -126,8 +130,9 @@ def worker(a) -> None:
         kw: dict = {"ram_bytes": a.ram_bytes} if mode == "clairvoyant" else {}
         if mode == "preload-overlap":
             mode, kw = "preload", {"overlap_preload": True}
-        if "exchange" in words:      # the transport across nodes, forced on one
-            kw["transport"] = "exchange"
+        for t in ("exchange", "rma"):  # the transports across nodes, forced on one
+            if t in words:
+                kw["transport"] = t
         loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
                             progress=False, views="views" in words, **kw)
         set_epoch = loader.set_epoch
@@ -236,6 +241,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="the first is cold")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--compute-ms", type=float, default=0.0)
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpiexec"],
+                   help="mpiexec: forebay on MPI (the timing still meets over gloo)")
     p.add_argument("--touch", action="store_true",
                    help="the loop reads every byte of every image once (xxh3)")
     p.add_argument("--ram-bytes", type=int, default=0,
@@ -278,11 +285,19 @@ def main() -> None:
              "mosaicml-streaming": files_under(paths["mds"]),
              "litdata": files_under(paths["lit"])}
     contenders = [c for c in a.contenders.split(",") if c]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     runs: dict[str, list[dict]] = {}
     with throttled(paths["packed"], a.throttle) as throttle:
         _rounds(a, contenders, paths, files, env, runs, throttle)
     _report(a, contenders, runs, throttle)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
@@ -290,8 +305,10 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
             evict(files[c.split()[0]])
-            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(a.ranks),
-                   __file__, "--worker", "--contender", c, "--kind", a.kind,
+            launch = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
+                      str(a.ranks)] if a.launcher == "torchrun" else \
+                [str(BIN / "mpiexec"), "-n", str(a.ranks), sys.executable]
+            cmd = launch + [__file__, "--worker", "--contender", c, "--kind", a.kind,
                    "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]
             cmd += ["--evict-each-epoch"] if a.evict_each_epoch else []
@@ -300,6 +317,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
                 cmd += [f"--{name}", str(path)]
             if throttle is not None:
                 cmd = throttle.wrap(cmd)
+            env["MASTER_PORT"] = str(_free_port())     # (mpiexec: the timing's gloo)
             read0 = throttle.read_bytes() if throttle is not None else 0
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
             if proc.returncode != 0:
@@ -321,7 +339,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
 
 def _report(a, contenders, runs, throttle) -> None:
     print(f"\nmachine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-          f"{a.kind}, {a.samples} samples, {a.ranks} ranks under torchrun, per-rank batch "
+          f"{a.kind}, {a.samples} samples, {a.ranks} ranks under {a.launcher}, per-rank batch "
           f"{a.batch_size}, {a.epochs} epochs (the first cold, after evicting the "
           f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
           f"), compute {a.compute_ms} ms/step"
