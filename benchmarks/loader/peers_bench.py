@@ -1,8 +1,9 @@
 """forebay's loader modes against the loaders a user would pick instead (issue O).
 
-Every contender is a fresh ``torchrun --standalone --nproc-per-node R`` job over the same
-samples, contenders in rotating order, repeated; the page cache is emptied of the
-contender's files before its job (epoch 1 is cold), later epochs are warm:
+Every contender is a fresh ``torchrun --standalone --nproc-per-node R`` job (``--launcher
+mpiexec``: ``mpiexec -n R``, forebay on MPI) over the same samples, contenders in
+rotating order, repeated; the page cache is emptied of the contender's files before its
+job (epoch 1 is cold), later epochs are warm:
 
 * ``forebay direct`` / ``preload`` / ``clairvoyant``: ``forebay.torch.DataLoader`` over
   the packed dataset (``mode=``), its own vectorised collation; ``preload-overlap``:
