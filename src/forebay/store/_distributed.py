@@ -452,9 +452,10 @@ class DistributedStore(SampleStore):
         #: the background load yields to batches reading the files: for large records,
         #: whose random reads cost about what sequential ones do (small ones are bound
         #: by requests: the sequential load then serves the batches sooner); over the
-        #: exchange each member's load yields to its own reads (no remote header); not
-        #: over rma (a batch would keep records in a peer's memory: an MPI_Put each)
-        self.yields = self.overlap and not self.ds.small_records and self.transport != "rma"
+        #: exchange and rma each member's load yields to its own batches' reads (no
+        #: remote header), and a batch keeps only its own member's records (a peer's
+        #: would be an MPI_Put)
+        self.yields = self.overlap and not self.ds.small_records
         #: exchange + overlap: every member's chunk is known loaded (agreed in a batch)
         self._group_loaded = not self.overlap
         self._served_from_files = [0, 0]    # records, bytes: sent to peers from the files
@@ -807,7 +808,8 @@ class DistributedStore(SampleStore):
             return False
         poll = Backoff(first=0.001, cap=0.005)
         # over the exchange a member sees (and reads for) its own records only
-        members = [self.member] if self.transport == "exchange" else range(self.width)
+        members = [self.member] if self.transport in ("exchange", "rma") else \
+            range(self.width)
         held = int(self.layout.nbytes[members].sum())
         while not self._stop.is_set():
             # once the batches have read as many bytes from the files as the members
@@ -830,6 +832,8 @@ class DistributedStore(SampleStore):
         ready = ends <= self._known[member]
         if self.yields and not ready.all():     # what batches read and kept
             late = np.flatnonzero(~ready)
+            if self.transport == "rma":         # only this member's flags in reach
+                late = late[member[late] == self.member]
             ready[late] = self._kept_flags(ids[late], member[late]) == 1
             fence()   # later loads of those records see what preceded their flags
         return ready
@@ -850,11 +854,18 @@ class DistributedStore(SampleStore):
         """Copy the records a batch read from the files (``files``: its parts, a map,
         record starts and a mask each) to ``dst`` at ``pos``, their owners' chunks (the
         pages are in memory now), and flag them, so the load does not read them again
-        and later batches find them there."""
+        and later batches find them there.  Over rma only this member's records: its
+        own chunk is ``dst``; a peer's is out of reach (and ``pos`` would be the peer's
+        offsets)."""
+        kept = []
         for src, rec, m in files:
+            if self.transport == "rma":
+                own = member[m] == self.member
+                rec, m = rec[own], _mask(len(ids), np.flatnonzero(m)[own])
             gather_ranges(src, rec, rows[m, IndexLayout.REC_LEN], dst, pos[m])
+            kept.append(m)
         fence()       # the bytes are visible before the flags that announce them
-        sub = np.flatnonzero(np.logical_or.reduce([m for _, _, m in files]))
+        sub = np.flatnonzero(np.logical_or.reduce(kept))
         buf, at = self._kept_at(ids[sub], member[sub])
         buf[at] = 1
 
