@@ -380,9 +380,10 @@ class DistributedStore(SampleStore):
             its memory, read through MPI atomics over ``rma``; over ``exchange`` the
             owner itself reads from the files what it has not loaded yet and sends
             it), so training starts at once; :meth:`wait_filled` waits for the end.
-            For records of 64 KiB and more (``shm``, ``exchange``) the load yields to
-            batches reading the files (:attr:`yields`: it queues a piece only when
-            none has for 10 ms); smaller records, bound by requests, load alongside.
+            For records of 64 KiB and more the load yields to batches reading the
+            files (:attr:`yields`: it queues a piece only when none has for 10 ms;
+            over ``exchange`` and ``rma``, when its own member's batches have not);
+            smaller records, bound by requests, load alongside.
             A load that fails (a damaged record with ``verify_on_read``, a short
             file) fails the next ``get_many`` of every rank of the group, naming the
             cause.  The files must stay readable until the load ends (see
