@@ -256,6 +256,14 @@ def torch_comm() -> TorchComm:
     return TorchComm(_new_group())
 
 
+def mpi_thread_multiple() -> bool:
+    """Whether MPI lets several threads of this process call it at once
+    (MPI_THREAD_MULTIPLE): a background thread may then make MPI calls."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
 class NodeSegment:
     """One shared-memory segment for ranks of one node, each owning a region of it
     (the torch.distributed counterpart of an MPI shared window).

@@ -794,14 +794,10 @@ class ClairvoyantStore(SampleStore):
         """Samples ``ids``: from this rank's tier, a peer's, or the dataset, whichever
         holds them now; bit-exact to the dataset's ``get_many``.  With the ``exchange``
         transport a collective every rank calls in step."""
-        got, rows, parts, src = self._sources(ids, requests, lend=False)
-        tracer = _trace.active()
-        timings: Optional[list[Any]] = [] if tracer is not None else None
-        t0 = time.perf_counter()
-        batch = assemble_batch(got, rows, self.ds.schema, self.ds.layout, parts, alloc,
-                               timings=timings)
-        self._account(got, rows, parts, src, timings, t0)
-        return batch
+        return self._read(ids, requests, False,
+                          lambda got, rows, parts, timings: assemble_batch(
+                              got, rows, self.ds.schema, self.ds.layout, parts, alloc,
+                              timings=timings))
 
     def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
         """Samples ``ids`` as read-only views of where they are (no copy): a tier
@@ -811,13 +807,21 @@ class ClairvoyantStore(SampleStore):
         ``exchange`` transport: views of a copy (``get_many``)."""
         if self.transport == "exchange":
             return super().get_views(ids)
-        got, rows, parts, src = self._sources(ids, None, lend=True)
+        return self._read(ids, None, True,
+                          lambda got, rows, parts, timings: assemble_views(
+                              got, rows, self.ds.schema, self.ds.layout, parts, timings))
+
+    def _read(self, ids: "Sequence[int] | np.ndarray",
+              requests: "Optional[list[np.ndarray]]", lend: bool, build: Callable) -> Any:
+        """A batch: ``build(ids, rows, parts, timings)`` over where the samples are now
+        (``_sources``), counted and traced."""
+        got, rows, parts, src = self._sources(ids, requests, lend)
         tracer = _trace.active()
         timings: Optional[list[Any]] = [] if tracer is not None else None
         t0 = time.perf_counter()
-        views = assemble_views(got, rows, self.ds.schema, self.ds.layout, parts, timings)
+        out = build(got, rows, parts, timings)
         self._account(got, rows, parts, src, timings, t0)
-        return views
+        return out
 
     def _lent(self, key: str) -> np.ndarray:
         """This rank's RAM tier, SSD tier or the node's segment, read-only."""

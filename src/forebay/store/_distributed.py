@@ -18,8 +18,9 @@ import os
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -28,7 +29,8 @@ from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, ga
 from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
 from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
-                    fence, is_mpi, node_ranks, ordered_shared_memory, shm_usable)
+                    fence, is_mpi, mpi_thread_multiple, node_ranks, ordered_shared_memory,
+                    shm_usable)
 from ..vocab import Backoff
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import Lender, SampleStore, StoreError, raise_background_error
@@ -286,13 +288,6 @@ def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarra
     return view, addrs - addrs[0]
 
 
-def _mpi_threads() -> bool:
-    """Whether MPI lets several threads of this process call it at once."""
-    from mpi4py import MPI
-
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-
-
 def _mask(n: int, where: np.ndarray) -> np.ndarray:
     """A boolean mask of length ``n``, True at positions ``where``."""
     m = np.zeros(n, dtype=bool)
@@ -449,7 +444,7 @@ class DistributedStore(SampleStore):
         self.overlap = bool(overlap) and (
             self.transport in ("local", "exchange") or
             (self.transport == "shm" and ordered_shared_memory()) or
-            (self.transport == "rma" and _mpi_threads()))
+            (self.transport == "rma" and mpi_thread_multiple()))
         #: the background load yields to batches reading the files: for large records,
         #: whose random reads cost about what sequential ones do (small ones are bound
         #: by requests: the sequential load then serves the batches sooner); over the
@@ -460,7 +455,6 @@ class DistributedStore(SampleStore):
         #: exchange + overlap: every member's chunk is known loaded (agreed in a batch)
         self._group_loaded = not self.overlap
         self._served_from_files = [0, 0]    # records, bytes: sent to peers from the files
-        self._files_mask: Optional[np.ndarray] = None   # a batch's samples read from files
         self._yielding = self.yields
         self._kept_skipped = 0       # bytes the load did not read: batches had kept them
         # the exchange's records arrive in a fresh buffer every batch: nothing to lend
@@ -826,10 +820,9 @@ class DistributedStore(SampleStore):
         return False
 
     def _ready(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> np.ndarray:
-        """Which of samples ``ids`` are in their owners' memory now (overlap), from the
-        headers of the members still loading (a failed one fails every reader)."""
+        """Which of samples ``ids`` are in their owners' memory now (overlap), from
+        what the members' headers said when :meth:`_loaded_all` just read them."""
         ends = self.layout.offset[ids] + rows[:, IndexLayout.REC_LEN]
-        self._refresh_known()
         ready = ends <= self._known[member]
         if self.yields and not ready.all():     # what batches read and kept
             late = np.flatnonzero(~ready)
@@ -936,14 +929,10 @@ class DistributedStore(SampleStore):
         if self._loader is not None and self.transport != "exchange" and \
                 not self._loaded_all():
             return self._get_loading(ids, rows, local, member, alloc)
-        rec = _trace.active()
-        parts, t_stage = self._memory_parts(ids, rows, member, local, rec, requests, False)
-        timings: Optional[list[Any]] = [] if rec is not None else None
-        batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
-                               timings=timings)
-        if rec is not None:
-            self._trace_memory(rec, ids, rows, member, local, parts, timings, t_stage)
-        return batch
+        return self._read(ids, rows, member, local, requests, False,
+                          lambda parts, timings: assemble_batch(
+                              ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
+                              timings=timings))
 
     def get_views(self, ids: "Sequence[int] | np.ndarray") -> SampleViews:
         """Samples ``ids`` as read-only views of the group's memory (no copy; remote
@@ -959,14 +948,23 @@ class DistributedStore(SampleStore):
         ids = self.ds.normalize_ids(ids)
         rows = self.ds.rows(ids)
         member = self.layout.member[ids]
-        local = member == self.member
+        return self._read(ids, rows, member, member == self.member, None, True,
+                          lambda parts, timings: assemble_views(
+                              ids, rows, self.ds.schema, self.ds.layout, parts, timings))
+
+    def _read(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+              local: np.ndarray, requests: "Optional[list[np.ndarray]]", lend: bool,
+              build: Callable[[list, Optional[list]], Any]) -> Any:
+        """A batch (``build`` of its parts and timings) once the chunks are loaded."""
         rec = _trace.active()
-        parts, t_stage = self._memory_parts(ids, rows, member, local, rec, None, True)
+        parts, t_stage, files = self._memory_parts(ids, rows, member, local, rec,
+                                                   requests, lend)
         timings: Optional[list[Any]] = [] if rec is not None else None
-        views = assemble_views(ids, rows, self.ds.schema, self.ds.layout, parts, timings)
+        out = build(parts, timings)
         if rec is not None:
-            self._trace_memory(rec, ids, rows, member, local, parts, timings, t_stage)
-        return views
+            self._trace_memory(rec, ids, rows, member, local, parts, timings, t_stage,
+                               files)
+        return out
 
     def _lent(self) -> np.ndarray:
         """The memory batches are viewed in, read-only: the group's segment (shm),
@@ -977,11 +975,12 @@ class DistributedStore(SampleStore):
 
     def _memory_parts(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
                       local: np.ndarray, rec: Any, requests: "Optional[list[np.ndarray]]",
-                      lend: bool) -> "tuple[list[Any], float]":
+                      lend: bool) -> "tuple[list[Any], float, Optional[np.ndarray]]":
         """Where the records of ``ids`` are (assemble_batch parts), once the chunks are
         loaded: the shared segment, this rank's chunk, records fetched from peers
         (``rma``; ``exchange``: the collective); ``lend``: read-only sources for views.
-        Also counts the fetches; returns the parts and the seconds spent fetching."""
+        Also counts the fetches; returns the parts, the seconds spent fetching, and
+        which samples came from the files (an overlapped exchange; else None)."""
         nlocal = int(np.count_nonzero(local))
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
@@ -990,22 +989,22 @@ class DistributedStore(SampleStore):
             src = self._lent() if lend else self._segment
             seg = self._seg_pos[ids]
             if rec is None:  # one gather over the node's segment, local and peers alike
-                return [(src, seg, slice(None))], t_stage
+                return [(src, seg, slice(None))], t_stage, None
             # traced: local and peer parts timed apart
-            return [(src, seg[m], m) for m in (local, ~local) if m.any()], t_stage
+            return [(src, seg[m], m) for m in (local, ~local) if m.any()], t_stage, None
         if self.transport == "exchange":
             t0 = time.perf_counter()
-            parts = self._exchange(ids, rows, member, local, requests)
+            parts, files = self._exchange(ids, rows, member, local, requests)
             if rec is not None:
                 t1 = time.perf_counter()
                 t_stage = t1 - t0
                 rec.span("memstore", "exchange", t0, t1, count=int((~local).sum()),
                          args={"members": self.width})
-            return parts, t_stage
+            return parts, t_stage, files
         mem = self._lent() if lend else self._buf
         offset = self.layout.offset[ids]
         if nlocal == len(ids):
-            return [(mem, offset, slice(None))], t_stage
+            return [(mem, offset, slice(None))], t_stage, None
         parts = [(mem, offset[local], local)] if nlocal else []
         t0 = time.perf_counter()
         stage, stage_pos, remote = self._staged(ids, rows, member, ~local)
@@ -1017,7 +1016,7 @@ class DistributedStore(SampleStore):
         if lend:
             stage.flags.writeable = False        # the views own it
         parts.append((stage, stage_pos, remote))
-        return parts, t_stage
+        return parts, t_stage, None
 
     def _staged(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
                 sel: np.ndarray) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
@@ -1034,21 +1033,21 @@ class DistributedStore(SampleStore):
         return stage, stage_pos, sel
 
     def _trace_memory(self, rec: Any, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
-                      local: np.ndarray, parts: list, timings: Any, t_stage: float) -> None:
+                      local: np.ndarray, parts: list, timings: Any, t_stage: float,
+                      files: Optional[np.ndarray]) -> None:
         """One data/item per sample; a peer part's time includes its MPI_Get; this
-        rank's samples an overlapped exchange read from the files are PFS reads."""
+        rank's samples an overlapped exchange read from the files (``files``) are PFS
+        reads."""
         src = np.where(local, _hooks.SRC["local"], _hooks.SRC["peer"])
         owner = self.group_ranks[member]
         tier: Any = "memory"
-        files = self._files_mask
-        if files is not None and len(files) == len(ids) and files.any():
+        if files is not None and files.any():
             src[files] = _hooks.SRC["pfs"]
             tier = np.where(files, _hooks.TIER["pfs"], _hooks.TIER["memory"])
             owner = np.where(files, -1, owner)
         tagged = [(sel, t0 - (0.0 if local[sel].any() else t_stage), t1, src, tier,
                    owner) for (_, _, sel), (t0, t1) in zip(parts, timings or [])]
         _hooks.record_parts(rec, ids, rows[:, IndexLayout.REC_LEN], tagged)
-        self._files_mask = None
 
     def _loaded_all(self) -> bool:
         """Whether every member's chunk is loaded (overlap), from their headers."""
@@ -1095,24 +1094,16 @@ class DistributedStore(SampleStore):
             if self.ds.verify_on_read:
                 self.ds.check_records(ids[sub])
             for buf, starts, sel in self.ds.record_parts(ids[sub], rows[sub]):
-                m = np.zeros(len(ids), dtype=bool)
-                m[sub[sel]] = True
-                files.append((buf, starts, m))
+                files.append((buf, starts, _mask(len(ids), sub[sel])))
         parts += files
         rec = _trace.active()
         timings: Optional[list[Any]] = [] if rec is not None else None
         reading = self.yields and len(sub) > 0
-        if reading:        # the background load waits while batches read the files
-            self._hdr[_H_READING] = _READING
-        try:
+        nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
+        with self._reading(reading, nbytes):
             batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                    timings=timings)
-        finally:
-            if reading:
-                self._hdr[_H_READING] = time.monotonic_ns()
-        nbytes = int(rows[sub, IndexLayout.REC_LEN].sum())
         if reading:
-            self._hdr[_H_READ_BYTES] += nbytes
             self._keep(ids, rows, member, src, pos, files)
         if len(sub):
             # copied out: the map's pages leave this process (the page cache keeps them)
@@ -1137,17 +1128,19 @@ class DistributedStore(SampleStore):
         return batch
 
     def _exchange(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
-                  local: np.ndarray, requests: "Optional[list[np.ndarray]]") -> list:
+                  local: np.ndarray, requests: "Optional[list[np.ndarray]]"
+                  ) -> "tuple[list, Optional[np.ndarray]]":
         """The ``exchange`` transport's collective: every member of the replica group
         sends each other member the records of its request that it owns (in the order
         asked), with one all-gather of the ids (skipped when ``requests`` says what
         every member asks) and one all-to-all whose sizes both ends compute from the
         index.  While an overlapped preload runs, a member reads from the files what
         it has not loaded yet (to send, or for itself), and the members agree on how
-        the loads stand before sending.  Returns assemble_batch parts."""
+        the loads stand before sending.  Returns assemble_batch parts and which of
+        ``ids`` were read from the files (None: none could be).  ``rows``: the ids'
+        index rows."""
         gc = self.group_comm
         reclen = self.ds.record_nbytes
-        self._files_mask = None
         asked = allgather_array(gc, ids) if requests is None else requests
         cat = np.concatenate(asked)
         by = np.repeat(np.arange(self.width), [len(a) for a in asked])
@@ -1159,12 +1152,14 @@ class DistributedStore(SampleStore):
         send = np.empty(int(slen.sum()), dtype=np.uint8)
         sent_at = np.cumsum(slen) - slen
         parts: list = []
+        files = None
         if self._group_loaded:
             gather_ranges(self._buf, self.layout.offset[sids], slen, send, sent_at)
             if local.any():
                 parts.append((self._buf, self.layout.offset[ids[local]], local))
         else:
-            parts = self._exchange_loading(ids, rows, local, sids, slen, send, sent_at)
+            parts, files = self._exchange_loading(ids, rows, local, sids, slen, send,
+                                                  sent_at)
         send_counts = np.bincount(to, weights=slen, minlength=self.width).astype(np.int64)
         remote = ~local
         rlen, rmember = reclen[ids[remote]], member[remote]
@@ -1175,19 +1170,21 @@ class DistributedStore(SampleStore):
         stage = alltoall_bytes(gc, send, send_counts, recv_counts)
         if remote.any():
             parts.append((stage, stage_pos, remote))
-        return parts
+        return parts, files
 
     def _exchange_loading(self, ids: np.ndarray, rows: np.ndarray, local: np.ndarray,
                           sids: np.ndarray, slen: np.ndarray, send: np.ndarray,
-                          sent_at: np.ndarray) -> list:
+                          sent_at: np.ndarray) -> "tuple[list, np.ndarray]":
         """The exchange's reads while overlapped loads run: this member's records that
         its load has announced from memory, the rest from the files (checked with
         ``verify_on_read``), into ``send`` and the local parts; then one all-gather of
         every member's state, so a failed load (or a failed read) raises on every member
         before anyone waits in the all-to-all, and once every load is done later
-        batches skip all this."""
+        batches skip all this.  Returns the local parts and which of ``ids`` were read
+        from the files."""
         err: Optional[BaseException] = None
         parts: list = []
+        files_mask = np.zeros(len(ids), dtype=bool)
         try:
             self._raise_load_error()
             off, nb = self.layout.offset, self.ds.record_nbytes
@@ -1198,31 +1195,22 @@ class DistributedStore(SampleStore):
             if ready_l.any():
                 m = _mask(len(ids), mine[ready_l])
                 parts.append((self._buf, off[ids[m]], m))
+            nbytes_s, nbytes_l = int(slen[late_s].sum()), int(nb[ids[late_l]].sum())
             reading = self.yields and (len(late_s) + len(late_l)) > 0
-            if reading:        # the background load waits while this member reads files
-                self._hdr[_H_READING] = _READING
-            try:
+            with self._reading(reading, nbytes_s + nbytes_l):
                 for buf, starts, lens, k in self._file_reads(sids[late_s]):
                     gather_ranges(buf, starts, lens, send, sent_at[late_s[k]])
                 files = [(buf, starts, _mask(len(ids), late_l[k]))
                          for buf, starts, _, k in self._file_reads(ids[late_l])]
-                if reading:    # kept in this member's chunk: the load skips them
-                    gather_ranges(send, sent_at[late_s], slen[late_s], self._buf,
-                                  off[sids[late_s]])
-                    for buf, starts, m in files:
-                        gather_ranges(buf, starts, nb[ids[m]], self._buf, off[ids[m]])
-                    fence()    # the bytes are visible before the flags that announce them
-                    kept = np.concatenate([sids[late_s], ids[late_l]])
-                    buf_, at = self._kept_at(kept, np.full(len(kept), self.member))
-                    buf_[at] = 1
-            finally:
-                if reading:
-                    self._hdr[_H_READING] = time.monotonic_ns()
+            if reading:        # kept in this member's chunk: the load skips them
+                own = np.full(len(sids), self.member)
+                self._keep(sids, self.ds.rows(sids), own, self._buf, off[sids],
+                           [(send, sent_at[late_s], _mask(len(sids), late_s))])
+                if files:
+                    self._keep(ids, rows, np.full(len(ids), self.member), self._buf,
+                               off[ids], files)
             parts += files
-            nbytes_s, nbytes_l = int(slen[late_s].sum()), int(nb[ids[late_l]].sum())
-            if reading:
-                self._hdr[_H_READ_BYTES] += nbytes_s + nbytes_l
-            self._files_mask = _mask(len(ids), late_l)          # (tracing)
+            files_mask[late_l] = True
             self._served_from_files[0] += len(late_s)
             self._served_from_files[1] += nbytes_s
             self._fetches["local"] -= len(late_l)
@@ -1241,7 +1229,21 @@ class DistributedStore(SampleStore):
             raise StoreError(f"rank {int(self.group_ranks[r])}'s background preload (or a "
                              f"read of its records from the files) failed: {msg}")
         self._group_loaded = all(d for d, _ in states)
-        return parts
+        return parts, files_mask
+
+    @contextmanager
+    def _reading(self, active: bool, nbytes: int) -> Iterator[None]:
+        """While a batch of this member reads ``nbytes`` from the files (``active``:
+        when the load yields), its header says so: the background load waits."""
+        if not active:
+            yield
+            return
+        self._hdr[_H_READING] = _READING
+        try:
+            yield
+        finally:
+            self._hdr[_H_READING] = time.monotonic_ns()
+        self._hdr[_H_READ_BYTES] += nbytes
 
     def _own_ready(self, want: np.ndarray) -> np.ndarray:
         """Which of this member's samples ``want`` are in its chunk now (exchange with

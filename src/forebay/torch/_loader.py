@@ -17,7 +17,7 @@ from ..dataset import IndexLayout, PackedDataset, SampleBatch, SampleViews, open
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory, warm_enabled)
-from ..comm import all_true, is_mpi
+from ..comm import all_true, is_mpi, mpi_thread_multiple
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
 from ._collate import collate_views, default_collate, is_graph_batch
@@ -132,8 +132,8 @@ class DataLoader:
         pin_memory: gather batches straight into pinned host memory (CUDA only).
         views: lend the samples instead of copying them (``workers=0``): the store's
             ``get_views`` gives read-only numpy arrays over the memory that holds the
-            samples (the preload's shared memory, the shards' maps in direct mode;
-            clairvoyant mode and the ``exchange`` transport copy), ``transform`` and
+            samples (the preload's shared memory, the clairvoyant tiers, the shards'
+            maps; the ``exchange`` transport copies), ``transform`` and
             ``batch_transform`` get those (a :class:`~forebay.dataset.SampleViews`),
             and the default collation leaves bytes fields and fields of varying
             shape as lists of them (:func:`~forebay.torch.collate_views`): for a
@@ -262,9 +262,7 @@ class DataLoader:
                                     dataset=own)
             self.prefetch = max(self.prefetch, 4 * int(workers))   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
-            from mpi4py import MPI
-
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            if not mpi_thread_multiple():
                 warnings.warn("MPI was not initialised with MPI_THREAD_MULTIPLE; forebay "
                               "fetches batches in the iterating thread (prefetch=0)",
                               RuntimeWarning, stacklevel=2)
