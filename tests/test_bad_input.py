@@ -10,7 +10,7 @@ import pytest
 
 import forebay
 from forebay import errors
-from forebay.dataset import checksum, seal_manifest
+from forebay.dataset import can_lock, checksum, seal_manifest
 from forebay.dataset.sources import NpzSource, PickleSource, get_source, ingest
 from conftest import leftovers
 
@@ -83,6 +83,43 @@ def test_views_of_a_shard_truncated_while_mapped_raise_instead(packed, tmp_path)
     os.truncate(shard, 0)
     with pytest.raises(errors.TruncatedShardError, match=shard.name):
         ds.get_views([last])
+
+
+@pytest.mark.skipif(not can_lock(64 << 20), reason="this process may "
+                    "not lock memory (RLIMIT_MEMLOCK)")
+def test_a_shard_truncated_under_the_page_cache_tier_is_named_by_its_fill(packed, tmp_path):
+    """The clairvoyant RAM tier held in the page cache (ram_tier="pages") maps the
+    samples in as it fills: a shard cut short after the dataset was opened, before or
+    after the tier mapped it, raises TruncatedShardError naming it from the fill (here
+    run in the caller's thread; the fill threads' error is raised by the next
+    get_many), never SIGBUS."""
+    import os
+    import shutil
+
+    from forebay.store import ClairvoyantStore
+    from forebay.world import LOCAL
+
+    path = tmp_path / "copy"
+    shutil.copytree(packed[0], path)
+    ds = forebay.open_dataset(path)
+    plan = forebay.AccessPlan(len(ds), 1, 4, 1)
+    with ClairvoyantStore(ds, plan, LOCAL, ram_bytes=1 << 20,
+                          ram_tier="pages", fill=False) as st:
+        for shard in sorted({_record_of(ds, i)[0] for i in range(len(ds))}):
+            os.truncate(shard, 0)
+        with pytest.raises(errors.TruncatedShardError, match=r"shard-\d+\.bin"):
+            st.fill_now()
+    # one shard, already mapped (and partly locked) when it is cut short
+    one = tmp_path / "one"
+    forebay.write_dataset(one, ({"x": np.full(3000, i, dtype=np.int64)} for i in range(40)))
+    ds = forebay.open_dataset(one)
+    with ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 1, 4, 1), LOCAL, ram_bytes=1 << 20,
+                          ram_tier="pages", fill=False) as st:
+        assert st.fill_now(limit=4) == 4
+        shard = _record_of(ds, 0)[0]
+        os.truncate(shard, 4096)
+        with pytest.raises(errors.TruncatedShardError, match=shard.name):
+            st.fill_now()
 
 
 def test_missing_shard_file(packed):

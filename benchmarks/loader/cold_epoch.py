@@ -11,6 +11,8 @@ runs every job in a block-I/O cgroup capping the disk's reads (root only, see
 
     python benchmarks/loader/cold_epoch.py /tmp/peers-run/ising-20480.fb --throttle 300,3000
     python benchmarks/loader/cold_epoch.py /tmp/peers-run/imagenet-10240.fb
+    python benchmarks/loader/cold_epoch.py /tmp/peers-run/imagenet-10240.fb --warm off \
+        --modes direct,clairvoyant:copy,clairvoyant:pages
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def worker(a) -> None:
     from forebay.torch import DataLoader
 
     comm = MPI.COMM_WORLD
-    kw = {"ram_bytes": int(open_dataset(a.dataset).nbytes) + (64 << 20)} \
-        if a.mode == "clairvoyant" else {}
+    mode, _, tier = a.mode.partition(":")
+    kw = {"ram_bytes": int(open_dataset(a.dataset).nbytes) + (64 << 20),
+          "ram_tier": tier or "auto"} if mode == "clairvoyant" else {}
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    loader = DataLoader(a.dataset, a.batch_size, seed=0, epochs=2, mode=a.mode,
+    loader = DataLoader(a.dataset, a.batch_size, seed=0, epochs=2, mode=mode,
                         progress=False, warm_files=WARM[a.warm], **kw)
     times, cpu = [], None
     for e in range(2):
@@ -65,7 +68,9 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--modes", default="direct,clairvoyant")
+    p.add_argument("--modes", default="direct,clairvoyant",
+                   help="direct, clairvoyant, clairvoyant:copy, clairvoyant:pages (its RAM "
+                   "tier's ram_tier), comma-separated")
     p.add_argument("--warm", default="off,on", help="warm_files settings: auto, on, off")
     p.add_argument("--throttle", metavar="MBPS[,IOPS]")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

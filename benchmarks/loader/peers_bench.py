@@ -11,7 +11,8 @@ job (epoch 1 is cold), later epochs are warm:
   ``views`` suffix (``forebay direct views``...): ``views=True``, the samples lent as
   read-only arrays over the store's memory instead of copied; an ``exchange`` suffix
   (``forebay preload-overlap exchange``; ``rma`` under ``--launcher mpiexec``): a
-  transport used across nodes, forced;
+  transport used across nodes, forced; ``copy`` / ``pages`` (``forebay clairvoyant
+  copy``): the clairvoyant RAM tier's ``ram_tier`` (default ``auto``);
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
   ImageFolder tree of blobs for images), per-sample collation;
@@ -134,6 +135,9 @@ def worker(a) -> None:
         for t in ("exchange", "rma"):  # the transports across nodes, forced on one
             if t in words:
                 kw["transport"] = t
+        for t in ("copy", "pages"):    # the clairvoyant RAM tier (default: auto)
+            if t in words:
+                kw["ram_tier"] = t
         loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
                             progress=False, views="views" in words, **kw)
         set_epoch = loader.set_epoch

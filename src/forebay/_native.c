@@ -10,7 +10,9 @@
  * a batch in two calls (its fixed cost per batch was ~30 numpy calls).
  *
  * willneed and populate advise the kernel on a batch's byte ranges of a memory map:
- * read them ahead, or map them in now (views lent to a reader).
+ * read them ahead, or map them in now (views lent to a reader).  lock_on_fault locks
+ * a whole map's pages as they are mapped in (the clairvoyant store's RAM tier held in
+ * the page cache: populate then locks what it maps).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 static int as_i64(Py_buffer *b, const char *name, Py_ssize_t *n) {
@@ -139,6 +142,28 @@ done:
 static PyObject *willneed(PyObject *self, PyObject *args) { return advise_ranges(args, 0); }
 
 static PyObject *populate(PyObject *self, PyObject *args) { return advise_ranges(args, 1); }
+
+/* lock_on_fault(map) -> errno: mlock2(MLOCK_ONFAULT) over the whole map, one call: its
+ * pages are locked as they are mapped in (populate), never read ahead of that.  One
+ * call per map, where an mlock per sample would split the mapping into a VMA per
+ * range (vm.max_map_count, and the write lock on the address space each time).
+ * Returns 0 or the errno (ENOMEM/EPERM: RLIMIT_MEMLOCK; ENOSYS/EINVAL: a kernel before
+ * 4.4). */
+static PyObject *lock_on_fault(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*", &src))
+        return NULL;
+    int err = 0;
+#ifdef SYS_mlock2
+    if (src.len > 0 && syscall(SYS_mlock2, src.buf, (size_t)src.len, 1 /* MLOCK_ONFAULT */) != 0)
+        err = errno;
+#else
+    err = ENOSYS;
+#endif
+    PyBuffer_Release(&src);
+    return PyLong_FromLong(err);
+}
 
 /* batch_layout(rows, ncols, nbytes_cols, itemsizes, align, meta) -> size
  *
@@ -325,6 +350,8 @@ static PyMethodDef methods[] = {
      "willneed(map, starts, ends): madvise(MADV_WILLNEED) byte ranges of a memory map"},
     {"populate", populate, METH_VARARGS,
      "populate(map, starts, ends) -> failed ranges: map byte ranges in now (MADV_POPULATE_READ)"},
+    {"lock_on_fault", lock_on_fault, METH_VARARGS,
+     "lock_on_fault(map) -> errno: mlock2(MLOCK_ONFAULT) a whole memory map"},
     {"batch_layout", batch_layout, METH_VARARGS,
      "batch_layout(rows, ncols, nbytes_cols, itemsizes, align, meta) -> output bytes"},
     {"gather_fields", gather_fields, METH_VARARGS,

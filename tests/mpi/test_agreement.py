@@ -67,6 +67,10 @@ def rank_stores_arguments_differ(path: str) -> None:
     plan = forebay.AccessPlan(len(forebay.open_dataset(path)), comm.size, 4, 2, seed=r)
     _expect_mismatch(lambda: ClairvoyantStore(path, plan, comm, ram_bytes=1 << 20),
                      "ClairvoyantStore", "seed 0", "seed 1")
+    plan = forebay.AccessPlan(len(forebay.open_dataset(path)), comm.size, 4, 2, seed=0)
+    _expect_mismatch(lambda: ClairvoyantStore(path, plan, comm, ram_bytes=1 << 20,
+                                              ram_tier=("copy", "auto")[r]),
+                     "ram_tier 'copy' on rank 0, 'auto' on rank 1")
     # and a store the ranks agree on still works afterwards
     with DistributedStore(path, comm, progress=False) as st:
         ids = np.arange(len(st))

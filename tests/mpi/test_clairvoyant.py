@@ -3,9 +3,13 @@ read per sample when the tiers hold the dataset."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import forebay
+from forebay.dataset import can_lock
+from forebay.errors import InvalidArgumentError
 from forebay.store import ClairvoyantStore, StoreError
 from conftest import run_ranks
 
@@ -370,6 +374,11 @@ def rank_no_copies_of_node_peers(*args: str) -> None:
     extra, nbytes, covered = held["shm"]
     assert extra == 0 and nbytes == covered, held
     assert held["rma"][0] > 0 and held["rma"][1] > covered, held
+    # the page cache serves the ranks of one node only
+    with pytest.raises(StoreError, match="ram_tier='pages' is not possible here: transport "
+                       "'exchange'"):
+        ClairvoyantStore(ds, plan, comm, ram_bytes=1 << 20, transport="exchange",
+                         ram_tier="pages")
     say(f"rank {comm.rank} held ok")
 
 
@@ -386,15 +395,17 @@ def test_a_reader_racing_the_fill_leaves_no_hole_and_reads_each_sample_once(pack
     """The fill jumps ahead of a reader that caught up with it (instead of both working
     on the same chunk, the reader sleeping); whatever it jumps over is loaded by the
     reader or filled at the end: however the two interleave, the tier ends complete,
-    its prefix published, and each sample was read from the files once."""
+    its prefix published, and each sample was read from the files once (with the tier
+    in the page cache, a sample a batch read first is locked without a second read)."""
     import numpy as np
 
     from forebay.store import tier_nbytes
     ds = forebay.open_dataset(packed[0])
     plan = forebay.AccessPlan(len(ds), 1, 4, 2, seed=5)
-    for threads in (1, 3):
+    tiers = ("copy", "pages") if can_lock(4 * int(tier_nbytes(ds).sum())) else ("copy",)
+    for threads, tier in itertools.product((1, 3), tiers):
         st = ClairvoyantStore(ds, plan, None, ram_bytes=int(tier_nbytes(ds).sum()),
-                              ram_threads=threads)
+                              ram_threads=threads, ram_tier=tier)
         for e in range(2):
             for ids in plan.batches(0, e):
                 assert st.get_many(ids).equals(ds.get_many(ids))
@@ -455,3 +466,57 @@ def test_warm_files_is_checked(packed):
     from forebay.torch import DataLoader
     with pytest.raises(InvalidArgumentError, match="warm_files"):
         DataLoader(packed[0], 8, comm=forebay.world.LOCAL, mode="direct", warm_files="yes")
+
+
+def _locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmLck:")).split()[1])
+
+
+@pytest.mark.skipif(not can_lock(64 << 20), reason="this process may not lock memory "
+                    "(RLIMIT_MEMLOCK)")
+def test_the_ram_tier_in_the_page_cache_locks_the_files_pages_and_copies_nothing(packed):
+    """ram_tier="pages": the fill locks the samples' pages of the files (the process's
+    locked memory grows by at least the records' bytes), the tier allocates no buffer
+    of its own, batches are bit-exact and read from the files' maps (views included),
+    and close unlocks everything."""
+
+    from forebay.store import tier_nbytes
+    ds = forebay.open_dataset(packed[0])
+    plan = forebay.AccessPlan(len(ds), 1, 8, 2, seed=1)
+    before = _locked_kib()
+    st = ClairvoyantStore(ds, plan, None, ram_bytes=int(tier_nbytes(ds).sum()),
+                          ram_tier="pages")
+    assert st.ram_tier == "pages" and st.stats()["ram_tier"] == "pages"
+    assert st.wait_filled(timeout=60)
+    records = int(ds.record_nbytes.sum())
+    assert (_locked_kib() - before) * 1024 >= records
+    assert st.stats()["locked_bytes"] >= records
+    assert st.stats()["buffer_bytes"] == 0       # no buffer of its own
+    asked = 0
+    for e in range(2):
+        for ids in plan.batches(0, e):
+            assert st.get_many(ids).equals(ds.get_many(ids))
+            assert st.get_views(ids).equals(ds.get_many(ids))
+            asked += 2 * len(ids)
+    s = st.stats()
+    assert s["fetches_by_source"] == {"local": asked, "peer": 0, "pfs": 0}, s
+    assert s["pfs_reads"] == len(ds)
+    st.close()
+    assert _locked_kib() == before
+
+
+def test_ram_tier_choices(packed, tmp_path):
+    """"auto" copies where the page cache cannot serve as the tier (an emulated file
+    system's hook given); an unknown choice is refused; "pages" where it cannot be is
+    an error naming why (two ranks: tests/mpi/test_agreement.py, the exchange below)."""
+    ds = forebay.open_dataset(packed[0])
+    plan = forebay.AccessPlan(len(ds), 1, 8, 1, seed=1)
+    with ClairvoyantStore(ds, plan, None, ram_bytes=1 << 20,
+                          on_pfs_read=lambda *a: None) as st:
+        assert st.ram_tier == "copy"
+    with pytest.raises(InvalidArgumentError, match="ram_tier must be"):
+        ClairvoyantStore(ds, plan, None, ram_bytes=1 << 20, ram_tier="page")
+    if can_lock(64 << 20):
+        with ClairvoyantStore(ds, plan, None, ram_bytes=1 << 20) as st:
+            assert st.ram_tier == "pages"      # a local file system, locking allowed

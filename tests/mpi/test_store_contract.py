@@ -19,6 +19,7 @@ import forebay
 from forebay.errors import InvalidArgumentError, RankMismatchError, SampleIndexError
 from forebay.store import (STATS_KEYS, ArrayStore, ClairvoyantStore, DirectStore, DistributedStore,
                            SampleStore, StoreError)
+from forebay.dataset import can_lock
 from forebay.world import LOCAL
 from conftest import assert_ranks_ok, run_ranks, run_torchrun
 
@@ -51,7 +52,10 @@ FACTORIES = {
     "preload-overlap-rma": lambda ds, comm: DistributedStore(
         ds, comm, transport="rma", overlap=True, progress=False),
     "clairvoyant-ram": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
-                                                         ram_bytes=1 << 20),
+                                                         ram_bytes=1 << 20, ram_tier="copy"),
+    # the RAM tier in the files' pages, locked in the page cache
+    "clairvoyant-pages": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
+                                                           ram_bytes=1 << 20, ram_tier="pages"),
     "clairvoyant-rma": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=1 << 20, transport="rma"),
     # RAM for a third of the dataset per rank: most batches need the peer's samples
@@ -61,7 +65,7 @@ FACTORIES = {
     # a small RAM tier: most samples go to the SSD tier or stay in the files
     "clairvoyant-ssd": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=4096, ssd_dir=_ssd_dir(),
-                                                         ssd_bytes=1 << 20),
+                                                         ssd_bytes=1 << 20, ram_tier="copy"),
 }
 
 
@@ -213,6 +217,13 @@ class TestClairvoyantRam(DistributedStoreContract):
     under_torchrun = "shm"
 
 
+@pytest.mark.skipif(not can_lock(2 << 20), reason="this process may not lock 2 MiB "
+                    "(RLIMIT_MEMLOCK): the RAM tier cannot be held in the page cache")
+class TestClairvoyantPages(DistributedStoreContract):
+    kind = "clairvoyant-pages"
+    under_torchrun = "shm"
+
+
 class TestClairvoyantRma(DistributedStoreContract):
     kind = "clairvoyant-rma"
 
@@ -233,7 +244,8 @@ def test_the_same_reads_count_the_same_bytes_in_every_mode(dataset):
     ds = forebay.open_dataset(dataset)
     every = np.arange(len(ds))
     want = int(ds.record_nbytes.sum())
-    for kind in ("direct", "preload-rma", "clairvoyant-ram"):
+    for kind in ("direct", "preload-rma", "clairvoyant-ram") + \
+            (("clairvoyant-pages",) if can_lock(2 << 20) else ()):
         with FACTORIES[kind](ds, LOCAL) as st:
             st.get_many(every)
             assert st.wait_filled(timeout=120)

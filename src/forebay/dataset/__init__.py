@@ -4,14 +4,14 @@ from ._batch import (FieldBatch, ReadOnly, SampleBatch, SampleViews, assemble_ba
                      assemble_views, gather_ranges)
 from ._format import (ALIGNMENT, FORMAT_VERSION, IndexLayout, Manifest, checksum,
                       seal_manifest)
-from ._reader import PackedDataset, VerifyReport, open_dataset
+from ._reader import PackedDataset, PinnedPages, VerifyReport, can_lock, open_dataset
 from ._schema import KIND_BYTES, Field, Schema
 from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 
 __all__ = [
     "ALIGNMENT", "DEFAULT_SHARD_BYTES", "FORMAT_VERSION", "KIND_BYTES", "DatasetWriter",
-    "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "ReadOnly",
+    "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "PinnedPages", "ReadOnly",
     "SampleBatch", "SampleViews", "Schema", "VerifyReport", "assemble_batch",
-    "assemble_views", "checksum", "gather_ranges", "open_dataset", "seal_manifest",
+    "assemble_views", "can_lock", "checksum", "gather_ranges", "open_dataset", "seal_manifest",
     "write_dataset",
 ]

@@ -36,10 +36,11 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_type
-from ..dataset import PackedDataset, SampleBatch, SampleViews, open_dataset
+from ..dataset import (PackedDataset, PinnedPages, SampleBatch, SampleViews, can_lock,
+                       open_dataset)
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, gather_ranges
 from ..vocab import Backoff, FillState
-from ..comm import (NodeSegment, allgather_array, alltoall_bytes, fence, is_mpi,
+from ..comm import (NodeSegment, all_true, allgather_array, alltoall_bytes, fence, is_mpi,
                     ordered_shared_memory, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import InvalidArgumentError
@@ -59,8 +60,13 @@ __all__ = ["ClairvoyantStore", "tier_nbytes"]
 _HEADER = ALIGNMENT
 _CHUNK_SAMPLES = 64
 # per-slot state of this rank's own tier (forebay.vocab.FillState), one byte each
-_EMPTY, _WRITING, _DONE = FillState.EMPTY, FillState.WRITING, FillState.DONE
+_EMPTY, _WRITING, _DONE = int(FillState.EMPTY), int(FillState.WRITING), int(FillState.DONE)
 _CHUNK_BYTES = 8 << 20
+#: the (source, tier) a part of a batch read from the files' maps is traced as: a
+#: sample of this rank's RAM tier held there, a peer's, or one no tier holds
+_FILE_TAGS = (("local", "ram"), ("peer", None), ("pfs", "pfs"))
+#: where a sample is read from once every tier is full (ClairvoyantStore._steady)
+_HERE, _PEER, _FILES = 0, 1, 2
 
 
 def _align(n):
@@ -110,6 +116,19 @@ class ClairvoyantStore(SampleStore):
             larger ones read one request each already move most of a device's
             bandwidth, and the warm-up's copies would only take CPU from the fill.
             Off with ``on_pfs_read`` (an emulated file system charges every read).
+        ram_tier: where the RAM tier keeps its samples.  ``"copy"``: a buffer of its
+            own (an MPI window or the node's shared segment), each sample copied in
+            from the files once; what peers on other nodes read (transports ``rma``,
+            ``exchange``).  ``"pages"``: the files' own pages in the page cache,
+            locked there (``mlock``, :class:`~forebay.dataset.PinnedPages`): the fill
+            reads each sample ahead of need and locks it, a batch reads it from the
+            files' maps as direct reads do, so nothing is copied twice and the node
+            holds each byte once (transports ``local`` and ``shm`` only).  ``"auto"``
+            (default): ``"pages"`` where it can be (one node; the dataset on a local
+            file system, not one whose client may drop cached pages itself; no
+            ``on_pfs_read``; this process may lock the tier's bytes:
+            ``RLIMIT_MEMLOCK``, :func:`~forebay.dataset.can_lock`), else ``"copy"``.
+            Every rank makes the same choice.
 
     Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
     """
@@ -122,7 +141,7 @@ class ClairvoyantStore(SampleStore):
                  fill: bool = True, peer_wait: float = 1.0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  model: Any = None, ram_threads: int = 1, ssd_threads: int = 1,
-                 warm_files: "bool | str" = "auto") -> None:
+                 warm_files: "bool | str" = "auto", ram_tier: str = "auto") -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
@@ -152,6 +171,7 @@ class ClairvoyantStore(SampleStore):
         self.pfs_bytes = 0
         self._fill_from_peers = 0
         self._exchange_sent = 0
+        self._pin_warned = False
         self.peer_wait = peer_wait
         self.on_pfs_read = on_pfs_read
         # NoPFS's performance model (a FetchModel): when it predicts the file system is
@@ -166,7 +186,8 @@ class ClairvoyantStore(SampleStore):
             "plan": (f"{plan.num_samples} samples, world {plan.world_size}, batch "
                      f"{plan.batch_size}, {plan.epochs} epochs, seed {plan.seed}, "
                      f"drop_last {plan.drop_last}, shuffle {plan.shuffle}"),
-            "transport": transport, "verify_on_read": self.ds.verify_on_read})
+            "transport": transport, "verify_on_read": self.ds.verify_on_read,
+            "ram_tier": ram_tier})
         problems = []
         if plan.world_size != self.world:
             problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
@@ -189,17 +210,23 @@ class ClairvoyantStore(SampleStore):
             ssds = np.array([ssd_bytes], dtype=np.int64)
         self._sizes = tier_nbytes(self.ds)
         self._choose_transport(transport)
+        self._pages: Optional[PinnedPages] = None
         # on one node every rank reads every tier as its own memory: an extra copy of a
         # sample another rank of the node holds would only double memory and copies
         shared = np.arange(self.world) if self.transport == "shm" else None
         self.placement = compute_placement(plan, self._sizes, rams, ssds, self.rank,
                                            shares_memory_with=shared)
         self._layout_offsets()
-        mine = (len(self._ram_order), self.ssd_nbytes, str(self.ssd_dir or ""))
+        self._choose_ram_tier(ram_tier, on_pfs_read)
+        mine = (len(self._ram_order), self.ssd_nbytes, str(self.ssd_dir or ""),
+                len(self.fill_order))
         every = self.comm.allgather(mine) if self.comm is not None else [mine]
-        self._R_all = np.array([r for r, _, _ in every], dtype=np.int64)
-        self._ssd_all = np.array([b for _, b, _ in every], dtype=np.int64)
-        self._peer_dirs = [Path(d) for _, _, d in every]
+        self._R_all = np.array([r for r, _, _, _ in every], dtype=np.int64)
+        self._ssd_all = np.array([b for _, b, _, _ in every], dtype=np.int64)
+        self._peer_dirs = [Path(d) for _, _, d, _ in every]
+        #: each rank's fill positions (its counter's value when its tiers are full)
+        self._fill_all = np.array([n for _, _, _, n in every], dtype=np.int64)
+        self._steady: Optional[np.ndarray] = None
         self._allocate()
         # a tier position is written once: views of it never change (not the exchange's
         # records, which arrive in a fresh buffer every batch)
@@ -316,10 +343,46 @@ class ClairvoyantStore(SampleStore):
             one_node = False
         self.transport = "shm" if one_node else "exchange"
 
+    def _choose_ram_tier(self, asked: str, on_pfs_read: Any) -> None:
+        """``ram_tier``: "pages" where every rank can hold its RAM tier in the page
+        cache, else "copy" (explicit "pages" that cannot be: an error on every rank)."""
+        if asked not in ("auto", "copy", "pages"):
+            raise InvalidArgumentError(f"ram_tier must be 'auto', 'copy' or 'pages', got "
+                                       f"{asked!r}")
+        why = None
+        if self.transport not in ("local", "shm"):
+            why = (f"transport {self.transport!r} serves peers on other nodes from the "
+                   f"tier's own memory")
+        elif not can_lock(self._shard_bytes(self._ram_order)):
+            why = (f"this process may not lock {self._shard_bytes(self._ram_order)} bytes in "
+                   f"memory (the shards its RAM tier's samples are in: RLIMIT_MEMLOCK, "
+                   f"`ulimit -l`), or forebay's C kernel is not built")
+        elif asked == "auto" and filesystem_type(self.ds.path) in NETWORK_FS:
+            why = (f"{self.ds.path} is on {filesystem_type(self.ds.path)}, whose client may "
+                   f"drop cached pages itself")
+        elif asked == "auto" and on_pfs_read is not None:
+            why = "on_pfs_read is given (an emulated file system)"
+        if asked == "pages":
+            agree(self.comm, f"ram_tier='pages' is not possible here: {why}" if why else None)
+        elif asked == "auto":
+            asked = "pages" if all_true(self.comm, why is None) else "copy"
+        if asked == "pages":
+            self._pages = PinnedPages(self.ds)
+            #: positions a batch read from the files before the fill locked them
+            self._batch_read = np.zeros(len(self._ram_order), dtype=bool)
+        self.ram_tier = asked
+
+    def _shard_bytes(self, ids: np.ndarray) -> int:
+        """Bytes of the shard files holding samples ``ids`` (what their locked maps
+        count against RLIMIT_MEMLOCK)."""
+        shards = self.ds.manifest.shards
+        return sum(int(shards[k].data_nbytes) for k in np.unique(self.ds.shard_of[ids]).tolist())
+
     def _allocate(self) -> None:
         n_state = len(self.fill_order)
         self._state_len = _align(n_state)
-        size = _HEADER + self._state_len + ALIGNMENT + self.nbytes
+        held = 0 if self._pages is not None else self.nbytes   # the pages: the files'
+        size = _HEADER + self._state_len + ALIGNMENT + held
         if self.transport in ("local", "exchange"):
             self._raw = np.zeros(size, dtype=np.uint8)
         elif not is_mpi(self.comm):     # shm under torch.distributed
@@ -335,7 +398,7 @@ class ClairvoyantStore(SampleStore):
             self._raw[:8] = 0
         data0 = _HEADER + self._state_len
         shift = data0 + (-(self._raw.ctypes.data + data0)) % ALIGNMENT
-        self._buf = self._raw[shift:shift + self.nbytes]
+        self._buf = self._raw[shift:shift + held]
         self._counter = self._raw[:8].view(np.int64)
         self._filled = 0
         self._state = self._raw[_HEADER:_HEADER + n_state].view(np.int8)
@@ -421,19 +484,21 @@ class ClairvoyantStore(SampleStore):
         return np.frombuffer(mm, dtype=np.uint8)
 
     def _dest(self, pos: np.ndarray):
-        """(buffer, selector) pairs: where positions ``pos`` of this rank's tiers live."""
+        """(buffer, selector) pairs: where positions ``pos`` of this rank's tiers live
+        (buffer None: the RAM tier is the files' pages)."""
         ram = pos < self._R
-        out = []
+        out: list[tuple[Optional[np.ndarray], np.ndarray]] = []
         if ram.any():
-            out.append((self._buf, ram))
+            out.append((None if self._pages is not None else self._buf, ram))
         if (~ram).any():
             out.append((self._ssd, ~ram))
         return out
 
     # -- filling ----------------------------------------------------------------------------
-    def _record_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False):
+    def _record_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False,
+                      advise: Optional[np.ndarray] = None):
         """Parts for assemble_batch / gathers that read records from the dataset."""
-        return self.ds.record_parts(ids, rows, populate=populate)
+        return self.ds.record_parts(ids, rows, populate=populate, advise=advise)
 
     def _done_at(self, lpos: np.ndarray) -> np.ndarray:
         if len(self._state) == 0:
@@ -449,10 +514,16 @@ class ClairvoyantStore(SampleStore):
 
     def _read_into_tier(self, ids: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
         """Copy records from the dataset files to positions ``pos`` of this rank's
-        tiers (a PFS read)."""
+        tiers, or lock them in the page cache (a PFS read, but of those a batch read
+        first: their pages are cached already)."""
         t0 = time.perf_counter()
         dst = self.local_off[ids]
+        again = np.zeros(len(ids), dtype=bool)
         for buf, tsel in self._dest(pos):
+            if buf is None:
+                self._pin(ids[tsel], rows[tsel])
+                again[tsel] = self._batch_read[pos[tsel]]
+                continue
             for src, rec, sel in self._record_parts(ids[tsel], rows[tsel]):
                 gather_ranges(src, rec, rows[tsel][sel, IndexLayout.REC_LEN], buf,
                               dst[tsel][sel])
@@ -462,6 +533,8 @@ class ClairvoyantStore(SampleStore):
             # the tier holds them now: the map's copy leaves this process (it stays in
             # the page cache), so the node does not hold each filled sample twice
             self.ds.release(ids[tsel], rows[tsel])
+        if again.any():
+            ids, rows = ids[~again], rows[~again]
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):
@@ -473,6 +546,21 @@ class ClairvoyantStore(SampleStore):
             self.pfs_reads += len(ids)
             self.pfs_bytes += nbytes
 
+    def _pin(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Read samples ``ids`` into the page cache and lock them there (the RAM tier
+        held in the files' pages).  Pages that cannot be locked stay cached unlocked,
+        with one warning: the data is the files' either way, only its presence in
+        memory is no longer certain."""
+        assert self._pages is not None
+        self._pages.pin(ids, rows)
+        if self._pages.error and not self._pin_warned:
+            self._pin_warned = True
+            warnings.warn(f"rank {self.rank}: the RAM tier's pages could not be locked in "
+                          f"memory ({os.strerror(self._pages.error)}): they stay in the page "
+                          f"cache unlocked, where the kernel may drop them and a later read "
+                          f"goes to the files again (raise `ulimit -l`, or "
+                          f"ram_tier='copy')", RuntimeWarning, stacklevel=2)
+
     def _load(self, ids: np.ndarray, pos: np.ndarray, wait: float) -> None:
         """Write claimed positions ``pos`` (samples ``ids``) of this rank's tiers, then
         mark them done.  Extra copies come from their owner's tier when it has them
@@ -480,6 +568,9 @@ class ClairvoyantStore(SampleStore):
         sample once; everything else is read from the dataset files."""
         rows = self.ds.rows(ids)
         extra = self._is_extra[pos]
+        paged = self._paged(ids)
+        if paged is not None:   # (a peer's RAM tier is the files' pages: read from them)
+            extra &= ~paged
         from_peer = np.zeros(len(ids), dtype=bool)
         if extra.any():
             from_peer[extra] = self._present(ids[extra], wait=wait)
@@ -687,13 +778,15 @@ class ClairvoyantStore(SampleStore):
     def _present(self, ids: np.ndarray, wait: float = 0.0) -> np.ndarray:
         """Which ids are complete in their owner's tier (owner != this rank), refreshing
         a cached counter only when it no longer suffices; polls up to ``wait`` s."""
+        if self._win is None and self._node_seg is None:
+            return np.zeros(len(ids), dtype=bool)
         p = self.placement
         owner, tier = p.owner[ids], p.tier[ids]
         # position in the owner's fill order: its RAM order, then its SSD order
         slots = p.slot[ids] + np.where(tier == RAM, 0, self._R_all[np.maximum(owner, 0)])
         # a peer's SSD tier is readable only on its node (the file, mapped here)
         cand = (owner >= 0) & (owner != self.rank) & ((tier == RAM) | (self.transport == "shm"))
-        if (self._win is None and self._node_seg is None) or not cand.any():
+        if not cand.any():
             return np.zeros(len(ids), dtype=bool)
         deadline = time.perf_counter() + wait
         poll = Backoff(first=0.001, cap=0.004)
@@ -842,66 +935,140 @@ class ClairvoyantStore(SampleStore):
         self._raise_fill_error()
         ids = self.ds.normalize_ids(ids)
         rows = self.ds.rows(ids)
-        lpos = self.local_pos[ids]
-        mine = lpos >= 0
-        local = mine & ((lpos < self._filled) | self._done_at(lpos))
-        # a sample of this rank's tier that is needed before the fill got to it: read
-        # it now and keep it (the fill will skip it), so the PFS serves it only once
-        need = np.flatnonzero(mine & ~local)
-        if len(need):
-            front = int(lpos[need].max())
-            if front > self._need_front:
-                self._need_front = front
-            u, first = np.unique(lpos[need], return_index=True)
-            got = self._claim(u)
-            self._load(ids[need[first[got]]], u[got], wait=0.0)
-            # the rest are being written by the fill thread right now: wait for it
-            # rather than read them twice
-            busy = u[~got]
-            if len(busy):
-                self._wait_done(busy, timeout=self.peer_wait)
-            local = mine & ((lpos < self._filled) | self._done_at(lpos))
+        paged = self._paged(ids)
+        if self._steady is None:
+            self._check_steady()
         exchanged: Optional[list] = None
         t_exchange = 0.0
-        if self.transport == "exchange":
-            t0 = time.perf_counter()
-            peer, exchanged = self._exchange(ids, ~local, requests)
-            t_exchange = time.perf_counter() - t0
+        if self._steady is not None:    # every tier full: where a sample is is fixed
+            where = self._steady[ids]
+            mine = local = where == _HERE
+            peer = where == _PEER
         else:
-            peer = ~local & self._present(ids)
+            lpos = self.local_pos[ids]
+            mine = lpos >= 0
+            local = mine & ((lpos < self._filled) | self._done_at(lpos))
+            # the RAM tier held in the files' pages: its samples are read from the files'
+            # maps whoever holds them (on one node, one page cache); a batch that needs one
+            # before the fill got to it reads it, and the fill, jumping ahead, locks it later
+            if paged is not None:
+                late = mine & ~local & paged
+                if late.any():
+                    self._need_front = max(self._need_front, int(lpos[late].max()))
+                    self._batch_read[lpos[late]] = True     # the pages' read, counted here
+            # a sample of this rank's tier that is needed before the fill got to it: read
+            # it now and keep it (the fill will skip it), so the PFS serves it only once
+            need = np.flatnonzero(mine & ~local & (True if paged is None else ~paged))
+            if len(need):
+                front = int(lpos[need].max())
+                if front > self._need_front:
+                    self._need_front = front
+                u, first = np.unique(lpos[need], return_index=True)
+                got = self._claim(u)
+                self._load(ids[need[first[got]]], u[got], wait=0.0)
+                # the rest are being written by the fill thread right now: wait for it
+                # rather than read them twice
+                busy = u[~got]
+                if len(busy):
+                    self._wait_done(busy, timeout=self.peer_wait)
+                local = mine & ((lpos < self._filled) | self._done_at(lpos))
+            if self.transport == "exchange":
+                t0 = time.perf_counter()
+                peer, exchanged = self._exchange(ids, ~local, requests)
+                t_exchange = time.perf_counter() - t0
+            else:
+                peer = ~local & self._present(ids)
         if self._peer_via_pfs and peer.any():
             with self._lock:
                 self._model_pfs += int(peer.sum())
             peer[:] = False
         pfs = ~local & ~peer
+        files = pfs if paged is None else pfs | paged     # read from the files' maps
         parts: list[Any] = []
         tags: list[tuple[str, Optional[str]]] = []  # (source, tier) of each part, for tracing
         if local.any():
             lp = self.local_pos[ids]
             for buf, tier_mask, tier in ((self._buf, lp < self._R, "ram"),
                                          (self._ssd, lp >= self._R, "ssd")):
-                m = local & tier_mask
+                m = local & tier_mask & ~files
                 if m.any():
                     parts.append((self._lent(tier) if lend else buf, self.local_off[ids][m], m))
                     tags.append(("local", tier))
         t_peer = t_exchange
-        if peer.any():
+        if (peer & ~files).any():
             t0 = time.perf_counter()
             peer_parts = exchanged if exchanged is not None else \
-                self._peer_parts(ids, rows, peer, lend)
+                self._peer_parts(ids, rows, peer & ~files, lend)
             t_peer += time.perf_counter() - t0
             parts.extend(peer_parts)
             tags.extend([("peer", None)] * len(peer_parts))
-        if pfs.any():
-            pidx = np.flatnonzero(pfs)
-            if self.ds.verify_on_read:
-                self.ds.check_records(ids[pidx])
-            for src, rec, sel in self._record_parts(ids[pidx], rows[pidx], populate=lend):
-                mask = np.zeros(len(ids), dtype=bool)
-                mask[pidx[sel]] = True
-                parts.append((src, rec, mask))
-                tags.append(("pfs", "pfs"))
+        # this rank's RAM tier in the page cache: read through its locked maps (a read
+        # maps the pages in, which locks them too); peers' (their pages: locked by
+        # them, cached for all) and the samples no tier holds: through the dataset's
+        cold = None if paged is None else ~(local | peer)
+        groups = [(pfs, self._record_parts)] if paged is None else \
+            [(paged & mine, self._pages_parts), ((paged & ~mine) | pfs, self._record_parts)]
+        traced = _trace.active() is not None
+        for want, reader in groups:
+            if not want.any():
+                continue
+            fidx = np.flatnonzero(want)
+            if self.ds.verify_on_read:   # (the files' pages may change under a tier)
+                self.ds.check_records(ids[fidx])
+            kind = np.where(local[fidx], 0, np.where(peer[fidx], 1, 2))
+            # pages a tier locked are in memory: only the others are advised
+            for src, rec, sel in reader(ids[fidx], rows[fidx], populate=lend,
+                                        advise=None if cold is None else cold[fidx]):
+                at, k = fidx[sel], kind[sel]
+                if not traced:
+                    mask = np.zeros(len(ids), dtype=bool)
+                    mask[at] = True
+                    parts.append((src, rec, mask))
+                    continue
+                # traced: one part per shard and source (this rank's tier, a peer's, none)
+                for j, tag in enumerate(_FILE_TAGS):
+                    m = k == j
+                    if m.any():
+                        mask = np.zeros(len(ids), dtype=bool)
+                        mask[at[m]] = True
+                        parts.append((src, rec[m], mask))
+                        tags.append(tag)
         return ids, rows, parts, (tags, local, peer, pfs, t_peer)
+
+    def _pages_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False,
+                     advise: Optional[np.ndarray] = None):
+        """Parts reading records through the RAM tier's locked maps."""
+        assert self._pages is not None
+        return self._pages.record_parts(ids, rows, populate=populate, advise=advise)
+
+    def _check_steady(self) -> None:
+        """Once this rank's tiers and every peer's it reads are full, fix where each
+        sample is read from (``_steady``: _HERE, _PEER or _FILES per sample): batches
+        then skip the presence checks.  Not over the exchange, whose batches are a
+        collective every rank calls in step."""
+        if self.transport == "exchange" or self._filled < len(self.fill_order):
+            return
+        p = self.placement
+        owner = p.owner.astype(np.int64)
+        readable = (owner >= 0) & (owner != self.rank) & \
+            ((p.tier == RAM) | (self.transport == "shm"))
+        for o in np.unique(owner[readable]).tolist():
+            if self._known[o] < self._fill_all[o]:
+                self._known[o] = self._peer_counter(o)
+                if self._known[o] < self._fill_all[o]:
+                    return
+        where = np.full(len(owner), _FILES, dtype=np.int8)
+        where[readable] = _PEER
+        where[self.local_pos >= 0] = _HERE
+        self._steady = where
+
+    def _paged(self, ids: np.ndarray) -> Optional[np.ndarray]:
+        """Which of ``ids`` some rank's RAM tier holds in the files' pages (None: the
+        RAM tiers are copies)."""
+        if self._pages is None:
+            return None
+        p = self.placement
+        return (p.owner[ids] >= 0) & (p.tier[ids] == RAM)
 
     def _account(self, ids: np.ndarray, rows: np.ndarray, parts: list, src: tuple,
                  timings: Optional[list], t0: float) -> None:
@@ -952,7 +1119,9 @@ class ClairvoyantStore(SampleStore):
         """Reads by source since setup: ``fetches_by_source`` (local tier, peer tier,
         PFS), ``pfs_reads``/``pfs_bytes`` (fills included), fill progress,
         ``pfs_by_model`` (peer-held samples read from the PFS because the performance
-        model predicted it faster)."""
+        model predicted it faster), ``ram_tier`` (``"copy"`` or ``"pages"``),
+        ``buffer_bytes`` (the RAM tier's own buffer: none with ``"pages"``) and
+        ``locked_bytes`` (the pages it locked in the page cache)."""
         with self._lock:
             return {"fetches_by_source": dict(self._stats), "pfs_reads": self.pfs_reads,
                     "pfs_bytes": self.pfs_bytes, "filled": self._filled,
@@ -960,7 +1129,9 @@ class ClairvoyantStore(SampleStore):
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
                     "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs,
                     "transport": self.transport, "exchange_sent": self._exchange_sent,
-                    "warmed_bytes": int(self.warmed.get("bytes", 0))}
+                    "warmed_bytes": int(self.warmed.get("bytes", 0)),
+                    "ram_tier": self.ram_tier, "buffer_bytes": len(self._buf),
+                    "locked_bytes": self._pages.nbytes if self._pages is not None else 0}
 
     def abandon(self) -> None:
         if self.comm is None:
@@ -980,6 +1151,8 @@ class ClairvoyantStore(SampleStore):
             t.join()
         if self.comm is not None:
             self.comm.Barrier()  # nobody reads our tiers any more
+        if self._pages is not None:
+            self._pages.close()          # unlocked: the page cache may drop them now
         self._ssd = np.zeros(0, dtype=np.uint8)
         for mm in self._ssd_maps.values():
             try:

@@ -95,6 +95,10 @@ class DataLoader:
             tier and its capacity (default 0: no SSD tier).
         ram_threads, ssd_threads: clairvoyant mode: background fill threads per tier
             (default 1 each).
+        ram_tier: clairvoyant mode: ``"pages"`` holds the RAM tier in the files' pages
+            in the page cache, locked (no copy of a sample into a tier; one node),
+            ``"copy"`` in a buffer of its own; ``"auto"`` (default): pages where they
+            can be (:class:`~forebay.store.ClairvoyantStore`).
         on_pfs_read: hook called with (bytes, samples, seconds) after each read of
             the dataset files by the store (tracing, emulating a slower file system).
         warm_files: read the dataset's extents this node will read into the page cache
@@ -178,7 +182,7 @@ class DataLoader:
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None,
                  warm_files: "bool | str" = "auto", overlap_preload: bool = False,
-                 views: bool = False) -> None:
+                 views: bool = False, ram_tier: str = "auto") -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         fetch_model = None
@@ -234,7 +238,7 @@ class DataLoader:
                                           transport=transport, on_pfs_read=on_pfs_read,
                                           model=fetch_model, ram_threads=ram_threads or 1,
                                           ssd_threads=ssd_threads or 1,
-                                          warm_files=warm)
+                                          warm_files=warm, ram_tier=ram_tier)
         else:
             self.store = DirectStore(self.ds, warm=self._direct_warm(warm))
         self.collate_fn = collate_fn
