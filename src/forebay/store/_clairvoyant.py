@@ -714,6 +714,11 @@ class ClairvoyantStore(SampleStore):
 
     def _fill_loop(self, tier: str, hi: int) -> None:
         try:
+            if tier == "ram" and self._pages is not None and self._warm is not None:
+                # the batches read from the files either way: the fill's reads wait for
+                # the warm-up's sequential ones instead of competing with them, one
+                # small request per sample, on a file system bound by requests per second
+                self._warm.join()
             self._fill_chunks(tier, hi)
             self._fill_holes(0 if tier == "ram" else self._R, hi)
         except BaseException as e:  # surfaced by the next get_many
