@@ -368,6 +368,8 @@ class ClairvoyantStore(SampleStore):
             asked = "pages" if all_true(self.comm, why is None) else "copy"
         if asked == "pages":
             self._pages = PinnedPages(self.ds)
+            # its shards' maps lock what is mapped in from now on, a batch's reads too
+            self._pages.lock(np.unique(self.ds.shard_of[self._ram_order]))
             #: positions a batch read from the files before the fill locked them
             self._batch_read = np.zeros(len(self._ram_order), dtype=bool)
         self.ram_tier = asked
@@ -531,8 +533,10 @@ class ClairvoyantStore(SampleStore):
                 self.ds.check_records(ids[tsel], buf, dst[tsel],
                                       where=f"(read into rank {self.rank}'s tier)")
             # the tier holds them now: the map's copy leaves this process (it stays in
-            # the page cache), so the node does not hold each filled sample twice
-            self.ds.release(ids[tsel], rows[tsel])
+            # the page cache), so the node does not hold each filled sample twice (not
+            # where the RAM tier locks the maps: their pages stay)
+            if self._pages is None:
+                self.ds.release(ids[tsel], rows[tsel])
         if again.any():
             ids, rows = ids[~again], rows[~again]
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
@@ -959,8 +963,8 @@ class ClairvoyantStore(SampleStore):
             if paged is not None:
                 late = mine & ~local & paged
                 if late.any():
-                    self._need_front = max(self._need_front, int(lpos[late].max()))
-                    self._batch_read[lpos[late]] = True     # the pages' read, counted here
+                    self._read_late(lpos[late])
+                    local = mine & ((lpos < self._filled) | self._done_at(lpos))
             # a sample of this rank's tier that is needed before the fill got to it: read
             # it now and keep it (the fill will skip it), so the PFS serves it only once
             need = np.flatnonzero(mine & ~local & (True if paged is None else ~paged))
@@ -1007,23 +1011,16 @@ class ClairvoyantStore(SampleStore):
             t_peer += time.perf_counter() - t0
             parts.extend(peer_parts)
             tags.extend([("peer", None)] * len(peer_parts))
-        # this rank's RAM tier in the page cache: read through its locked maps (a read
-        # maps the pages in, which locks them too); peers' (their pages: locked by
-        # them, cached for all) and the samples no tier holds: through the dataset's
-        cold = None if paged is None else ~(local | peer)
-        groups = [(pfs, self._record_parts)] if paged is None else \
-            [(paged & mine, self._pages_parts), ((paged & ~mine) | pfs, self._record_parts)]
-        traced = _trace.active() is not None
-        for want, reader in groups:
-            if not want.any():
-                continue
-            fidx = np.flatnonzero(want)
+        if files.any():
+            fidx = np.flatnonzero(files)
             if self.ds.verify_on_read:   # (the files' pages may change under a tier)
                 self.ds.check_records(ids[fidx])
             kind = np.where(local[fidx], 0, np.where(peer[fidx], 1, 2))
             # pages a tier locked are in memory: only the others are advised
-            for src, rec, sel in reader(ids[fidx], rows[fidx], populate=lend,
-                                        advise=None if cold is None else cold[fidx]):
+            advise = None if paged is None else pfs[fidx]
+            traced = _trace.active() is not None
+            for src, rec, sel in self._record_parts(ids[fidx], rows[fidx], populate=lend,
+                                                    advise=advise):
                 at, k = fidx[sel], kind[sel]
                 if not traced:
                     mask = np.zeros(len(ids), dtype=bool)
@@ -1040,11 +1037,19 @@ class ClairvoyantStore(SampleStore):
                         tags.append(tag)
         return ids, rows, parts, (tags, local, peer, pfs, t_peer)
 
-    def _pages_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False,
-                     advise: Optional[np.ndarray] = None):
-        """Parts reading records through the RAM tier's locked maps."""
-        assert self._pages is not None
-        return self._pages.record_parts(ids, rows, populate=populate, advise=advise)
+    def _read_late(self, lpos: np.ndarray) -> None:
+        """A batch needs positions ``lpos`` of this rank's RAM tier (in the page
+        cache) that the fill has not locked yet: those it has not started are read by
+        the batch from the files (counted as its PFS reads; the fill, jumping ahead,
+        locks them later without counting them again), those it is reading now are
+        waited for, as the copying tier does."""
+        self._need_front = max(self._need_front, int(lpos.max()))
+        with self._lock:      # as the fill's claims: a position is counted once
+            st = self._state[lpos]
+            self._batch_read[lpos[st == _EMPTY]] = True
+        busy = lpos[st == _WRITING]
+        if len(busy):
+            self._wait_done(np.unique(busy), timeout=self.peer_wait)
 
     def _check_steady(self) -> None:
         """Once this rank's tiers and every peer's it reads are full, fix where each
