@@ -31,7 +31,9 @@ def pss() -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dataset", type=Path)
-    ap.add_argument("--modes", default="preload,preload-overlap,clairvoyant")
+    ap.add_argument("--modes", default="preload,preload-overlap,clairvoyant",
+                    help="loader modes, comma-separated; clairvoyant:copy and "
+                    "clairvoyant:pages name the RAM tier (ram_tier)")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
     a = ap.parse_args()
@@ -54,8 +56,10 @@ def main() -> None:
         before = pss()
         t0 = time.perf_counter()
         overlap = mode == "preload-overlap"       # overlap_preload=True
+        base, _, tier = mode.partition(":")       # clairvoyant:copy, clairvoyant:pages
+        kw = {"ram_tier": tier} if tier else {}
         dl = DataLoader(a.dataset, a.batch, comm=comm, seed=0, epochs=a.epochs,
-                        mode="preload" if overlap else mode, overlap_preload=overlap,
+                        mode="preload" if overlap else base, overlap_preload=overlap, **kw,
                         ram_bytes=2 * held, progress=False,
                         collate_fn=lambda b: len(b.ids))
         for e in range(a.epochs):

@@ -961,10 +961,9 @@ class ClairvoyantStore(SampleStore):
             # maps whoever holds them (on one node, one page cache); a batch that needs one
             # before the fill got to it reads it, and the fill, jumping ahead, locks it later
             if paged is not None:
-                late = mine & ~local & paged
-                if late.any():
-                    self._read_late(lpos[late])
-                    local = mine & ((lpos < self._filled) | self._done_at(lpos))
+                late = np.flatnonzero(mine & ~local & paged)
+                if len(late):
+                    local[late[self._read_late(lpos[late])]] = True
             # a sample of this rank's tier that is needed before the fill got to it: read
             # it now and keep it (the fill will skip it), so the PFS serves it only once
             need = np.flatnonzero(mine & ~local & (True if paged is None else ~paged))
@@ -1037,19 +1036,20 @@ class ClairvoyantStore(SampleStore):
                         tags.append(tag)
         return ids, rows, parts, (tags, local, peer, pfs, t_peer)
 
-    def _read_late(self, lpos: np.ndarray) -> None:
+    def _read_late(self, lpos: np.ndarray) -> np.ndarray:
         """A batch needs positions ``lpos`` of this rank's RAM tier (in the page
-        cache) that the fill has not locked yet: those it has not started are read by
-        the batch from the files (counted as its PFS reads; the fill, jumping ahead,
-        locks them later without counting them again), those it is reading now are
-        waited for, as the copying tier does."""
+        cache) that the fill has not locked yet; it reads them all from the files now,
+        without waiting for the fill.  Those the fill has not started count as the
+        batch's PFS reads (the fill, jumping ahead, locks them later without counting
+        them again); those it is reading now count as the fill's (the batch's read
+        waits only for their own pages): returns which, to count as local.  (Waiting
+        for the fill's chunk, as the copying tier does, kept a reader on a fast disk in
+        step with the fill: it waited in nearly every batch of a cold epoch.)"""
         self._need_front = max(self._need_front, int(lpos.max()))
         with self._lock:      # as the fill's claims: a position is counted once
             st = self._state[lpos]
             self._batch_read[lpos[st == _EMPTY]] = True
-        busy = lpos[st == _WRITING]
-        if len(busy):
-            self._wait_done(np.unique(busy), timeout=self.peer_wait)
+        return st != _EMPTY
 
     def _check_steady(self) -> None:
         """Once this rank's tiers and every peer's it reads are full, fix where each
