@@ -120,15 +120,16 @@ class ClairvoyantStore(SampleStore):
             own (an MPI window or the node's shared segment), each sample copied in
             from the files once; what peers on other nodes read (transports ``rma``,
             ``exchange``).  ``"pages"``: the files' own pages in the page cache,
-            locked there (``mlock``, :class:`~forebay.dataset.PinnedPages`): the fill
-            reads each sample ahead of need and locks it, a batch reads it from the
-            files' maps as direct reads do, so nothing is copied twice and the node
-            holds each byte once (transports ``local`` and ``shm`` only).  ``"auto"``
+            locked there (the dataset's maps locked on fault,
+            :class:`~forebay.dataset.PinnedPages`): the fill maps each sample in ahead
+            of need, a batch reads it from the same maps as direct reads do, so
+            nothing is copied twice and the node holds each byte once (transports
+            ``local`` and ``shm`` only).  ``"auto"``
             (default): ``"pages"`` where it can be (one node; the dataset on a local
             file system, not one whose client may drop cached pages itself; no
-            ``on_pfs_read``; this process may lock the tier's bytes:
+            ``on_pfs_read``; this process may lock the shards holding its RAM samples:
             ``RLIMIT_MEMLOCK``, :func:`~forebay.dataset.can_lock`), else ``"copy"``.
-            Every rank makes the same choice.
+            Every rank makes the same choice (docs/store.md).
 
     Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
     """
@@ -370,8 +371,6 @@ class ClairvoyantStore(SampleStore):
             self._pages = PinnedPages(self.ds)
             # its shards' maps lock what is mapped in from now on, a batch's reads too
             self._pages.lock(np.unique(self.ds.shard_of[self._ram_order]))
-            #: positions a batch read from the files before the fill locked them
-            self._batch_read = np.zeros(len(self._ram_order), dtype=bool)
         self.ram_tier = asked
 
     def _shard_bytes(self, ids: np.ndarray) -> int:
@@ -516,15 +515,12 @@ class ClairvoyantStore(SampleStore):
 
     def _read_into_tier(self, ids: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
         """Copy records from the dataset files to positions ``pos`` of this rank's
-        tiers, or lock them in the page cache (a PFS read, but of those a batch read
-        first: their pages are cached already)."""
+        tiers, or read them into the page cache and lock them there (a PFS read)."""
         t0 = time.perf_counter()
         dst = self.local_off[ids]
-        again = np.zeros(len(ids), dtype=bool)
         for buf, tsel in self._dest(pos):
             if buf is None:
                 self._pin(ids[tsel], rows[tsel])
-                again[tsel] = self._batch_read[pos[tsel]]
                 continue
             for src, rec, sel in self._record_parts(ids[tsel], rows[tsel]):
                 gather_ranges(src, rec, rows[tsel][sel, IndexLayout.REC_LEN], buf,
@@ -537,8 +533,6 @@ class ClairvoyantStore(SampleStore):
             # where the RAM tier locks the maps: their pages stay)
             if self._pages is None:
                 self.ds.release(ids[tsel], rows[tsel])
-        if again.any():
-            ids, rows = ids[~again], rows[~again]
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):
@@ -957,16 +951,9 @@ class ClairvoyantStore(SampleStore):
             lpos = self.local_pos[ids]
             mine = lpos >= 0
             local = mine & ((lpos < self._filled) | self._done_at(lpos))
-            # the RAM tier held in the files' pages: its samples are read from the files'
-            # maps whoever holds them (on one node, one page cache); a batch that needs one
-            # before the fill got to it reads it, and the fill, jumping ahead, locks it later
-            if paged is not None:
-                late = np.flatnonzero(mine & ~local & paged)
-                if len(late):
-                    local[late[self._read_late(lpos[late])]] = True
             # a sample of this rank's tier that is needed before the fill got to it: read
             # it now and keep it (the fill will skip it), so the PFS serves it only once
-            need = np.flatnonzero(mine & ~local & (True if paged is None else ~paged))
+            need = np.flatnonzero(mine & ~local)
             if len(need):
                 front = int(lpos[need].max())
                 if front > self._need_front:
@@ -974,12 +961,19 @@ class ClairvoyantStore(SampleStore):
                 u, first = np.unique(lpos[need], return_index=True)
                 got = self._claim(u)
                 self._load(ids[need[first[got]]], u[got], wait=0.0)
-                # the rest are being written by the fill thread right now: wait for it
-                # rather than read them twice
                 busy = u[~got]
-                if len(busy):
+                writing = np.zeros(len(ids), dtype=bool)
+                if len(busy) and self._pages is None:
+                    # being copied into the tier by the fill right now: wait for it
+                    # rather than read them twice
                     self._wait_done(busy, timeout=self.peer_wait)
-                local = mine & ((lpos < self._filled) | self._done_at(lpos))
+                elif len(busy):
+                    # being read into the page cache by the fill: the batch reads them
+                    # from the same maps without waiting for the fill's whole chunk
+                    # (waiting kept a reader on a fast disk in step with the fill, in
+                    # nearly every batch of a cold epoch); they count as the fill's read
+                    writing = mine & np.isin(lpos, busy)
+                local = writing | (mine & ((lpos < self._filled) | self._done_at(lpos)))
             if self.transport == "exchange":
                 t0 = time.perf_counter()
                 peer, exchanged = self._exchange(ids, ~local, requests)
@@ -1035,21 +1029,6 @@ class ClairvoyantStore(SampleStore):
                         parts.append((src, rec[m], mask))
                         tags.append(tag)
         return ids, rows, parts, (tags, local, peer, pfs, t_peer)
-
-    def _read_late(self, lpos: np.ndarray) -> np.ndarray:
-        """A batch needs positions ``lpos`` of this rank's RAM tier (in the page
-        cache) that the fill has not locked yet; it reads them all from the files now,
-        without waiting for the fill.  Those the fill has not started count as the
-        batch's PFS reads (the fill, jumping ahead, locks them later without counting
-        them again); those it is reading now count as the fill's (the batch's read
-        waits only for their own pages): returns which, to count as local.  (Waiting
-        for the fill's chunk, as the copying tier does, kept a reader on a fast disk in
-        step with the fill: it waited in nearly every batch of a cold epoch.)"""
-        self._need_front = max(self._need_front, int(lpos.max()))
-        with self._lock:      # as the fill's claims: a position is counted once
-            st = self._state[lpos]
-            self._batch_read[lpos[st == _EMPTY]] = True
-        return st != _EMPTY
 
     def _check_steady(self) -> None:
         """Once this rank's tiers and every peer's it reads are full, fix where each
