@@ -672,43 +672,102 @@ class PackedDataset:
 
 
 class PinnedPages:
-    """The pages of a packed dataset's records held in memory, where they are: the
-    dataset's own maps of its shards, each locked as its pages are mapped in
-    (``mlock2`` with ``MLOCK_ONFAULT``, one call per map), and :meth:`pin` maps records
-    in (``MADV_POPULATE_READ``).  The page cache keeps one copy per node, shared by
-    every process that maps the files, as long as one process locks it.  What
-    :class:`~forebay.store.ClairvoyantStore` holds its RAM tier in with
-    ``ram_tier="pages"``: a sample is read from the maps, straight into the batch, and
-    is never copied into a tier; a batch's read of a record maps it in, which locks
-    it too, and a record the fill mapped in ahead costs the batch no page fault.
-    :meth:`close` unlocks the maps (for every user of this dataset object: two
-    stores over one object share its locks).  Needs forebay's C kernel and the right
-    to lock the shards' bytes (``RLIMIT_MEMLOCK`` counts each locked map whole, or
-    ``CAP_IPC_LOCK``; :func:`can_lock`)."""
+    """The pages of a packed dataset's records held in memory: read-only maps of its
+    shard files of its own, each locked as its pages are mapped in (``mlock2`` with
+    ``MLOCK_ONFAULT``, one call per map: an ``mlock`` per record would split a map into
+    a mapping per range); :meth:`pin` maps records in (``MADV_POPULATE_READ``).  The
+    page cache keeps one copy per node, shared by every process that maps the files,
+    as long as one process locks it.  What :class:`~forebay.store.ClairvoyantStore`
+    holds its RAM tier in with ``ram_tier="pages"``: its samples are read from these
+    maps (:meth:`record_parts`), straight into the batch, never copied into a tier; a
+    record pinned ahead costs the batch no page fault.  Other samples are read through
+    the dataset's own maps, which lock nothing.  :meth:`close` unmaps these maps, which
+    unlocks them (a map a view still holds stays until the view is dropped).  Needs
+    forebay's C kernel and the right to lock the shards' bytes (``RLIMIT_MEMLOCK``
+    counts each locked map whole, or ``CAP_IPC_LOCK``; :func:`can_lock`)."""
 
     def __init__(self, ds: "PackedDataset") -> None:
         if _native is None or not hasattr(_native, "lock_on_fault"):
             raise InvalidArgumentError("holding samples in the page cache needs forebay's C "
                                        "kernel (forebay._native), which this install lacks")
         self._ds = ds
-        self._locked: set[int] = set()
+        self._maps: dict[int, mmap.mmap] = {}
+        self._arrays: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         #: bytes of the records pinned so far (a record pinned twice counts twice)
         self.nbytes = 0
         #: the errno of the first map that could not be locked (0: none)
         self.error = 0
 
+    def _array(self, k: int) -> np.ndarray:
+        """Shard ``k``'s locked map as a read-only uint8 array (mapped once)."""
+        arr = self._arrays.get(k)
+        if arr is not None:
+            return arr
+        with self._lock:
+            arr = self._arrays.get(k)
+            if arr is None:
+                want = self._ds.manifest.shards[k].data_nbytes
+                if not want:
+                    arr = _EMPTY
+                else:
+                    with open(self._ds.shard_path(k), "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        if size != want:
+                            raise TruncatedShardError(f"{self._ds.shard_path(k)}: {size} bytes "
+                                                      f"on disk, the manifest records {want}")
+                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    self.error = self.error or _native.lock_on_fault(mm, True)
+                    self._maps[k] = mm
+                    arr = np.frombuffer(mm, dtype=np.uint8)
+                self._arrays[k] = arr
+            return arr
+
     def lock(self, shards: np.ndarray) -> None:
-        """Lock these shards' maps (their pages as they are mapped in), once each."""
+        """Map and lock these shards now (their pages as they are mapped in)."""
         for k in shards.tolist():
-            if k in self._locked:
-                continue
-            with self._lock:
-                if k not in self._locked:
-                    m = self._ds.shard_buffer(k)
-                    if len(m):
-                        self.error = self.error or _native.lock_on_fault(m, True)
-                    self._locked.add(k)
+            self._array(k)
+
+    def record_parts(self, ids: np.ndarray, rows: np.ndarray, *, populate: bool = False,
+                     advise: Optional[np.ndarray] = None
+                     ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
+        """As :meth:`PackedDataset.record_parts`, over these maps (a read maps the
+        records in, which locks them too)."""
+        shard = self._ds.shard_of[ids]
+        rec = rows[:, IndexLayout.REC_OFF]
+        end = rec + rows[:, IndexLayout.REC_LEN]
+        shards = np.unique(shard)
+        parts = []
+        for s in shards.tolist():
+            sel: Any = shard == s if len(shards) > 1 else slice(None)
+            arr = self._array(s)
+            if populate:
+                self._read_in(s, rec[sel], end[sel])
+            elif len(arr) and (advise is None or advise[sel].any()):
+                a = slice(None) if advise is None else advise[sel]
+                _native.willneed(arr, np.ascontiguousarray(rec[sel][a], dtype=np.int64),
+                                 np.ascontiguousarray(end[sel][a], dtype=np.int64))
+            parts.append((arr, rec[sel], sel))
+        return parts
+
+    def _read_in(self, k: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Map byte ranges [starts, ends) of shard ``k`` in now, reading what is not
+        cached (and so lock them)."""
+        arr = self._array(k)
+        if not len(arr):
+            return
+        a, b = merge_intervals((starts // _PAGE) * _PAGE,
+                               np.minimum(-(-ends // _PAGE) * _PAGE, len(arr)))
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        b = np.ascontiguousarray(b, dtype=np.int64)
+        _native.willneed(arr, a, b)      # one batch of reads, not a fault per page
+        failed = _native.populate(arr, a, b)
+        if failed:
+            size = os.stat(self._ds.shard_path(k)).st_size
+            raise TruncatedShardError(
+                f"{self._ds.shard_path(k)}: {failed} record range(s) could not be read into "
+                f"memory (the file has {size} bytes, its map {len(arr)}: it changed after it "
+                f"was opened, or the device failed)")
 
     def pin(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Read the records of samples ``ids`` (index rows ``rows``) into memory, if
@@ -716,20 +775,25 @@ class PinnedPages:
         locked too).  A record that cannot be read (a shard shorter than its map, an I/O
         error) raises :class:`~forebay.errors.TruncatedShardError`; where a map could
         not be locked, :attr:`error` says why and its pages stay cached unlocked."""
-        self.lock(np.unique(self._ds.shard_of[ids]))
-        self._ds.record_parts(ids, rows, populate=True)
+        shard = self._ds.shard_of[ids]
+        rec = rows[:, IndexLayout.REC_OFF]
+        end = rec + rows[:, IndexLayout.REC_LEN]
+        for s in np.unique(shard).tolist():
+            sel = shard == s
+            self._read_in(s, rec[sel], end[sel])
         with self._lock:
-            self.nbytes += int(rows[:, IndexLayout.REC_LEN].sum())
+            self.nbytes += int((end - rec).sum())
 
     def close(self) -> None:
-        """Unlock every map this object locked (the pages stay cached and mapped; the
-        kernel may reclaim them again)."""
+        """Unmap, and so unlock, every map this object locked; a map that a view still
+        holds stays until the last view of it is dropped."""
         with self._lock:
-            locked, self._locked = self._locked, set()
-        for k in locked:
-            m = self._ds.shard_buffer(k)
-            if len(m):
-                _native.lock_on_fault(m, False)
+            maps, self._maps, self._arrays = self._maps, {}, {}
+        for mm in maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass
 
 
 def can_lock(nbytes: int) -> bool:

@@ -369,7 +369,7 @@ class ClairvoyantStore(SampleStore):
             asked = "pages" if all_true(self.comm, why is None) else "copy"
         if asked == "pages":
             self._pages = PinnedPages(self.ds)
-            # its shards' maps lock what is mapped in from now on, a batch's reads too
+            # its shards' maps, locked from now on (what is mapped in through them)
             self._pages.lock(np.unique(self.ds.shard_of[self._ram_order]))
         self.ram_tier = asked
 
@@ -529,10 +529,8 @@ class ClairvoyantStore(SampleStore):
                 self.ds.check_records(ids[tsel], buf, dst[tsel],
                                       where=f"(read into rank {self.rank}'s tier)")
             # the tier holds them now: the map's copy leaves this process (it stays in
-            # the page cache), so the node does not hold each filled sample twice (not
-            # where the RAM tier locks the maps: their pages stay)
-            if self._pages is None:
-                self.ds.release(ids[tsel], rows[tsel])
+            # the page cache), so the node does not hold each filled sample twice
+            self.ds.release(ids[tsel], rows[tsel])
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):
@@ -1004,16 +1002,23 @@ class ClairvoyantStore(SampleStore):
             t_peer += time.perf_counter() - t0
             parts.extend(peer_parts)
             tags.extend([("peer", None)] * len(peer_parts))
-        if files.any():
-            fidx = np.flatnonzero(files)
+        # this rank's RAM tier in the page cache: read through its locked maps (where
+        # the fill mapped them in); peers' (their pages: locked by them, cached for all)
+        # and the samples no tier holds: through the dataset's maps, which lock nothing
+        cold = None if paged is None else ~(local | peer)
+        groups = [(pfs, self._record_parts)] if paged is None else \
+            [(paged & mine, self._pages_parts), ((paged & ~mine) | pfs, self._record_parts)]
+        traced = _trace.active() is not None
+        for want, reader in groups:
+            if not want.any():
+                continue
+            fidx = np.flatnonzero(want)
             if self.ds.verify_on_read:   # (the files' pages may change under a tier)
                 self.ds.check_records(ids[fidx])
             kind = np.where(local[fidx], 0, np.where(peer[fidx], 1, 2))
             # pages a tier locked are in memory: only the others are advised
-            advise = None if paged is None else pfs[fidx]
-            traced = _trace.active() is not None
-            for src, rec, sel in self._record_parts(ids[fidx], rows[fidx], populate=lend,
-                                                    advise=advise):
+            for src, rec, sel in reader(ids[fidx], rows[fidx], populate=lend,
+                                        advise=None if cold is None else cold[fidx]):
                 at, k = fidx[sel], kind[sel]
                 if not traced:
                     mask = np.zeros(len(ids), dtype=bool)
@@ -1050,6 +1055,12 @@ class ClairvoyantStore(SampleStore):
         where[readable] = _PEER
         where[self.local_pos >= 0] = _HERE
         self._steady = where
+
+    def _pages_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False,
+                     advise: Optional[np.ndarray] = None):
+        """Parts reading records through the RAM tier's locked maps."""
+        assert self._pages is not None
+        return self._pages.record_parts(ids, rows, populate=populate, advise=advise)
 
     def _paged(self, ids: np.ndarray) -> Optional[np.ndarray]:
         """Which of ``ids`` some rank's RAM tier holds in the files' pages (None: the
