@@ -120,9 +120,9 @@ class ClairvoyantStore(SampleStore):
             own (an MPI window or the node's shared segment), each sample copied in
             from the files once; what peers on other nodes read (transports ``rma``,
             ``exchange``).  ``"pages"``: the files' own pages in the page cache,
-            locked there (the dataset's maps locked on fault,
+            locked there (maps of the shards of its own, locked on fault,
             :class:`~forebay.dataset.PinnedPages`): the fill maps each sample in ahead
-            of need, a batch reads it from the same maps as direct reads do, so
+            of need, a batch reads it from those maps as direct reads read theirs, so
             nothing is copied twice and the node holds each byte once (transports
             ``local`` and ``shm`` only).  ``"auto"``
             (default): ``"pages"`` where it can be (one node; the dataset on a local
