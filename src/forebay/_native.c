@@ -143,32 +143,24 @@ static PyObject *willneed(PyObject *self, PyObject *args) { return advise_ranges
 
 static PyObject *populate(PyObject *self, PyObject *args) { return advise_ranges(args, 1); }
 
-/* lock_on_fault(map, on) -> errno.  on: mlock2(MLOCK_ONFAULT) over the whole map, one
- * call: its pages mapped in now are locked, the others as they are mapped in (a read,
+/* lock_on_fault(map) -> errno: mlock2(MLOCK_ONFAULT) over the whole map, one call:
+ * its pages mapped in now are locked, the others as they are mapped in (a read,
  * populate), never read ahead of that; one call per map, where an mlock per sample
  * would split the mapping into a VMA per range (vm.max_map_count, and the write lock
- * on the address space each time).  off: munlock the whole map.  Returns 0 or the
- * errno (ENOMEM/EPERM: RLIMIT_MEMLOCK; ENOSYS/EINVAL: a kernel before 4.4). */
+ * on the address space each time).  Unmapping unlocks.  Returns 0 or the errno
+ * (ENOMEM/EPERM: RLIMIT_MEMLOCK; ENOSYS/EINVAL: a kernel before 4.4). */
 static PyObject *lock_on_fault(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer src;
-    int on;
-    if (!PyArg_ParseTuple(args, "y*p", &src, &on))
+    if (!PyArg_ParseTuple(args, "y*", &src))
         return NULL;
     int err = 0;
-    if (src.len > 0) {
-        if (!on) {
-            if (munlock(src.buf, (size_t)src.len) != 0)
-                err = errno;
-        } else {
 #ifdef SYS_mlock2
-            if (syscall(SYS_mlock2, src.buf, (size_t)src.len, 1 /* MLOCK_ONFAULT */) != 0)
-                err = errno;
+    if (src.len > 0 && syscall(SYS_mlock2, src.buf, (size_t)src.len, 1 /* MLOCK_ONFAULT */) != 0)
+        err = errno;
 #else
-            err = ENOSYS;
+    err = ENOSYS;
 #endif
-        }
-    }
     PyBuffer_Release(&src);
     return PyLong_FromLong(err);
 }
@@ -359,7 +351,7 @@ static PyMethodDef methods[] = {
     {"populate", populate, METH_VARARGS,
      "populate(map, starts, ends) -> failed ranges: map byte ranges in now (MADV_POPULATE_READ)"},
     {"lock_on_fault", lock_on_fault, METH_VARARGS,
-     "lock_on_fault(map, on) -> errno: mlock2(MLOCK_ONFAULT) or munlock a whole memory map"},
+     "lock_on_fault(map) -> errno: mlock2(MLOCK_ONFAULT) a whole memory map"},
     {"batch_layout", batch_layout, METH_VARARGS,
      "batch_layout(rows, ncols, nbytes_cols, itemsizes, align, meta) -> output bytes"},
     {"gather_fields", gather_fields, METH_VARARGS,

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -71,6 +71,32 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _map_file(path: str, want: int) -> mmap.mmap:
+    """Shard file ``path`` mapped read-only, after checking its size is the manifest's
+    ``want`` bytes (a shorter file would fault the reader with SIGBUS)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != want:
+            raise TruncatedShardError(f"{path}: {size} bytes on disk, the manifest records "
+                                      f"{want}")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _populate(m: np.ndarray, path: str, starts: np.ndarray, ends: np.ndarray) -> None:
+    """Map byte ranges [starts, ends) of shard map ``m`` (file ``path``) in now
+    (MADV_POPULATE_READ; forebay's C kernel); a range the file cannot give (an I/O
+    error, a file that shrank after it was mapped) raises :class:`TruncatedShardError`
+    instead of SIGBUS at its first read."""
+    failed = _native.populate(m, np.ascontiguousarray(starts, dtype=np.int64),
+                              np.ascontiguousarray(ends, dtype=np.int64))
+    if failed:
+        size = os.stat(path).st_size
+        raise TruncatedShardError(
+            f"{path}: {failed} record range(s) could not be read (the file has {size} "
+            f"bytes, its map {len(m)}: it changed after it was opened, or the device "
+            f"failed)")
 
 
 class VerifyReport:
@@ -340,21 +366,29 @@ class PackedDataset:
         after it was mapped) raises :class:`TruncatedShardError` here instead of
         SIGBUS at its first read.  ``advise``: which of them to advise (default all;
         a caller that knows some are in memory, locked, skips their system calls)."""
+        return self._parts(ids, rows, advise, self._map,
+                           self._populate if populate else None)
+
+    def _parts(self, ids: np.ndarray, rows: np.ndarray, advise: Optional[np.ndarray],
+               array: Callable[[int], np.ndarray],
+               populate: Optional[Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]]
+               ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
+        """:meth:`record_parts` over the maps ``array(shard)`` gives (the dataset's, or
+        :class:`PinnedPages`'), mapping the records in with ``populate(shard, ids,
+        starts, ends)`` when given."""
         shard = self._shard_of[ids]
         rec = rows[:, IndexLayout.REC_OFF]
+        end = rec + rows[:, IndexLayout.REC_LEN]
         shards = np.unique(shard)
         parts = []
         for s in shards.tolist():
             sel: Any = shard == s if len(shards) > 1 else slice(None)
-            end = rec[sel] + rows[sel, IndexLayout.REC_LEN]
-            if advise is None:
-                self.advise(s, rec[sel], end)
-            elif advise[sel].any():
-                a = advise[sel]
-                self.advise(s, rec[sel][a], end[a])
-            if populate:
-                self._populate(s, ids[sel], rec[sel], end)
-            parts.append((self._map(s), rec[sel], sel))
+            a: Any = slice(None) if advise is None else advise[sel]
+            if advise is None or a.any():
+                self.advise(s, rec[sel][a], end[sel][a])
+            if populate is not None:
+                populate(s, ids[sel], rec[sel], end[sel])
+            parts.append((array(s), rec[sel], sel))
         return parts
 
     def _populate(self, shard: int, ids: np.ndarray, starts: np.ndarray,
@@ -371,14 +405,7 @@ class PackedDataset:
         fresh = ~self._mapped_in[ids]
         if not fresh.any():
             return
-        failed = _native.populate(m, np.ascontiguousarray(starts[fresh], dtype=np.int64),
-                                  np.ascontiguousarray(ends[fresh], dtype=np.int64))
-        if failed:
-            size = os.stat(self.shard_path(shard)).st_size
-            raise TruncatedShardError(
-                f"{self.shard_path(shard)}: {failed} record(s) could not be read (the file "
-                f"has {size} bytes, its map {len(m)}: it changed after it was opened, or "
-                f"the device failed)")
+        _populate(m, self.shard_path(shard), starts[fresh], ends[fresh])
         self._mapped_in[ids[fresh]] = True
 
     def _check_rows(self) -> None:
@@ -435,13 +462,7 @@ class PackedDataset:
         s = self.manifest.shards[k]
         if s.data_nbytes == 0:
             return _EMPTY
-        p = self.path / s.data
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != s.data_nbytes:
-                raise TruncatedShardError(f"{p}: {size} bytes on disk, the manifest records "
-                                          f"{s.data_nbytes}")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = _map_file(str(self.path / s.data), s.data_nbytes)
         self._mmaps[k] = mm
         return np.frombuffer(mm, dtype=np.uint8)
 
@@ -711,13 +732,8 @@ class PinnedPages:
                 if not want:
                     arr = _EMPTY
                 else:
-                    with open(self._ds.shard_path(k), "rb") as f:
-                        size = os.fstat(f.fileno()).st_size
-                        if size != want:
-                            raise TruncatedShardError(f"{self._ds.shard_path(k)}: {size} bytes "
-                                                      f"on disk, the manifest records {want}")
-                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                    self.error = self.error or _native.lock_on_fault(mm, True)
+                    mm = _map_file(self._ds.shard_path(k), want)
+                    self.error = self.error or _native.lock_on_fault(mm)
                     self._maps[k] = mm
                     arr = np.frombuffer(mm, dtype=np.uint8)
                 self._arrays[k] = arr
@@ -733,41 +749,17 @@ class PinnedPages:
                      ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
         """As :meth:`PackedDataset.record_parts`, over these maps (a read maps the
         records in, which locks them too)."""
-        shard = self._ds.shard_of[ids]
-        rec = rows[:, IndexLayout.REC_OFF]
-        end = rec + rows[:, IndexLayout.REC_LEN]
-        shards = np.unique(shard)
-        parts = []
-        for s in shards.tolist():
-            sel: Any = shard == s if len(shards) > 1 else slice(None)
-            arr = self._array(s)
-            if populate:
-                self._read_in(s, rec[sel], end[sel])
-            elif len(arr) and (advise is None or advise[sel].any()):
-                a = slice(None) if advise is None else advise[sel]
-                _native.willneed(arr, np.ascontiguousarray(rec[sel][a], dtype=np.int64),
-                                 np.ascontiguousarray(end[sel][a], dtype=np.int64))
-            parts.append((arr, rec[sel], sel))
-        return parts
+        return self._ds._parts(ids, rows, advise, self._array,
+                               self._read_in if populate else None)
 
-    def _read_in(self, k: int, starts: np.ndarray, ends: np.ndarray) -> None:
+    def _read_in(self, k: int, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Map byte ranges [starts, ends) of shard ``k`` in now, reading what is not
         cached (and so lock them)."""
         arr = self._array(k)
-        if not len(arr):
-            return
-        a, b = merge_intervals((starts // _PAGE) * _PAGE,
-                               np.minimum(-(-ends // _PAGE) * _PAGE, len(arr)))
-        a = np.ascontiguousarray(a, dtype=np.int64)
-        b = np.ascontiguousarray(b, dtype=np.int64)
-        _native.willneed(arr, a, b)      # one batch of reads, not a fault per page
-        failed = _native.populate(arr, a, b)
-        if failed:
-            size = os.stat(self._ds.shard_path(k)).st_size
-            raise TruncatedShardError(
-                f"{self._ds.shard_path(k)}: {failed} record range(s) could not be read into "
-                f"memory (the file has {size} bytes, its map {len(arr)}: it changed after it "
-                f"was opened, or the device failed)")
+        if len(arr):
+            a, b = merge_intervals((starts // _PAGE) * _PAGE,
+                                   np.minimum(-(-ends // _PAGE) * _PAGE, len(arr)))
+            _populate(arr, self._ds.shard_path(k), a, b)
 
     def pin(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Read the records of samples ``ids`` (index rows ``rows``) into memory, if
@@ -775,14 +767,9 @@ class PinnedPages:
         locked too).  A record that cannot be read (a shard shorter than its map, an I/O
         error) raises :class:`~forebay.errors.TruncatedShardError`; where a map could
         not be locked, :attr:`error` says why and its pages stay cached unlocked."""
-        shard = self._ds.shard_of[ids]
-        rec = rows[:, IndexLayout.REC_OFF]
-        end = rec + rows[:, IndexLayout.REC_LEN]
-        for s in np.unique(shard).tolist():
-            sel = shard == s
-            self._read_in(s, rec[sel], end[sel])
+        self.record_parts(ids, rows, populate=True)
         with self._lock:
-            self.nbytes += int((end - rec).sum())
+            self.nbytes += int(rows[:, IndexLayout.REC_LEN].sum())
 
     def close(self) -> None:
         """Unmap, and so unlock, every map this object locked; a map that a view still

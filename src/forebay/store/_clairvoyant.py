@@ -351,16 +351,19 @@ class ClairvoyantStore(SampleStore):
             raise InvalidArgumentError(f"ram_tier must be 'auto', 'copy' or 'pages', got "
                                        f"{asked!r}")
         why = None
+        shards = self.ds.manifest.shards
+        locked = sum(int(shards[k].data_nbytes)      # RLIMIT_MEMLOCK counts maps whole
+                     for k in np.unique(self.ds.shard_of[self._ram_order]).tolist())
+        fs = filesystem_type(self.ds.path)
         if self.transport not in ("local", "shm"):
             why = (f"transport {self.transport!r} serves peers on other nodes from the "
                    f"tier's own memory")
-        elif not can_lock(self._shard_bytes(self._ram_order)):
-            why = (f"this process may not lock {self._shard_bytes(self._ram_order)} bytes in "
-                   f"memory (the shards its RAM tier's samples are in: RLIMIT_MEMLOCK, "
-                   f"`ulimit -l`), or forebay's C kernel is not built")
-        elif asked == "auto" and filesystem_type(self.ds.path) in NETWORK_FS:
-            why = (f"{self.ds.path} is on {filesystem_type(self.ds.path)}, whose client may "
-                   f"drop cached pages itself")
+        elif not can_lock(locked):
+            why = (f"this process may not lock {locked} bytes in memory (the shards its RAM "
+                   f"tier's samples are in: RLIMIT_MEMLOCK, `ulimit -l`), or forebay's C "
+                   f"kernel is not built")
+        elif asked == "auto" and fs in NETWORK_FS:
+            why = f"{self.ds.path} is on {fs}, whose client may drop cached pages itself"
         elif asked == "auto" and on_pfs_read is not None:
             why = "on_pfs_read is given (an emulated file system)"
         if asked == "pages":
@@ -369,15 +372,12 @@ class ClairvoyantStore(SampleStore):
             asked = "pages" if all_true(self.comm, why is None) else "copy"
         if asked == "pages":
             self._pages = PinnedPages(self.ds)
+            p = self.placement
+            #: which samples some rank's RAM tier holds (in the files' pages)
+            self._in_pages = (p.owner >= 0) & (p.tier == RAM)
             # its shards' maps, locked from now on (what is mapped in through them)
             self._pages.lock(np.unique(self.ds.shard_of[self._ram_order]))
         self.ram_tier = asked
-
-    def _shard_bytes(self, ids: np.ndarray) -> int:
-        """Bytes of the shard files holding samples ``ids`` (what their locked maps
-        count against RLIMIT_MEMLOCK)."""
-        shards = self.ds.manifest.shards
-        return sum(int(shards[k].data_nbytes) for k in np.unique(self.ds.shard_of[ids]).tolist())
 
     def _allocate(self) -> None:
         n_state = len(self.fill_order)
@@ -1065,10 +1065,7 @@ class ClairvoyantStore(SampleStore):
     def _paged(self, ids: np.ndarray) -> Optional[np.ndarray]:
         """Which of ``ids`` some rank's RAM tier holds in the files' pages (None: the
         RAM tiers are copies)."""
-        if self._pages is None:
-            return None
-        p = self.placement
-        return (p.owner[ids] >= 0) & (p.tier[ids] == RAM)
+        return None if self._pages is None else self._in_pages[ids]
 
     def _account(self, ids: np.ndarray, rows: np.ndarray, parts: list, src: tuple,
                  timings: Optional[list], t0: float) -> None:
