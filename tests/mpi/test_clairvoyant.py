@@ -417,6 +417,34 @@ def test_a_reader_racing_the_fill_leaves_no_hole_and_reads_each_sample_once(pack
         st.close()
 
 
+def test_a_batch_never_reads_a_tier_position_still_being_written(packed, tmp_path):
+    """A sample a fill thread is writing when a batch needs it: from an SSD tier (or a
+    copying RAM tier) the batch waits for it, then reads the files; from the RAM tier
+    in the page cache it reads the files' pages at once.  Either way the bytes are the
+    dataset's (the pages tier once read an SSD position before the fill wrote it:
+    zeros, silently)."""
+    import numpy as np
+
+    from forebay.store import tier_nbytes
+    from forebay.store._placement import RAM, SSD
+    ds = forebay.open_dataset(packed[0])
+    plan = forebay.AccessPlan(len(ds), 1, 8, 1, seed=1)
+    sizes = tier_nbytes(ds)
+    tiers = ("copy", "pages") if can_lock(4 * int(sizes.sum())) else ("copy",)
+    for tier in tiers:
+        st = ClairvoyantStore(ds, plan, None, ram_bytes=int(sizes.sum() // 3), fill=False,
+                              ssd_dir=tmp_path, ssd_bytes=int(sizes.sum()), ram_tier=tier,
+                              peer_wait=0.01)
+        for t in (RAM, SSD):
+            sample = int(np.flatnonzero(st.placement.tier == t)[0])
+            # a fill thread mid-write, frozen: its position claimed, nothing written yet
+            assert st._claim(st.local_pos[[sample]]).all()
+            ids = np.array([sample, sample, (sample + 1) % len(ds)])
+            assert st.get_many(ids).equals(ds.get_many(ids)), (tier, t)
+            assert st.get_views(ids).equals(ds.get_many(ids)), (tier, t)
+        st.close()
+
+
 def rank_warm(*args: str) -> None:
     """One rank of the warm-up test (run by run_ranks)."""
     argv = ["rank", *args]

@@ -960,17 +960,17 @@ class ClairvoyantStore(SampleStore):
                 got = self._claim(u)
                 self._load(ids[need[first[got]]], u[got], wait=0.0)
                 busy = u[~got]
-                writing = np.zeros(len(ids), dtype=bool)
-                if len(busy) and self._pages is None:
-                    # being copied into the tier by the fill right now: wait for it
-                    # rather than read them twice
-                    self._wait_done(busy, timeout=self.peer_wait)
-                elif len(busy):
-                    # being read into the page cache by the fill: the batch reads them
-                    # from the same maps without waiting for the fill's whole chunk
-                    # (waiting kept a reader on a fast disk in step with the fill, in
-                    # nearly every batch of a cold epoch); they count as the fill's read
-                    writing = mine & np.isin(lpos, busy)
+                # being read into the page cache by the fill (the RAM tier in the files'
+                # pages): the batch reads them from the same maps without waiting for
+                # the fill's whole chunk (waiting kept a reader on a fast disk in step
+                # with the fill, in nearly every batch of a cold epoch); they count as
+                # the fill's read.  Being copied into a tier's own memory (the SSD tier,
+                # a copying RAM tier): not there yet, wait for it rather than read twice
+                paging = busy < self._R if self._pages is not None else \
+                    np.zeros(len(busy), dtype=bool)
+                if (~paging).any():
+                    self._wait_done(busy[~paging], timeout=self.peer_wait)
+                writing = mine & np.isin(lpos, busy[paging])
                 local = writing | (mine & ((lpos < self._filled) | self._done_at(lpos)))
             if self.transport == "exchange":
                 t0 = time.perf_counter()
