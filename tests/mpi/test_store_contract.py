@@ -21,9 +21,11 @@ from forebay.store import (STATS_KEYS, ArrayStore, ClairvoyantStore, DirectStore
                            SampleStore, StoreError)
 from forebay.dataset import can_lock
 from forebay.world import LOCAL
-from conftest import assert_ranks_ok, run_ranks, run_torchrun
+from conftest import assert_ranks_ok, run_ranks, run_torchrun, say
 
 pytestmark = pytest.mark.mpi
+#: whether the RAM tier can be held in the page cache here (RLIMIT_MEMLOCK)
+CAN_LOCK = can_lock(2 << 20)
 
 
 def _plan(ds, comm):
@@ -147,6 +149,38 @@ def rank_contract(path: str, kind: str, want_transport: str = "") -> None:
     check_contract(store, ds, seed=comm.Get_rank(), alone=comm.Get_size() == 1)
 
 
+def rank_contracts(path: str, kinds: str) -> None:
+    """The contract of each of ``kinds`` ("kind=transport,..."; kind "arrays": the
+    from_arrays store's) in turn, in one job: one torchrun launch costs more than a
+    contract.  Each rank says "contract KIND ok" after each."""
+    from forebay.world import resolve_comm
+
+    for item in kinds.split(","):
+        kind, want = item.split("=")
+        if kind == "arrays":
+            check_array_contract(resolve_comm(), want)
+        else:
+            rank_contract(path, kind, want)
+        say(f"contract {kind} ok")
+
+
+@pytest.fixture(scope="module")
+def torchrun_contracts(dataset):
+    """Every contract that runs under torch.distributed, under one real ``torchrun
+    --nproc-per-node 2`` job (its CompletedProcess)."""
+    kinds = [f"{c.kind}={c.under_torchrun}" for c in DistributedStoreContract.__subclasses__()
+             if c.under_torchrun and (c.kind != "clairvoyant-pages" or CAN_LOCK)]
+    return run_torchrun(2, rank_contracts, dataset, ",".join(kinds + ["arrays=shm"]),
+                        timeout=300)
+
+
+def check_torchrun_contract(p, kind: str) -> None:
+    """Both ranks of the torchrun job passed ``kind``'s contract (an earlier kind that
+    failed stops the job: its error is in the output shown)."""
+    assert p.stdout.count(f"contract {kind} ok") == 2, \
+        f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     path = tmp_path_factory.mktemp("contract") / "ds"
@@ -173,11 +207,10 @@ class DistributedStoreContract(StoreContract):
     def test_contract_two_ranks(self, dataset):
         assert_ranks_ok(run_ranks(2, rank_contract, dataset, self.kind), 2)
 
-    def test_contract_two_ranks_torchrun(self, dataset):
+    def test_contract_two_ranks_torchrun(self, torchrun_contracts):
         if not self.under_torchrun:
             pytest.skip(f"{self.kind} needs MPI")
-        assert_ranks_ok(run_torchrun(2, rank_contract, dataset, self.kind,
-                                     self.under_torchrun), 2)
+        check_torchrun_contract(torchrun_contracts, self.kind)
 
 
 class TestDirect(StoreContract):
@@ -217,7 +250,7 @@ class TestClairvoyantRam(DistributedStoreContract):
     under_torchrun = "shm"
 
 
-@pytest.mark.skipif(not can_lock(2 << 20), reason="this process may not lock 2 MiB "
+@pytest.mark.skipif(not CAN_LOCK, reason="this process may not lock 2 MiB "
                     "(RLIMIT_MEMLOCK): the RAM tier cannot be held in the page cache")
 class TestClairvoyantPages(DistributedStoreContract):
     kind = "clairvoyant-pages"
@@ -245,7 +278,7 @@ def test_the_same_reads_count_the_same_bytes_in_every_mode(dataset):
     every = np.arange(len(ds))
     want = int(ds.record_nbytes.sum())
     for kind in ("direct", "preload-rma", "clairvoyant-ram") + \
-            (("clairvoyant-pages",) if can_lock(2 << 20) else ()):
+            (("clairvoyant-pages",) if CAN_LOCK else ()):
         with FACTORIES[kind](ds, LOCAL) as st:
             st.get_many(every)
             assert st.wait_filled(timeout=120)
@@ -393,8 +426,8 @@ class TestArrayStore:
     def test_mpiexec(self, ranks, transport):
         assert_ranks_ok(run_ranks(ranks, rank_array_contract, transport), ranks)
 
-    def test_torchrun(self):
-        assert_ranks_ok(run_torchrun(2, rank_array_contract, "shm"), 2)
+    def test_torchrun(self, torchrun_contracts):
+        check_torchrun_contract(torchrun_contracts, "arrays")
 
     def test_ranks_that_disagree_fail_on_every_rank(self):
         assert_ranks_ok(run_ranks(2, rank_array_mismatch), 2)

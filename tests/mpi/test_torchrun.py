@@ -74,20 +74,40 @@ def _read(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("mode,transport,want,views", [
-    ("preload", "auto", "shm", 0), ("preload", "exchange", "exchange", 0),
-    ("clairvoyant", "auto", "shm", 0), ("clairvoyant", "exchange", "exchange", 0),
-    ("direct", "auto", None, 0),
-    ("preload", "auto", "shm", 1), ("preload", "exchange", "exchange", 1),
-    ("clairvoyant", "auto", "shm", 1), ("direct", "auto", None, 1)])
-def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_path, mode,
-                                                                 transport, want, views):
+#: (mode, transport, the transport stats() must report under torchrun, views)
+CASES = [("preload", "auto", "shm", 0), ("preload", "exchange", "exchange", 0),
+         ("clairvoyant", "auto", "shm", 0), ("clairvoyant", "exchange", "exchange", 0),
+         ("direct", "auto", None, 0),
+         ("preload", "auto", "shm", 1), ("preload", "exchange", "exchange", 1),
+         ("clairvoyant", "auto", "shm", 1), ("direct", "auto", None, 1)]
+
+
+def rank_cases(path: str, out: str) -> None:
+    """Every case of CASES in turn, in one job (one launch costs more than a case);
+    case k's files go to ``out/k``."""
+    for k, (mode, transport, _, views) in enumerate(CASES):
+        Path(out, str(k)).mkdir(exist_ok=True)
+        rank_epochs(path, str(Path(out, str(k))), mode, transport, "2", str(views))
+
+
+@pytest.fixture(scope="module")
+def launched(labelled, tmp_path_factory):
+    """Every case under real torchrun, then under real mpiexec: the output directory
+    of each launcher, and the node's shared segments before and after both jobs."""
+    out = tmp_path_factory.mktemp("cases")
     before = _segments()
     for launcher, run in (("torchrun", run_torchrun), ("mpiexec", run_ranks)):
-        out = tmp_path / launcher
-        out.mkdir()
-        assert_ranks_ok(run(2, rank_epochs, labelled, out, mode, transport, 2, views), 2)
-    tr, mp = _read(tmp_path / "torchrun", 2), _read(tmp_path / "mpiexec", 2)
+        (out / launcher).mkdir()
+        assert_ranks_ok(run(2, rank_cases, labelled, out / launcher), 2)
+    return out, before, _segments()
+
+
+@pytest.mark.parametrize("case", range(len(CASES)),
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(launched, case):
+    mode, _, want, _ = CASES[case]
+    out, before, after = launched
+    tr, mp = _read(out / "torchrun" / str(case), 2), _read(out / "mpiexec" / str(case), 2)
     assert {r["comm"] for r in tr} == {"TorchComm"}
     assert {r["comm"] for r in mp} == {"Intracomm"}
     assert {r["transport"] for r in tr} == {want}
@@ -104,7 +124,7 @@ def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(labelled, tmp_p
     # the reader asked (no peer fetch at all once, under a loaded fresh-clone run)
     if want == "exchange" or (want == "shm" and mode == "preload"):
         assert all(r["fetches"]["peer"] > 0 for r in tr), tr
-    assert _segments() <= before          # no shared segment outlives the job
+    assert after <= before          # no shared segment outlives the jobs
 
 
 def rank_dies_mid_epoch(path: str) -> None:
