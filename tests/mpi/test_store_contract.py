@@ -112,6 +112,9 @@ def check_contract(store: SampleStore, ds, seed: int = 0, alone: bool = True) ->
         assert store.get_many(ids).equals(ds.get_many(ids)), ids
         asked += n
     every = np.arange(len(ds))
+    for i in rng.integers(0, len(ds), size=6).tolist():  # one sample (a fast path)
+        assert store.get_many([i]).equals(ds.get_many([i])), i
+        asked += 1
     assert store.get_many(every).equals(ds.get_many(every))
     asked += len(ds)
     with pytest.raises(SampleIndexError):

@@ -318,6 +318,13 @@ def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
     (each target's ranges are contiguous in ``stage``, in order)."""
     from mpi4py import MPI
 
+    if len(target) == 1:        # one range (a single-sample read): no grouping, no type
+        t, nbytes, p0 = int(target[0]), int(length[0]), int(pos[0])
+        if nbytes:
+            win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t,
+                    (int(disp[0]), nbytes, MPI.BYTE))
+            win.Flush(t)
+        return
     owners, first = np.unique(target, return_index=True)
     ends = np.append(first[1:], len(target))
     types = []
@@ -1023,6 +1030,12 @@ class DistributedStore(SampleStore):
         """Peers' records ``ids[sel]`` fetched into a fresh buffer, contiguous and
         grouped by owner (one MPI_Get per owner): an assemble_batch part."""
         rlen, rmember = rows[sel, IndexLayout.REC_LEN], member[sel]
+        if len(rlen) == 1:      # one record: nothing to group
+            stage_pos = np.zeros(1, dtype=np.int64)
+            stage = np.empty(int(rlen[0]), dtype=np.uint8)
+            rma_get(self._win, stage, rmember, self.layout.offset[ids[sel]] +
+                    self._shift[rmember], rlen, stage_pos)
+            return stage, stage_pos, sel
         order = np.argsort(rmember, kind="stable")
         stage_pos = np.empty(len(rlen), dtype=np.int64)
         stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
