@@ -616,6 +616,7 @@ class ClairvoyantStore(SampleStore):
             if chunk is None:
                 return
             a, b = chunk
+            self._read_ahead(b, hi)
             t0 = time.perf_counter()
             peers0 = self._fill_from_peers
             got = self._fill_positions(np.arange(a, b))
@@ -627,6 +628,23 @@ class ClairvoyantStore(SampleStore):
                          nbytes=int(self._sizes[order[a:b][got]].sum()),
                          args={"tier": "ram" if a < self._R else "ssd",
                                "from_peers": self._fill_from_peers - peers0, "filled": b})
+
+    def _read_ahead(self, b: int, hi: int) -> None:
+        """Ask the kernel for the records of the chunk after this one now (WILLNEED),
+        so the files' reads stay in flight while this chunk is read and written: a fill
+        thread otherwise left the device idle between its chunks (a cold epoch 0.85-0.9x
+        of direct reads', which keep their next batch's reads in flight).  Extra copies
+        (read from their owner's tier) are not asked for; a chunk a batch takes instead
+        is read either way."""
+        end = min(hi, b + _CHUNK_SAMPLES)
+        pos = np.arange(b, end)
+        pos = pos[~self._is_extra[b:end]]
+        if not len(pos):
+            return
+        ids = self.fill_order[pos]
+        ids = ids[:max(1, int(np.searchsorted(np.cumsum(self._sizes[ids]), _CHUNK_BYTES,
+                                              side="right")))]
+        self.ds.record_parts(ids, self.ds.rows(ids))
 
     def _wait_done(self, pos: np.ndarray, timeout: Optional[float] = None) -> bool:
         """Wait until positions ``pos`` of this rank's tiers are done (written by this
