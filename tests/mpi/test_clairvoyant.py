@@ -534,6 +534,28 @@ def test_the_ram_tier_in_the_page_cache_locks_the_files_pages_and_copies_nothing
     assert _locked_kib() == before
 
 
+@pytest.mark.skipif(not can_lock(64 << 20), reason="this process may not lock memory "
+                    "(RLIMIT_MEMLOCK)")
+def test_a_batch_ahead_of_the_page_cache_fill_pins_what_it_reads(packed):
+    """A batch needing samples the fill has not reached reads them through the tier's
+    locked maps and pins them after: they are the tier's from then on (locked, counted
+    as one read from the files each), and the fill does not read them again."""
+    from forebay.store import tier_nbytes
+    ds = forebay.open_dataset(packed[0])
+    plan = forebay.AccessPlan(len(ds), 1, 8, 1, seed=2)
+    with ClairvoyantStore(ds, plan, None, ram_bytes=int(tier_nbytes(ds).sum()),
+                          ram_tier="pages", fill=False) as st:
+        ids = plan.batches(0, 0)[0]
+        assert st.get_many(ids).equals(ds.get_many(ids))
+        s = st.stats()
+        assert s["locked_bytes"] == int(ds.record_nbytes[ids].sum())
+        assert s["pfs_reads"] == len(ids) and s["fetches_by_source"]["local"] == len(ids)
+        assert st.get_many(ids).equals(ds.get_many(ids))       # now from the tier
+        st.fill_now()
+        s = st.stats()
+        assert s["filled"] == len(ds) and s["pfs_reads"] == len(ds), s
+
+
 def test_ram_tier_choices(packed, tmp_path):
     """"auto" copies where the page cache cannot serve as the tier (an emulated file
     system's hook given); an unknown choice is refused; "pages" where it cannot be is

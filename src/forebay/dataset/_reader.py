@@ -761,13 +761,16 @@ class PinnedPages:
                                    np.minimum(-(-ends // _PAGE) * _PAGE, len(arr)))
             _populate(arr, self._ds.shard_path(k), a, b)
 
-    def pin(self, ids: np.ndarray, rows: np.ndarray) -> None:
+    def pin(self, ids: np.ndarray, rows: np.ndarray, *,
+            advise: Optional[np.ndarray] = None) -> None:
         """Read the records of samples ``ids`` (index rows ``rows``) into memory, if
         they are not there, and lock their pages (whole pages: one a neighbour shares is
         locked too).  A record that cannot be read (a shard shorter than its map, an I/O
         error) raises :class:`~forebay.errors.TruncatedShardError`; where a map could
-        not be locked, :attr:`error` says why and its pages stay cached unlocked."""
-        self.record_parts(ids, rows, populate=True)
+        not be locked, :attr:`error` says why and its pages stay cached unlocked.
+        ``advise``: which of them to ask the kernel for first (WILLNEED; default all;
+        none for records just read through these maps)."""
+        self.record_parts(ids, rows, populate=True, advise=advise)
         with self._lock:
             self.nbytes += int(rows[:, IndexLayout.REC_LEN].sum())
 
