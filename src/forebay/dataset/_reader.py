@@ -699,11 +699,13 @@ class PinnedPages:
     a mapping per range); :meth:`pin` maps records in (``MADV_POPULATE_READ``).  The
     page cache keeps one copy per node, shared by every process that maps the files,
     as long as one process locks it.  What :class:`~forebay.store.ClairvoyantStore`
-    holds its RAM tier in with ``ram_tier="pages"``: its samples are read from these
-    maps (:meth:`record_parts`), straight into the batch, never copied into a tier; a
-    record pinned ahead costs the batch no page fault.  Other samples are read through
-    the dataset's own maps, which lock nothing.  :meth:`close` unmaps these maps, which
-    unlocks them (a map a view still holds stays until the view is dropped).  Needs
+    holds its RAM tier in with ``ram_tier="pages"``: these maps only lock; batches read
+    every sample through the dataset's own maps, straight into the batch, never copied
+    into a tier (reading a rank's own samples through these left the dataset's maps
+    unmapped, and the first warm epoch faulted on each of a peer's pages there).
+    :meth:`record_parts` reads through these maps, for a caller that wants to.
+    :meth:`close` unmaps these maps, which unlocks them (a map a view still holds
+    stays until the view is dropped).  Needs
     forebay's C kernel and the right to lock the shards' bytes (``RLIMIT_MEMLOCK``
     counts each locked map whole, or ``CAP_IPC_LOCK``; :func:`can_lock`)."""
 

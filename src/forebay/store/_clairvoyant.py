@@ -128,8 +128,8 @@ class ClairvoyantStore(SampleStore):
             ``exchange``).  ``"pages"``: the files' own pages in the page cache,
             locked there (maps of the shards of its own, locked on fault,
             :class:`~forebay.dataset.PinnedPages`): the fill maps each sample in ahead
-            of need, a batch reads it from those maps as direct reads read theirs, so
-            nothing is copied twice and the node holds each byte once (transports
+            of need, a batch reads it through the dataset's maps as direct reads do,
+            so nothing is copied twice and the node holds each byte once (transports
             ``local`` and ``shm`` only).  ``"auto"``
             (default): ``"pages"`` where it can be (one node; the dataset on a local
             file system, not one whose client may drop cached pages itself; no
@@ -570,8 +570,7 @@ class ClairvoyantStore(SampleStore):
         rank's tiers, then mark them done.  Extra copies come from their owner's tier
         when it has them (waiting up to ``wait`` s for an owner still filling), so the
         PFS serves each sample once; everything else is read from the dataset files.
-        ``mapped``: a batch has just read them through the page-cache tier's maps (not
-        asked for again)."""
+        ``mapped``: a batch has just read them (cached: not asked for again)."""
         rows = self.ds.rows(ids) if rows is None else rows
         extra = self._is_extra[pos]
         paged = self._paged(ids)
@@ -953,8 +952,8 @@ class ClairvoyantStore(SampleStore):
             out = build(got, rows, parts, timings)
         finally:
             if pin_after is not None:
-                # read through the locked maps just now, which mapped (and locked) their
-                # pages: pinning them is a page-table walk, then they are the tier's
+                # just read (their pages are cached now): pinning them maps them into the
+                # tier's locked maps without a read, then they are the tier's
                 pids, ppos, prows = pin_after
                 self._load(pids, ppos, 0.0, rows=prows, mapped=True)
         self._account(got, rows, parts, src, timings, t0)
@@ -987,7 +986,7 @@ class ClairvoyantStore(SampleStore):
         exchanged: Optional[list] = None
         t_exchange = 0.0
         pin_after: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
-        ahead: Optional[np.ndarray] = None      # read through the locked maps, not pinned yet
+        ahead: Optional[np.ndarray] = None      # claimed by this batch, read, pinned after
         if self._steady is not None:    # every tier full: where a sample is is fixed
             where = self._steady[ids]
             mine = local = where == _HERE
@@ -1007,10 +1006,10 @@ class ClairvoyantStore(SampleStore):
                                           return_inverse=True)
                 got = self._claim(u)
                 # a copying tier is written before the batch reads it; a RAM tier in the
-                # page cache is read first, through its locked maps (which maps and locks
-                # the pages the copy touches, its reads in flight while it copies: pinning
-                # them first waited for every read before the first copy, 0.83x direct
-                # reads' cold epoch of small records), and pinned after (_read)
+                # page cache is read first, as direct reads read (their reads in flight
+                # while the batch copies: pinning them first waited for every read before
+                # the first copy, 0.83x direct reads' cold epoch of small records), and
+                # pinned after (_read)
                 first_pin = (u < self._R) & got if self._pages is not None else \
                     np.zeros(len(u), dtype=bool)
                 load = got & ~first_pin
@@ -1065,25 +1064,25 @@ class ClairvoyantStore(SampleStore):
             t_peer += time.perf_counter() - t0
             parts.extend(peer_parts)
             tags.extend([("peer", None)] * len(peer_parts))
-        # this rank's RAM tier in the page cache: read through its locked maps (where
-        # the fill mapped them in); peers' (their pages: locked by them, cached for all)
-        # and the samples no tier holds: through the dataset's maps, which lock nothing
+        # the RAM tiers in the page cache (this rank's and its peers', locked through
+        # maps of their own) and the samples no tier holds: read through the dataset's
+        # maps, as direct reads read them (own samples read through the locked maps
+        # instead left the dataset's unmapped, and the first warm epoch faulted on each
+        # peer's page there: Ising 0.044 s against direct reads' 0.031 s)
         cold = None if paged is None else ~(local | peer)
         if ahead is not None and cold is not None:
             cold |= ahead           # not in memory yet: asked for (WILLNEED) as the others
-        groups = [(pfs, self._record_parts)] if paged is None else \
-            [(paged & mine, self._pages_parts), ((paged & ~mine) | pfs, self._record_parts)]
+        want = pfs if paged is None else paged | pfs
         traced = _trace.active() is not None
-        for want, reader in groups:
-            if not want.any():
-                continue
+        if want.any():
             fidx = np.flatnonzero(want)
             if self.ds.verify_on_read:   # (the files' pages may change under a tier)
                 self.ds.check_records(ids[fidx])
             kind = np.where(local[fidx], 0, np.where(peer[fidx], 1, 2))
             # pages a tier locked are in memory: only the others are advised
-            for src, rec, sel in reader(ids[fidx], rows[fidx], populate=lend,
-                                        advise=None if cold is None else cold[fidx]):
+            for src, rec, sel in self._record_parts(
+                    ids[fidx], rows[fidx], populate=lend,
+                    advise=None if cold is None else cold[fidx]):
                 at, k = fidx[sel], kind[sel]
                 if not traced:
                     mask = np.zeros(len(ids), dtype=bool)
@@ -1120,12 +1119,6 @@ class ClairvoyantStore(SampleStore):
         where[readable] = _PEER
         where[self.local_pos >= 0] = _HERE
         self._steady = where
-
-    def _pages_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False,
-                     advise: Optional[np.ndarray] = None):
-        """Parts reading records through the RAM tier's locked maps."""
-        assert self._pages is not None
-        return self._pages.record_parts(ids, rows, populate=populate, advise=advise)
 
     def _paged(self, ids: np.ndarray) -> Optional[np.ndarray]:
         """Which of ``ids`` some rank's RAM tier holds in the files' pages (None: the
