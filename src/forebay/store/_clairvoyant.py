@@ -1019,8 +1019,8 @@ class ClairvoyantStore(SampleStore):
                     at = need[first[first_pin]]
                     pin_after = (ids[at], u[first_pin], rows[at])
                 # being read into the page cache by the fill (the RAM tier in the files'
-                # pages): the batch reads them from the same maps without waiting for
-                # the fill's whole chunk (waiting kept a reader on a fast disk in step
+                # pages): the batch reads the same pages without waiting for the
+                # fill's whole chunk (waiting kept a reader on a fast disk in step
                 # with the fill, in nearly every batch of a cold epoch); they count as
                 # the fill's read.  Being copied into a tier's own memory (the SSD tier,
                 # a copying RAM tier): not there yet, wait for it rather than read twice
