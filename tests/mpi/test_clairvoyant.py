@@ -374,10 +374,10 @@ def rank_no_copies_of_node_peers(*args: str) -> None:
     extra, nbytes, covered = held["shm"]
     assert extra == 0 and nbytes == covered, held
     assert held["rma"][0] > 0 and held["rma"][1] > covered, held
-    # the page cache serves the ranks of one node only
+    # peers reading the tier by RMA read its own memory: it cannot be the page cache
     with pytest.raises(StoreError, match="ram_tier='pages' is not possible here: transport "
-                       "'exchange'"):
-        ClairvoyantStore(ds, plan, comm, ram_bytes=1 << 20, transport="exchange",
+                       "'rma'"):
+        ClairvoyantStore(ds, plan, comm, ram_bytes=1 << 20, transport="rma",
                          ram_tier="pages")
     say(f"rank {comm.rank} held ok")
 
@@ -554,6 +554,43 @@ def test_a_batch_ahead_of_the_page_cache_fill_pins_what_it_reads(packed):
         st.fill_now()
         s = st.stats()
         assert s["filled"] == len(ds) and s["pfs_reads"] == len(ds), s
+
+
+def rank_exchange_pages(path: str) -> None:
+    """Over the exchange (as across nodes) with the RAM tiers in the page cache: batches
+    bit-exact, a peer's samples sent by their owner from its files' pages (no tier
+    buffer anywhere); the files are read only by the fills and for samples no tier
+    holds."""
+    from mpi4py import MPI
+    from forebay.store import tier_nbytes
+    from conftest import say
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(path)
+    plan = forebay.AccessPlan(len(ds), comm.size, 8, 2, seed=4)
+    # RAM for a third of the dataset per rank: most batches need the peer's samples
+    st = ClairvoyantStore(ds, plan, comm, ram_bytes=int(tier_nbytes(ds).sum() // 3),
+                          transport="exchange", ram_tier="pages")
+    assert st.ram_tier == "pages" and st.stats()["buffer_bytes"] == 0
+    assert st.wait_filled(timeout=60)
+    comm.Barrier()
+    for e in range(2):
+        mine = plan.batches(comm.rank, e)
+        every = [plan.batches(r, e) for r in range(comm.size)]
+        for k, ids in enumerate(mine):
+            assert st.get_step([b[k] for b in every]).equals(ds.get_many(ids))
+    s = st.stats()
+    assert s["fetches_by_source"]["peer"] > 0 and s["exchange_sent"] > 0, s
+    assert s["pfs_reads"] == s["fill_total"] + s["fetches_by_source"]["pfs"], s
+    st.close()
+    say(f"rank {comm.rank} exchange ok")
+
+
+@pytest.mark.skipif(not can_lock(64 << 20), reason="this process may not lock memory "
+                    "(RLIMIT_MEMLOCK)")
+def test_the_page_cache_tier_over_the_exchange_sends_from_the_files_pages(packed):
+    p = run_ranks(2, rank_exchange_pages, packed[0], timeout=120)
+    assert p.returncode == 0 and p.stdout.count("exchange ok") == 2, \
+        p.stdout[-2000:] + p.stderr[-3000:]
 
 
 def test_ram_tier_choices(packed, tmp_path):

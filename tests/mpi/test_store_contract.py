@@ -64,6 +64,11 @@ FACTORIES = {
     "clairvoyant-exchange": lambda ds, comm: ClairvoyantStore(
         ds, _plan(ds, comm), comm, ram_bytes=int(ds.record_nbytes.sum() // 3),
         transport="exchange"),
+    # the same over the exchange with the RAM tiers in the page cache: owners send
+    # their samples from the files' pages
+    "clairvoyant-exchange-pages": lambda ds, comm: ClairvoyantStore(
+        ds, _plan(ds, comm), comm, ram_bytes=int(ds.record_nbytes.sum() // 3),
+        transport="exchange", ram_tier="pages"),
     # a small RAM tier: most samples go to the SSD tier or stay in the files
     "clairvoyant-ssd": lambda ds, comm: ClairvoyantStore(ds, _plan(ds, comm), comm,
                                                          ram_bytes=4096, ssd_dir=_ssd_dir(),
@@ -271,6 +276,13 @@ class TestClairvoyantRma(DistributedStoreContract):
 
 class TestClairvoyantExchange(DistributedStoreContract):
     kind = "clairvoyant-exchange"
+    under_torchrun = "exchange"
+
+
+@pytest.mark.skipif(not CAN_LOCK, reason="this process may not lock 2 MiB (RLIMIT_MEMLOCK): "
+                    "the RAM tier cannot be held in the page cache")
+class TestClairvoyantExchangePages(DistributedStoreContract):
+    kind = "clairvoyant-exchange-pages"
     under_torchrun = "exchange"
 
 

@@ -124,17 +124,17 @@ class ClairvoyantStore(SampleStore):
             Off with ``on_pfs_read`` (an emulated file system charges every read).
         ram_tier: where the RAM tier keeps its samples.  ``"copy"``: a buffer of its
             own (an MPI window or the node's shared segment), each sample copied in
-            from the files once; what peers on other nodes read (transports ``rma``,
-            ``exchange``).  ``"pages"``: the files' own pages in the page cache,
-            locked there (maps of the shards of its own, locked on fault,
-            :class:`~forebay.dataset.PinnedPages`): the fill maps each sample in ahead
-            of need, a batch reads it through the dataset's maps as direct reads do,
-            so nothing is copied twice and the node holds each byte once (transports
-            ``local`` and ``shm`` only).  ``"auto"``
-            (default): ``"pages"`` where it can be (one node; the dataset on a local
-            file system, not one whose client may drop cached pages itself; no
-            ``on_pfs_read``; this process may lock the shards holding its RAM samples:
-            ``RLIMIT_MEMLOCK``, :func:`~forebay.dataset.can_lock`), else ``"copy"``.
+            from the files once; what peers on other nodes read by RMA.  ``"pages"``:
+            the files' own pages in the page cache, locked there (maps of the shards
+            of its own, locked on fault, :class:`~forebay.dataset.PinnedPages`): the
+            fill maps each sample in ahead of need, a batch reads it through the
+            dataset's maps as direct reads do, so nothing is copied twice and the node
+            holds each byte once (not over ``rma``; over the ``exchange`` an owner
+            sends from its files' pages).  ``"auto"`` (default): ``"pages"`` where it
+            can be (not over ``rma``; the dataset on a local file system, not one whose
+            client may drop cached pages itself; no ``on_pfs_read``; this process may
+            lock the shards holding its RAM samples: ``RLIMIT_MEMLOCK``,
+            :func:`~forebay.dataset.can_lock`), else ``"copy"``.
             Every rank makes the same choice (docs/store.md).
 
     Setup and :meth:`close` are collective.  ``get_many`` is bit-exact to the dataset's.
@@ -361,9 +361,8 @@ class ClairvoyantStore(SampleStore):
         locked = sum(int(shards[k].data_nbytes)      # RLIMIT_MEMLOCK counts maps whole
                      for k in np.unique(self.ds.shard_of[self._ram_order]).tolist())
         fs = filesystem_type(self.ds.path)
-        if self.transport not in ("local", "shm"):
-            why = (f"transport {self.transport!r} serves peers on other nodes from the "
-                   f"tier's own memory")
+        if self.transport == "rma":
+            why = "transport 'rma' serves peers on other nodes from the tier's own memory"
         elif not can_lock(locked):
             why = (f"this process may not lock {locked} bytes in memory (the shards its RAM "
                    f"tier's samples are in: RLIMIT_MEMLOCK, `ulimit -l`), or forebay's C "
@@ -903,7 +902,15 @@ class ClairvoyantStore(SampleStore):
         send = np.empty(int(slen.sum()), dtype=np.uint8)
         dst = np.cumsum(slen) - slen
         off = self.local_off[send_ids]
-        for buf, tier in ((self._buf, send_lp < self._R), (self._ssd, send_lp >= self._R)):
+        ram = send_lp < self._R
+        if self._pages is not None and ram.any():
+            # the RAM tier is the files' pages (locked): sent from the dataset's maps
+            at = np.flatnonzero(ram)
+            for src, rec, sel in self._record_parts(send_ids[at], self.ds.rows(send_ids[at]),
+                                                    advise=np.zeros(len(at), dtype=bool)):
+                gather_ranges(src, rec, slen[at][sel], send, dst[at][sel])
+            ram[:] = False
+        for buf, tier in ((self._buf, ram), (self._ssd, send_lp >= self._R)):
             if tier.any():
                 gather_ranges(buf, off[tier], slen[tier], send, dst[tier])
         got = ask[flags.astype(bool)]
@@ -1045,6 +1052,10 @@ class ClairvoyantStore(SampleStore):
                 self._model_pfs += int(peer.sum())
             peer[:] = False
         pfs = ~local & ~peer
+        if paged is not None and self.transport == "exchange":
+            # a peer's tier is its node's page cache, not this one's: its samples come
+            # over the exchange (or from the files if it did not hold them yet)
+            paged = paged & mine
         files = pfs if paged is None else pfs | paged     # read from the files' maps
         parts: list[Any] = []
         tags: list[tuple[str, Optional[str]]] = []  # (source, tier) of each part, for tracing
@@ -1072,7 +1083,7 @@ class ClairvoyantStore(SampleStore):
         cold = None if paged is None else ~(local | peer)
         if ahead is not None and cold is not None:
             cold |= ahead           # not in memory yet: asked for (WILLNEED) as the others
-        want = pfs if paged is None else paged | pfs
+        want = files
         traced = _trace.active() is not None
         if want.any():
             fidx = np.flatnonzero(want)
