@@ -582,6 +582,25 @@ def rank_exchange_pages(path: str) -> None:
     assert s["fetches_by_source"]["peer"] > 0 and s["exchange_sent"] > 0, s
     assert s["pfs_reads"] == s["fill_total"] + s["fetches_by_source"]["pfs"], s
     st.close()
+    # uneven RAM and SSD tiers: rank 0's first reads overflow to its SSD tier, rank 1
+    # keeps extra RAM copies of some of them (read through the pages: once read from
+    # the tier's buffer, which the pages tier does not have, ValueError)
+    import tempfile
+    from forebay.store._placement import SSD
+    sizes = tier_nbytes(ds)
+    st = ClairvoyantStore(ds, plan, comm, transport="exchange", ram_tier="pages",
+                          ram_bytes=int(sizes.sum() // 20 if comm.rank == 0 else sizes.sum()),
+                          ssd_dir=tempfile.mkdtemp(), ssd_bytes=int(sizes.sum()))
+    p = st.placement
+    if comm.rank == 1:
+        assert (p.tier[p.extra_ram] == SSD).any()
+    assert st.wait_filled(timeout=60)
+    comm.Barrier()
+    for e in range(2):
+        every = [plan.batches(r, e) for r in range(comm.size)]
+        for k, ids in enumerate(plan.batches(comm.rank, e)):
+            assert st.get_step([b[k] for b in every]).equals(ds.get_many(ids))
+    st.close()
     say(f"rank {comm.rank} exchange ok")
 
 

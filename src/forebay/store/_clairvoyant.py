@@ -378,8 +378,11 @@ class ClairvoyantStore(SampleStore):
         if asked == "pages":
             self._pages = PinnedPages(self.ds)
             p = self.placement
-            #: which samples some rank's RAM tier holds (in the files' pages)
+            #: which samples some rank's RAM tier holds (in the files' pages): owners'
+            #: RAM copies, and this rank's extra RAM copies (of samples an owner may
+            #: hold in its SSD tier: read through the pages too, never from a buffer)
             self._in_pages = (p.owner >= 0) & (p.tier == RAM)
+            self._in_pages[self._ram_order] = True
             # its shards' maps, locked from now on (what is mapped in through them)
             self._pages.lock(np.unique(self.ds.shard_of[self._ram_order]))
         self.ram_tier = asked
