@@ -703,11 +703,9 @@ class PinnedPages:
     every sample through the dataset's own maps, straight into the batch, never copied
     into a tier (reading a rank's own samples through these left the dataset's maps
     unmapped, and the first warm epoch faulted on each of a peer's pages there).
-    :meth:`record_parts` reads through these maps, for a caller that wants to.
-    :meth:`close` unmaps these maps, which unlocks them (a map a view still holds
-    stays until the view is dropped).  Needs
-    forebay's C kernel and the right to lock the shards' bytes (``RLIMIT_MEMLOCK``
-    counts each locked map whole, or ``CAP_IPC_LOCK``; :func:`can_lock`)."""
+    :meth:`close` unmaps these maps, which unlocks them.  Needs forebay's C kernel and
+    the right to lock the shards' bytes (``RLIMIT_MEMLOCK`` counts each locked map
+    whole, or ``CAP_IPC_LOCK``; :func:`can_lock`)."""
 
     def __init__(self, ds: "PackedDataset") -> None:
         if _native is None or not hasattr(_native, "lock_on_fault"):
@@ -746,14 +744,6 @@ class PinnedPages:
         for k in shards.tolist():
             self._array(k)
 
-    def record_parts(self, ids: np.ndarray, rows: np.ndarray, *, populate: bool = False,
-                     advise: Optional[np.ndarray] = None
-                     ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
-        """As :meth:`PackedDataset.record_parts`, over these maps (a read maps the
-        records in, which locks them too)."""
-        return self._ds._parts(ids, rows, advise, self._array,
-                               self._read_in if populate else None)
-
     def _read_in(self, k: int, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Map byte ranges [starts, ends) of shard ``k`` in now, reading what is not
         cached (and so lock them)."""
@@ -771,14 +761,13 @@ class PinnedPages:
         error) raises :class:`~forebay.errors.TruncatedShardError`; where a map could
         not be locked, :attr:`error` says why and its pages stay cached unlocked.
         ``advise``: which of them to ask the kernel for first (WILLNEED; default all;
-        none for records just read through these maps)."""
-        self.record_parts(ids, rows, populate=True, advise=advise)
+        none for records just read)."""
+        self._ds._parts(ids, rows, advise, self._array, self._read_in)
         with self._lock:
             self.nbytes += int(rows[:, IndexLayout.REC_LEN].sum())
 
     def close(self) -> None:
-        """Unmap, and so unlock, every map this object locked; a map that a view still
-        holds stays until the last view of it is dropped."""
+        """Unmap, and so unlock, every map this object locked."""
         with self._lock:
             maps, self._maps, self._arrays = self._maps, {}, {}
         for mm in maps.values():

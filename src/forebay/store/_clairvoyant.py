@@ -596,10 +596,8 @@ class ClairvoyantStore(SampleStore):
             self._done_cv.notify_all()
 
     def _next_chunk(self, key: str, hi: int) -> Optional[tuple[int, int]]:
-        """The next chunk [a, b) of the fill order below ``hi`` for cursor ``key``: at
-        most the samples and bytes of ``_chunk_limits``, never mixing tiers or coverage
-        and extra copies."""
-        order = self.fill_order
+        """The next chunk [a, b) of the fill order below ``hi`` for cursor ``key``
+        (``_chunk_end``)."""
         with self._lock:
             a = self._cursor[key]
             # a reader that caught up loads what it needs itself: the fill jumps ahead
@@ -611,12 +609,7 @@ class ClairvoyantStore(SampleStore):
             if a >= hi:
                 self._cursor[key] = a
                 return None
-            most, nbytes = self._chunk_limits(a)
-            b = min(hi, a + most)
-            cum = np.cumsum(self._sizes[order[a:b]])
-            b = a + max(1, int(np.searchsorted(cum, nbytes, side="right")))
-            b = min(b, int(self._bounds[np.searchsorted(self._bounds, a, side="right")]))
-            self._cursor[key] = b
+            b = self._cursor[key] = self._chunk_end(a, hi)
         return a, b
 
     def _chunk_limits(self, a: int) -> tuple[int, int]:
@@ -624,6 +617,15 @@ class ClairvoyantStore(SampleStore):
         if self._pages is not None and a < self._R:
             return _PAGES_CHUNK_SAMPLES, _PAGES_CHUNK_BYTES
         return _CHUNK_SAMPLES, _CHUNK_BYTES
+
+    def _chunk_end(self, a: int, hi: int) -> int:
+        """Where a chunk of the fill order starting at ``a`` ends (below ``hi``, within
+        ``_chunk_limits``, never mixing tiers or coverage and extra copies)."""
+        most, nbytes = self._chunk_limits(a)
+        b = min(hi, a + most)
+        cum = np.cumsum(self._sizes[self.fill_order[a:b]])
+        b = a + max(1, int(np.searchsorted(cum, nbytes, side="right")))
+        return min(b, int(self._bounds[np.searchsorted(self._bounds, a, side="right")]))
 
     def _fill_chunks(self, key: str, hi: int) -> None:
         """Fill chunks from cursor ``key`` until ``hi`` (one of possibly several
@@ -654,15 +656,9 @@ class ClairvoyantStore(SampleStore):
         of direct reads', which keep their next batch's reads in flight).  Extra copies
         (read from their owner's tier) are not asked for; a chunk a batch takes instead
         is read either way."""
-        most, nbytes = self._chunk_limits(b)
-        end = min(hi, b + most)
-        pos = np.arange(b, end)
-        pos = pos[~self._is_extra[b:end]]
-        if not len(pos):
+        if b >= hi or self._is_extra[b]:
             return
-        ids = self.fill_order[pos]
-        ids = ids[:max(1, int(np.searchsorted(np.cumsum(self._sizes[ids]), nbytes,
-                                              side="right")))]
+        ids = self.fill_order[b:self._chunk_end(b, hi)]
         self.ds.record_parts(ids, self.ds.rows(ids))
 
     def _wait_done(self, pos: np.ndarray, timeout: Optional[float] = None) -> bool:
@@ -906,14 +902,16 @@ class ClairvoyantStore(SampleStore):
         dst = np.cumsum(slen) - slen
         off = self.local_off[send_ids]
         ram = send_lp < self._R
-        if self._pages is not None and ram.any():
+        tiers = [(self._ssd, ~ram)]
+        if self._pages is None:
+            tiers.append((self._buf, ram))
+        elif ram.any():
             # the RAM tier is the files' pages (locked): sent from the dataset's maps
             at = np.flatnonzero(ram)
             for src, rec, sel in self._record_parts(send_ids[at], self.ds.rows(send_ids[at]),
                                                     advise=np.zeros(len(at), dtype=bool)):
                 gather_ranges(src, rec, slen[at][sel], send, dst[at][sel])
-            ram[:] = False
-        for buf, tier in ((self._buf, ram), (self._ssd, send_lp >= self._R)):
+        for buf, tier in tiers:
             if tier.any():
                 gather_ranges(buf, off[tier], slen[tier], send, dst[tier])
         got = ask[flags.astype(bool)]
