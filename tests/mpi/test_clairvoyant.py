@@ -556,6 +556,17 @@ def test_a_batch_ahead_of_the_page_cache_fill_pins_what_it_reads(packed):
         assert s["filled"] == len(ds) and s["pfs_reads"] == len(ds), s
 
 
+def _exchange_epochs(st, ds, plan, comm) -> None:
+    """Once the tiers are full, every batch of the plan's epochs over the exchange
+    (each rank's request known to all) is bit-exact."""
+    assert st.wait_filled(timeout=60)
+    comm.Barrier()
+    for e in range(plan.epochs):
+        every = [plan.batches(r, e) for r in range(comm.size)]
+        for k, ids in enumerate(every[comm.rank]):
+            assert st.get_step([b[k] for b in every]).equals(ds.get_many(ids))
+
+
 def rank_exchange_pages(path: str) -> None:
     """Over the exchange (as across nodes) with the RAM tiers in the page cache: batches
     bit-exact, a peer's samples sent by their owner from its files' pages (no tier
@@ -571,13 +582,7 @@ def rank_exchange_pages(path: str) -> None:
     st = ClairvoyantStore(ds, plan, comm, ram_bytes=int(tier_nbytes(ds).sum() // 3),
                           transport="exchange", ram_tier="pages")
     assert st.ram_tier == "pages" and st.stats()["buffer_bytes"] == 0
-    assert st.wait_filled(timeout=60)
-    comm.Barrier()
-    for e in range(2):
-        mine = plan.batches(comm.rank, e)
-        every = [plan.batches(r, e) for r in range(comm.size)]
-        for k, ids in enumerate(mine):
-            assert st.get_step([b[k] for b in every]).equals(ds.get_many(ids))
+    _exchange_epochs(st, ds, plan, comm)
     s = st.stats()
     assert s["fetches_by_source"]["peer"] > 0 and s["exchange_sent"] > 0, s
     assert s["pfs_reads"] == s["fill_total"] + s["fetches_by_source"]["pfs"], s
@@ -594,12 +599,7 @@ def rank_exchange_pages(path: str) -> None:
     p = st.placement
     if comm.rank == 1:
         assert (p.tier[p.extra_ram] == SSD).any()
-    assert st.wait_filled(timeout=60)
-    comm.Barrier()
-    for e in range(2):
-        every = [plan.batches(r, e) for r in range(comm.size)]
-        for k, ids in enumerate(plan.batches(comm.rank, e)):
-            assert st.get_step([b[k] for b in every]).equals(ds.get_many(ids))
+    _exchange_epochs(st, ds, plan, comm)
     st.close()
     say(f"rank {comm.rank} exchange ok")
 
