@@ -601,6 +601,16 @@ def rank_exchange_pages(path: str) -> None:
         assert (p.tier[p.extra_ram] == SSD).any()
     _exchange_epochs(st, ds, plan, comm)
     st.close()
+    # room for the whole dataset on every rank: each holds its peer's samples as extra
+    # copies, so once filled no record crosses the exchange (an owner sent every
+    # sample it was asked for, the requester's own copies notwithstanding)
+    st = ClairvoyantStore(ds, plan, comm, ram_bytes=int(sizes.sum()),
+                          transport="exchange", ram_tier="pages")
+    assert len(st.placement.extra_ram) > 0
+    _exchange_epochs(st, ds, plan, comm)
+    s = st.stats()
+    assert s["exchange_sent"] == 0 and s["fetches_by_source"]["peer"] == 0, s
+    st.close()
     say(f"rank {comm.rank} exchange ok")
 
 

@@ -16,10 +16,11 @@ Under torch.distributed (no MPI) the ranks of one node share one
 8-byte store after a full memory barrier (:func:`forebay.comm.fence`), read with a
 barrier after it.  Across nodes (transport ``exchange``, also forcible under MPI) each
 batch is a collective: every rank knows every rank's request (from the access plan,
-:meth:`ClairvoyantStore.get_step`), so each owner sends, for the samples it owns that
-others asked for, a presence byte each (one small all-to-all) and then the records its
-exact presence says it holds (one all-to-all); the receiver reads the rest from the
-dataset files, so nothing waits on a fill.
+:meth:`ClairvoyantStore.get_step`), so for each sample one rank asks another for, the
+owner says whether it holds it now and the requester whether it still wants it (its
+own tiers may hold an extra copy): one byte each way, one small all-to-all; then the
+owners send the records both said yes to (one all-to-all); the receiver reads the rest
+from the dataset files, so nothing waits on a fill.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ _HERE, _PEER, _FILES = 0, 1, 2
 
 def _align(n):
     return n + (-n) % ALIGNMENT
+
+
+def _rank_in_group(key: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For ``key`` sorted into runs (equal keys together, ``counts[k]`` of key k): each
+    element's position inside its run."""
+    first = np.cumsum(counts) - counts
+    return np.arange(len(key), dtype=np.int64) - first[key]
 
 
 def tier_nbytes(ds: PackedDataset) -> np.ndarray:
@@ -873,10 +881,12 @@ class ClairvoyantStore(SampleStore):
 
     def _exchange(self, ids: np.ndarray, want: np.ndarray,
                   requests: "Optional[list[np.ndarray]]") -> tuple[np.ndarray, list]:
-        """The ``exchange`` transport's collective (every rank, every call): owners tell
-        each requester which of the samples it asked (and they own) their tiers hold,
-        then send those records.  Returns which of ``ids`` arrived and ``want``ed, and
-        the assemble_batch part holding them."""
+        """The ``exchange`` transport's collective (every rank, every call).  First one
+        small all-to-all both ways: an owner tells each requester which of the samples
+        it asked for (and the owner holds) its tiers hold now, and a requester tells
+        each owner which of them it still wants (not those its own tiers hold as extra
+        copies); then the owners send the records both said yes to (one all-to-all).
+        Returns which of ``ids`` arrived, and the assemble_batch part holding them."""
         comm, world, p = self.comm, self.world, self.placement
         reclen = self.ds.record_nbytes
         if requests is None:
@@ -885,18 +895,31 @@ class ClairvoyantStore(SampleStore):
         by = np.repeat(np.arange(world), [len(r) for r in requests])
         if len(cat) and (cat.min() < 0 or cat.max() >= len(self.ds)):
             raise StoreError("a peer asked for a sample id outside the dataset")
+        # asked of this rank (grouped by requester, as ``cat`` is)
         mine = (p.owner[cat] == self.rank) & (by != self.rank)
         sids, to = cat[mine], by[mine]
         lp = self.local_pos[sids]
         have = (lp >= 0) & ((lp < self._filled) | self._done_at(lp))
+        # asked by this rank, grouped by owner, in request order
         owner = p.owner[ids].astype(np.int64)
         ask = np.flatnonzero((owner >= 0) & (owner != self.rank))
-        ask = ask[np.argsort(owner[ask], kind="stable")]   # grouped by owner, request order
-        flags = alltoall_bytes(comm, have.astype(np.uint8),
-                               np.bincount(to, minlength=world),
-                               np.bincount(owner[ask], minlength=world))
-        # the records present, in the same order
-        send_ids, send_lp = sids[have], lp[have]
+        ask = ask[np.argsort(owner[ask], kind="stable")]
+        n_to = np.bincount(to, minlength=world)             # peers' asks of this rank
+        n_ask = np.bincount(owner[ask], minlength=world)    # this rank's asks of each
+        # to rank r: its asks' presence bytes, then this rank's want bytes for its asks
+        # of r; from r: the reverse (the same count each way)
+        count = n_to + n_ask
+        start = np.cumsum(count) - count
+        flags = np.empty(int(count.sum()), dtype=np.uint8)
+        flags[start[to] + _rank_in_group(to, n_to)] = have
+        wanted = want[ask]
+        flags[start[owner[ask]] + n_to[owner[ask]] + _rank_in_group(owner[ask], n_ask)] = \
+            wanted
+        back = alltoall_bytes(comm, flags, count, count)
+        held = back[start[owner[ask]] + _rank_in_group(owner[ask], n_ask)].astype(bool)
+        sent = have & back[start[to] + n_ask[to] + _rank_in_group(to, n_to)].astype(bool)
+        # the records both sides said yes to, in the same order
+        send_ids, send_lp = sids[sent], lp[sent]
         slen = reclen[send_ids]
         send = np.empty(int(slen.sum()), dtype=np.uint8)
         dst = np.cumsum(slen) - slen
@@ -914,14 +937,14 @@ class ClairvoyantStore(SampleStore):
         for buf, tier in tiers:
             if tier.any():
                 gather_ranges(buf, off[tier], slen[tier], send, dst[tier])
-        got = ask[flags.astype(bool)]
+        got = ask[held & wanted]
         glen = reclen[ids[got]]
         stage = alltoall_bytes(comm, send,
-                               np.bincount(to[have], weights=slen, minlength=world),
+                               np.bincount(to[sent], weights=slen, minlength=world),
                                np.bincount(owner[got], weights=glen, minlength=world))
         pos = np.full(len(ids), -1, dtype=np.int64)
         pos[got] = np.cumsum(glen) - glen
-        use = want & (pos >= 0)
+        use = pos >= 0
         with self._lock:
             self._exchange_sent += int(len(send_ids))
         return use, ([(stage, pos[use], use)] if use.any() else [])
