@@ -585,6 +585,8 @@ def rank_exchange_pages(path: str) -> None:
     _exchange_epochs(st, ds, plan, comm)
     s = st.stats()
     assert s["fetches_by_source"]["peer"] > 0 and s["exchange_sent"] > 0, s
+    steps = sum(len(plan.batches(comm.rank, e)) for e in range(plan.epochs))
+    assert not s["exchange_ended"] and s["exchange_rounds"] == steps, s
     assert s["pfs_reads"] == s["fill_total"] + s["fetches_by_source"]["pfs"], s
     st.close()
     # uneven RAM and SSD tiers: rank 0's first reads overflow to its SSD tier, rank 1
@@ -603,13 +605,24 @@ def rank_exchange_pages(path: str) -> None:
     st.close()
     # room for the whole dataset on every rank: each holds its peer's samples as extra
     # copies, so once filled no record crosses the exchange (an owner sent every
-    # sample it was asked for, the requester's own copies notwithstanding)
+    # sample it was asked for, the requester's own copies notwithstanding), and once
+    # every rank said so in one round, batches need no collective at all
     st = ClairvoyantStore(ds, plan, comm, ram_bytes=int(sizes.sum()),
                           transport="exchange", ram_tier="pages")
     assert len(st.placement.extra_ram) > 0
     _exchange_epochs(st, ds, plan, comm)
     s = st.stats()
     assert s["exchange_sent"] == 0 and s["fetches_by_source"]["peer"] == 0, s
+    assert s["exchange_ended"] and s["exchange_rounds"] == 1, s
+    st.close()
+    # room for all on rank 0 only: rank 1 still needs rank 0's records, every round
+    st = ClairvoyantStore(ds, plan, comm, transport="exchange", ram_tier="pages",
+                          ram_bytes=int(sizes.sum() if comm.rank == 0 else sizes.sum() // 3))
+    _exchange_epochs(st, ds, plan, comm)
+    s = st.stats()
+    assert not s["exchange_ended"] and s["exchange_rounds"] == steps, s
+    assert (s["exchange_sent"] > 0) == (comm.rank == 0), s
+    assert (s["fetches_by_source"]["peer"] > 0) == (comm.rank == 1), s
     st.close()
     say(f"rank {comm.rank} exchange ok")
 

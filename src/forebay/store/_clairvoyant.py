@@ -186,6 +186,11 @@ class ClairvoyantStore(SampleStore):
         self.pfs_bytes = 0
         self._fill_from_peers = 0
         self._exchange_sent = 0
+        #: exchange: collective rounds run, and whether they ended (every rank's tiers
+        #: hold all it will read: no round is needed again, see _self_sufficient)
+        self._exchange_rounds = 0
+        self._exchange_ended = False
+        self._covers_plan: Optional[bool] = None
         self._pin_warned = False
         self.peer_wait = peer_wait
         self.on_pfs_read = on_pfs_read
@@ -906,18 +911,22 @@ class ClairvoyantStore(SampleStore):
         ask = ask[np.argsort(owner[ask], kind="stable")]
         n_to = np.bincount(to, minlength=world)             # peers' asks of this rank
         n_ask = np.bincount(owner[ask], minlength=world)    # this rank's asks of each
-        # to rank r: its asks' presence bytes, then this rank's want bytes for its asks
-        # of r; from r: the reverse (the same count each way)
+        # to rank r: whether this rank is self-sufficient, r's asks' presence bytes,
+        # then this rank's want bytes for its asks of r; from r: the same, reversed
+        peers = np.flatnonzero(np.arange(world) != self.rank)
         count = n_to + n_ask
+        count[peers] += 1
         start = np.cumsum(count) - count
         flags = np.empty(int(count.sum()), dtype=np.uint8)
-        flags[start[to] + _rank_in_group(to, n_to)] = have
+        alone = self._self_sufficient()
+        flags[start[peers]] = alone
+        flags[start[to] + 1 + _rank_in_group(to, n_to)] = have
         wanted = want[ask]
-        flags[start[owner[ask]] + n_to[owner[ask]] + _rank_in_group(owner[ask], n_ask)] = \
-            wanted
+        oa = owner[ask]
+        flags[start[oa] + 1 + n_to[oa] + _rank_in_group(oa, n_ask)] = wanted
         back = alltoall_bytes(comm, flags, count, count)
-        held = back[start[owner[ask]] + _rank_in_group(owner[ask], n_ask)].astype(bool)
-        sent = have & back[start[to] + n_ask[to] + _rank_in_group(to, n_to)].astype(bool)
+        held = back[start[oa] + 1 + _rank_in_group(oa, n_ask)].astype(bool)
+        sent = have & back[start[to] + 1 + n_ask[to] + _rank_in_group(to, n_to)].astype(bool)
         # the records both sides said yes to, in the same order
         send_ids, send_lp = sids[sent], lp[sent]
         slen = reclen[send_ids]
@@ -947,7 +956,20 @@ class ClairvoyantStore(SampleStore):
         use = pos >= 0
         with self._lock:
             self._exchange_sent += int(len(send_ids))
+            self._exchange_rounds += 1
+            # every rank said so in this same round: none calls the exchange again
+            self._exchange_ended = alone and bool(back[start[peers]].all())
         return use, ([(stage, pos[use], use)] if use.any() else [])
+
+    def _self_sufficient(self) -> bool:
+        """Whether this rank's tiers are full and hold every sample its plan reads (it
+        will never want a peer's record again)."""
+        if self._filled < len(self.fill_order):
+            return False
+        if self._covers_plan is None:
+            reads = np.flatnonzero(self.plan.frequencies(self.rank) > 0)
+            self._covers_plan = bool((self.local_pos[reads] >= 0).all())
+        return self._covers_plan
 
     def get_many(self, ids: "Sequence[int] | np.ndarray", *, alloc=None,
                  requests: "Optional[list[np.ndarray]]" = None) -> SampleBatch:
@@ -1065,10 +1087,14 @@ class ClairvoyantStore(SampleStore):
                     ahead = np.zeros(len(ids), dtype=bool)
                     ahead[need] = first_pin[inv]
                 local = writing | (mine & ((lpos < self._filled) | self._done_at(lpos)))
-            if self.transport == "exchange":
+            if self.transport == "exchange" and not self._exchange_ended:
                 t0 = time.perf_counter()
                 peer, exchanged = self._exchange(ids, ~local, requests)
                 t_exchange = time.perf_counter() - t0
+            elif self.transport == "exchange":
+                # every rank's tiers hold all its plan reads: no collective any more (a
+                # sample outside the plan comes from the files)
+                peer = np.zeros(len(ids), dtype=bool)
             else:
                 peer = ~local & self._present(ids)
         if self._peer_via_pfs and peer.any():
@@ -1210,8 +1236,11 @@ class ClairvoyantStore(SampleStore):
         PFS), ``pfs_reads``/``pfs_bytes`` (fills included), fill progress,
         ``pfs_by_model`` (peer-held samples read from the PFS because the performance
         model predicted it faster), ``ram_tier`` (``"copy"`` or ``"pages"``),
-        ``buffer_bytes`` (the RAM tier's own buffer: none with ``"pages"``) and
-        ``locked_bytes`` (the pages it locked in the page cache)."""
+        ``buffer_bytes`` (the RAM tier's own buffer: none with ``"pages"``),
+        ``locked_bytes`` (the pages it locked in the page cache); over the exchange
+        ``exchange_sent`` (records this rank sent), ``exchange_rounds`` (collective
+        rounds) and ``exchange_ended`` (every rank's tiers hold all its plan reads:
+        batches need no collective any more)."""
         with self._lock:
             return {"fetches_by_source": dict(self._stats), "pfs_reads": self.pfs_reads,
                     "pfs_bytes": self.pfs_bytes, "filled": self._filled,
@@ -1219,6 +1248,8 @@ class ClairvoyantStore(SampleStore):
                     "fill_total": len(self.fill_order), "tier_bytes": self.nbytes,
                     "ssd_bytes": self.ssd_nbytes, "pfs_by_model": self._model_pfs,
                     "transport": self.transport, "exchange_sent": self._exchange_sent,
+                    "exchange_rounds": self._exchange_rounds,
+                    "exchange_ended": self._exchange_ended,
                     "warmed_bytes": int(self.warmed.get("bytes", 0)),
                     "ram_tier": self.ram_tier, "buffer_bytes": len(self._buf),
                     "locked_bytes": self._pages.nbytes if self._pages is not None else 0}
