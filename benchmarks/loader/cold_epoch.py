@@ -10,7 +10,10 @@ and minor page faults over the first epoch (getrusage); with direct reads among 
 modes, each other mode's cold and second epochs against direct reads' of the same
 round (>= 1: not slower), min / median over rounds.  ``--throttle MBPS[,IOPS]``
 runs every job in a block-I/O cgroup capping the disk's reads (root only, see
-``_common.ThrottledDevice``).
+``_common.ThrottledDevice``).  ``--perf DIR``: rank 0 of every job samples all its
+ranks with ``perf record -F 1999 -g`` (Linux perf, on PATH) from before the loader is
+made to the end of the cold epoch, into ``DIR/perf-<mode>-<warm>-<round>.data``
+(then e.g. ``perf report -i FILE --no-children --sort pid,sym``).
 
     python benchmarks/loader/cold_epoch.py /tmp/peers-run/ising-20480.fb --throttle 300,3000
     python benchmarks/loader/cold_epoch.py /tmp/peers-run/imagenet-10240.fb
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +49,14 @@ def worker(a) -> None:
     mode, _, tier = a.mode.partition(":")
     kw = {"ram_bytes": int(open_dataset(a.dataset).nbytes) + (64 << 20),
           "ram_tier": tier or "auto"} if mode == "clairvoyant" else {}
+    perf = None
+    if a.perf:
+        pids = comm.allgather(os.getpid())
+        if comm.Get_rank() == 0:
+            perf = subprocess.Popen(["perf", "record", "-q", "-F", "1999", "-g", "-o",
+                                     a.perf, "-p", ",".join(map(str, pids))])
+            time.sleep(1.0)         # perf attached before the loader starts
+        comm.Barrier()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     loader = DataLoader(a.dataset, a.batch_size, seed=0, epochs=2, mode=mode,
                         progress=False, warm_files=WARM[a.warm], **kw)
@@ -60,6 +72,9 @@ def worker(a) -> None:
             r = resource.getrusage(resource.RUSAGE_SELF)
             cpu = (r.ru_utime - r0.ru_utime, r.ru_stime - r0.ru_stime,
                    r.ru_minflt - r0.ru_minflt)
+            if perf is not None:
+                perf.send_signal(signal.SIGINT)
+                perf.wait()
     loader.close()
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps({"epoch_s": times, "cpu": cpu}), flush=True)
@@ -77,6 +92,8 @@ def main() -> None:
     p.add_argument("--warm", default="off,on", help="warm_files settings: auto, on, off")
     p.add_argument("--throttle", metavar="MBPS[,IOPS]")
     p.add_argument("--launcher", default="mpiexec", choices=["mpiexec", "torchrun"])
+    p.add_argument("--perf", metavar="DIR", type=Path,
+                   help="sample every job's ranks with perf record into DIR")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -98,6 +115,10 @@ def main() -> None:
                 cmd = [*launch, __file__, str(a.dataset),
                        "--worker", "--mode", mode, "--warm", warm,
                        "--batch-size", str(a.batch_size)]
+                if a.perf:
+                    a.perf.mkdir(parents=True, exist_ok=True)
+                    cmd += ["--perf", str(a.perf / f"perf-{mode.replace(':', '-')}-"
+                                                   f"{warm}-{rnd}.data")]
                 if device is not None:
                     cmd = device.wrap(cmd)
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
