@@ -408,3 +408,45 @@ def test_views_never_reach_outside_their_source(tmp_path, n):
     with pytest.raises(InvalidArgumentError, match="writable"):
         assemble_views(ids, rows, ds.schema, ds.layout,
                        [(np.zeros(need, dtype=np.uint8), starts, slice(None))])
+
+
+def test_buffer_pool_reuses_a_buffer_only_once_nothing_reaches_its_memory():
+    """A BufferPool buffer comes back only when the last array or tensor over any part
+    of it is gone; until then a new batch gets other memory (a held batch is never
+    overwritten)."""
+    import torch
+    from forebay.dataset import BufferPool
+    from forebay.errors import InvalidArgumentError
+
+    pool = BufferPool(keep=2)
+    a = pool(1000)
+    first = a.ctypes.data
+    a[:] = 7
+    part = a[10:20].view(np.uint8)       # a view of a view: the lease still reaches it
+    del a
+    b = pool(1000)
+    assert b.ctypes.data != first and (part == 7).all()
+    b[:] = 9
+    del part
+    c = pool(1000)
+    assert c.ctypes.data == first                 # nothing reached it: reused
+    t = torch.from_numpy(c[64:128].view(np.int64))[2:4]     # a tensor over a slice
+    del c
+    d = pool(1000)
+    assert d.ctypes.data != first
+    del t
+    assert pool(10).ctypes.data == first
+    assert pool.stats()["reused"] == 2
+    # a buffer much larger than asked is not lent for a small batch, nor one too small
+    # for a large batch; at most ``keep`` free buffers are kept
+    big = pool(8 << 20)
+    big_at = big.ctypes.data
+    del big
+    small = pool(1 << 10)
+    assert small.ctypes.data == first and small.ctypes.data != big_at
+    assert len(pool(16 << 20)) == 16 << 20
+    held = [pool(1 << 20) for _ in range(4)]
+    del held
+    assert pool.stats()["free"] == 2
+    with pytest.raises(InvalidArgumentError, match="BufferPool"):
+        BufferPool(keep=-1)

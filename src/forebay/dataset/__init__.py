@@ -1,6 +1,6 @@
 """Packed datasets: format, writer, reader and ingest sources."""
 
-from ._batch import (FieldBatch, ReadOnly, SampleBatch, SampleViews, assemble_batch,
+from ._batch import (BufferPool, FieldBatch, ReadOnly, SampleBatch, SampleViews, assemble_batch,
                      assemble_views, gather_ranges)
 from ._format import (ALIGNMENT, FORMAT_VERSION, IndexLayout, Manifest, checksum,
                       seal_manifest)
@@ -9,7 +9,8 @@ from ._schema import KIND_BYTES, Field, Schema
 from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 
 __all__ = [
-    "ALIGNMENT", "DEFAULT_SHARD_BYTES", "FORMAT_VERSION", "KIND_BYTES", "DatasetWriter",
+    "ALIGNMENT", "BufferPool", "DEFAULT_SHARD_BYTES", "FORMAT_VERSION", "KIND_BYTES",
+    "DatasetWriter",
     "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "PinnedPages", "ReadOnly",
     "SampleBatch", "SampleViews", "Schema", "VerifyReport", "assemble_batch",
     "assemble_views", "can_lock", "checksum", "gather_ranges", "open_dataset", "seal_manifest",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -11,7 +13,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, SchemaError
 from ._schema import Schema
 
-__all__ = ["FieldBatch", "ReadOnly", "SampleBatch", "SampleViews", "assemble_batch",
+__all__ = ["BufferPool", "FieldBatch", "ReadOnly", "SampleBatch", "SampleViews", "assemble_batch",
            "assemble_views", "gather_ranges", "gather_ranges_numpy"]
 
 try:  # the optional C kernel (setup.py builds it; numpy fallback otherwise)
@@ -345,6 +347,69 @@ class ReadOnly:
 
     def array(self) -> np.ndarray:
         return np.asarray(self)
+
+
+class _Lease:
+    """A writable numpy interface over ``nbytes`` of a pool's buffer ``raw``: every
+    array made from it (and every view of those: numpy points a view's ``base`` at the
+    first non-array owner) keeps this object alive, so the pool takes ``raw`` back
+    only once nothing can reach its memory."""
+
+    def __init__(self, raw: np.ndarray, nbytes: int) -> None:
+        self.raw = raw
+        self.__array_interface__ = {"data": (raw.ctypes.data, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
+class BufferPool:
+    """An ``alloc`` for ``get_many`` that recycles batch buffers: a buffer returns to the
+    pool when the last array or tensor over its memory is gone (a batch the consumer
+    still holds is never handed out again), and the next batch is gathered into memory
+    already mapped, instead of fresh pages the kernel must zero and fault in (on a
+    warm epoch of 110 KB samples, a quarter of the copy's time: benchmarks/RESULTS.md).
+
+    ``keep``: buffers held for reuse at most (the batches in flight, e.g. a loader's
+    ``prefetch`` + 2); more are freed.  Buffers are whole multiples of ``granule``
+    bytes, so batches of slightly different sizes share them.  Thread-safe.
+    ``stats()``: ``allocated`` (new buffers) and ``reused``.
+    """
+
+    def __init__(self, keep: int = 8, granule: int = 1 << 20) -> None:
+        if keep < 0 or granule < 1:
+            raise InvalidArgumentError(f"BufferPool needs keep >= 0 and granule >= 1, got "
+                                       f"{keep} and {granule}")
+        self.keep, self.granule = int(keep), int(granule)
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._allocated = self._reused = 0
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        nbytes = max(int(nbytes), 0)
+        cap = max(1, -(-nbytes // self.granule)) * self.granule
+        raw = None
+        with self._lock:
+            # the smallest free buffer that fits, if not more than twice the need
+            fits = [k for k, b in enumerate(self._free) if nbytes <= len(b) <= 2 * cap]
+            if fits:
+                raw = self._free.pop(min(fits, key=lambda k: len(self._free[k])))
+                self._reused += 1
+            else:
+                self._allocated += 1
+        if raw is None:
+            raw = np.empty(cap, dtype=np.uint8)
+        lease = _Lease(raw, nbytes)
+        weakref.finalize(lease, self._give_back, raw)
+        return np.asarray(lease)
+
+    def _give_back(self, raw: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(raw)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"allocated": self._allocated, "reused": self._reused,
+                    "free": len(self._free)}
 
 
 def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,

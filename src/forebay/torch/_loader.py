@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from .. import trace as _trace
-from ..dataset import IndexLayout, PackedDataset, SampleBatch, SampleViews, open_dataset
+from ..dataset import (BufferPool, IndexLayout, PackedDataset, SampleBatch, SampleViews,
+                       open_dataset)
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory, warm_enabled)
@@ -271,6 +272,9 @@ class DataLoader:
                               "fetches batches in the iterating thread (prefetch=0)",
                               RuntimeWarning, stacklevel=2)
                 self.prefetch = 0
+        #: batch buffers recycled once the consumer dropped every tensor of a batch
+        #: (the batches in flight: the staging area's, the one being used, one more)
+        self._buffers = BufferPool(keep=self.prefetch + 2)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available; batches stay in "
                           "pageable memory", RuntimeWarning, stacklevel=2)
@@ -359,7 +363,7 @@ class DataLoader:
                 pending.on_read = lambda t0, t1: self._trace_pfs(rec, ids, t0, t1,
                                                                  epoch, step)
             return pending
-        alloc: Any = _pinned_alloc if self.pin_memory else None
+        alloc: Any = _pinned_alloc if self.pin_memory else self._buffers
         if self._pool is not None:
             alloc = SharedAlloc()        # gathered straight into shared memory
         rec = _trace.active()
@@ -539,12 +543,15 @@ class DataLoader:
         iterating thread waited for data), ``fetches_by_source``, ``pfs_reads`` and
         ``pfs_bytes`` (samples and bytes this rank read from the dataset files);
         ``padding_per_epoch``: samples the plan repeats each epoch to fill its last
-        global batch (``drop_last=False``; over all ranks)."""
+        global batch (``drop_last=False``; over all ranks); ``batch_buffers``: the
+        batches' output buffers allocated and reused (a buffer is reused once no
+        tensor of its batch is referenced any more)."""
         base = dict(self.store.stats())
         base["padding_per_epoch"] = self.plan.padding
         base["stall_seconds"] = self._stall
         base["staging_peak_bytes"] = self._staging_peak
         base["mode"] = self.mode
+        base["batch_buffers"] = self._buffers.stats()
         return base
 
     def close(self) -> None:
