@@ -584,7 +584,8 @@ class PackedDataset:
 
         Vectorized over the batch: one gather per field and shard, no per-sample
         Python objects.  The result owns its memory (writable, independent of the maps);
-        ``alloc(nbytes) -> uint8 array`` supplies it if given.
+        ``alloc(nbytes) -> uint8 array`` supplies it if given (a :class:`BufferPool`
+        reuses the buffers of batches nothing references any more).
         """
         ids = self.normalize_ids(ids)
         if self.verify_on_read:
