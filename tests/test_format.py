@@ -418,7 +418,7 @@ def test_buffer_pool_reuses_a_buffer_only_once_nothing_reaches_its_memory():
     from forebay.dataset import BufferPool
     from forebay.errors import InvalidArgumentError
 
-    pool = BufferPool(keep=2)
+    pool = BufferPool(keep=2, granule=1000)
     a = pool(1000)
     first = a.ctypes.data
     a[:] = 7
@@ -435,15 +435,16 @@ def test_buffer_pool_reuses_a_buffer_only_once_nothing_reaches_its_memory():
     d = pool(1000)
     assert d.ctypes.data != first
     del t
-    assert pool(10).ctypes.data == first
+    assert pool(1000).ctypes.data == first
     assert pool.stats()["reused"] == 2
+    pool.granule = 1 << 20      # (below the granule: a plain allocation, not pooled)
+    assert pool(1000).base is None and pool.stats()["allocated"] == 3
     # a buffer much larger than asked is not lent for a small batch, nor one too small
     # for a large batch; at most ``keep`` free buffers are kept
     big = pool(8 << 20)
     big_at = big.ctypes.data
     del big
-    small = pool(1 << 10)
-    assert small.ctypes.data == first and small.ctypes.data != big_at
+    assert pool(1 << 20).ctypes.data != big_at
     assert len(pool(16 << 20)) == 16 << 20
     held = [pool(1 << 20) for _ in range(4)]
     del held

@@ -350,14 +350,17 @@ class ReadOnly:
 
 
 class _Lease:
-    """A writable numpy interface over ``nbytes`` of a pool's buffer ``raw``: every
-    array made from it (and every view of those: numpy points a view's ``base`` at the
-    first non-array owner) keeps this object alive, so the pool takes ``raw`` back
-    only once nothing can reach its memory."""
+    """A writable numpy interface over the first ``nbytes`` of a pool's buffer: numpy
+    keeps it as the ``base`` of the array made from it, and every view of that array
+    keeps the array, so it lives as long as anything reaches the memory.  (A
+    memoryview would not do: numpy wraps the buffer in a memoryview of its own, which
+    does not reference the one it was given.)"""
 
-    def __init__(self, raw: np.ndarray, nbytes: int) -> None:
+    __slots__ = ("raw", "__array_interface__", "__weakref__")
+
+    def __init__(self, raw: np.ndarray, at: int, nbytes: int) -> None:
         self.raw = raw
-        self.__array_interface__ = {"data": (raw.ctypes.data, False), "shape": (nbytes,),
+        self.__array_interface__ = {"data": (at, False), "shape": (nbytes,),
                                     "typestr": "|u1", "version": 3}
 
 
@@ -365,13 +368,15 @@ class BufferPool:
     """An ``alloc`` for ``get_many`` that recycles batch buffers: a buffer returns to the
     pool when the last array or tensor over its memory is gone (a batch the consumer
     still holds is never handed out again), and the next batch is gathered into memory
-    already mapped, instead of fresh pages the kernel must zero and fault in (on a
-    warm epoch of 110 KB samples, a quarter of the copy's time: benchmarks/RESULTS.md).
+    already mapped, instead of fresh pages the kernel must zero and fault in (a warm
+    epoch of 110 KB samples took up to a third longer: benchmarks/RESULTS.md).
 
     ``keep``: buffers held for reuse at most (the batches in flight, e.g. a loader's
     ``prefetch`` + 2); more are freed.  Buffers are whole multiples of ``granule``
-    bytes, so batches of slightly different sizes share them.  Thread-safe.
-    ``stats()``: ``allocated`` (new buffers) and ``reused``.
+    bytes, so batches of slightly different sizes share them; a batch smaller than
+    ``granule`` is a plain ``np.empty`` (the allocator's heap serves those from memory
+    it keeps, and the pool's few microseconds a call would only add).  Thread-safe.
+    ``stats()``: ``allocated`` (new buffers), ``reused``, ``free``.
     """
 
     def __init__(self, keep: int = 8, granule: int = 1 << 20) -> None:
@@ -379,32 +384,45 @@ class BufferPool:
             raise InvalidArgumentError(f"BufferPool needs keep >= 0 and granule >= 1, got "
                                        f"{keep} and {granule}")
         self.keep, self.granule = int(keep), int(granule)
-        self._free: list[np.ndarray] = []
+        self._free: list[tuple[np.ndarray, int]] = []          # (buffer, its address)
+        self._lent: dict[int, tuple[Any, np.ndarray, int]] = {}  # buffers out, by lease
         self._lock = threading.Lock()
         self._allocated = self._reused = 0
 
     def __call__(self, nbytes: int) -> np.ndarray:
         nbytes = max(int(nbytes), 0)
+        if nbytes < self.granule:
+            return np.empty(nbytes, dtype=np.uint8)
         cap = max(1, -(-nbytes // self.granule)) * self.granule
         raw = None
         with self._lock:
             # the smallest free buffer that fits, if not more than twice the need
-            fits = [k for k, b in enumerate(self._free) if nbytes <= len(b) <= 2 * cap]
-            if fits:
-                raw = self._free.pop(min(fits, key=lambda k: len(self._free[k])))
+            best = -1
+            for k, (b, _) in enumerate(self._free):
+                if nbytes <= len(b) <= 2 * cap and \
+                        (best < 0 or len(b) < len(self._free[best][0])):
+                    best = k
+            if best >= 0:
+                raw, at = self._free.pop(best)
                 self._reused += 1
             else:
                 self._allocated += 1
         if raw is None:
             raw = np.empty(cap, dtype=np.uint8)
-        lease = _Lease(raw, nbytes)
-        weakref.finalize(lease, self._give_back, raw)
+            at = raw.ctypes.data
+        # every array over the batch's memory keeps the lease alive; once the last is
+        # gone, its weak reference's callback gives the buffer back
+        lease = _Lease(raw, at, nbytes)
+        ref = weakref.ref(lease, self._give_back)
+        with self._lock:
+            self._lent[id(ref)] = (ref, raw, at)
         return np.asarray(lease)
 
-    def _give_back(self, raw: np.ndarray) -> None:
+    def _give_back(self, ref: Any) -> None:
         with self._lock:
+            _, raw, at = self._lent.pop(id(ref))
             if len(self._free) < self.keep:
-                self._free.append(raw)
+                self._free.append((raw, at))
 
     def stats(self) -> dict[str, int]:
         with self._lock:
