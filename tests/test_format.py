@@ -449,5 +449,21 @@ def test_buffer_pool_reuses_a_buffer_only_once_nothing_reaches_its_memory():
     held = [pool(1 << 20) for _ in range(4)]
     del held
     assert pool.stats()["free"] == 2
+    # a lease can die anywhere: inside the garbage collector (a batch in a reference
+    # cycle), and while this thread holds the pool's lock (a collection run inside
+    # the pool's own code): the buffer still comes back, and nothing deadlocks
+    import gc
+    pool = BufferPool(keep=1)
+    x = pool(1 << 20)
+    at = x.ctypes.data
+    cycle: list = [x]
+    cycle.append(cycle)
+    del x, cycle
+    gc.collect()
+    y = pool(1 << 20)
+    assert y.ctypes.data == at
+    with pool._lock:
+        del y
+    assert pool(1 << 20).ctypes.data == at
     with pytest.raises(InvalidArgumentError, match="BufferPool"):
         BufferPool(keep=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -386,6 +387,10 @@ class BufferPool:
         self.keep, self.granule = int(keep), int(granule)
         self._free: list[tuple[np.ndarray, int]] = []          # (buffer, its address)
         self._lent: dict[int, tuple[Any, np.ndarray, int]] = {}  # buffers out, by lease
+        #: buffers whose lease died: the weak reference's callback only appends here
+        #: (it may run in any thread, inside the garbage collector too, even while this
+        #: thread holds the lock: a callback taking the lock could deadlock)
+        self._returned: "collections.deque[tuple[np.ndarray, int]]" = collections.deque()
         self._lock = threading.Lock()
         self._allocated = self._reused = 0
 
@@ -396,6 +401,10 @@ class BufferPool:
         cap = max(1, -(-nbytes // self.granule)) * self.granule
         raw = None
         with self._lock:
+            while self._returned:
+                back = self._returned.popleft()
+                if len(self._free) < self.keep:
+                    self._free.append(back)
             # the smallest free buffer that fits, if not more than twice the need
             best = -1
             for k, (b, _) in enumerate(self._free):
@@ -414,20 +423,19 @@ class BufferPool:
         # gone, its weak reference's callback gives the buffer back
         lease = _Lease(raw, at, nbytes)
         ref = weakref.ref(lease, self._give_back)
-        with self._lock:
-            self._lent[id(ref)] = (ref, raw, at)
+        self._lent[id(ref)] = (ref, raw, at)      # (one dict operation: atomic)
         return np.asarray(lease)
 
     def _give_back(self, ref: Any) -> None:
-        with self._lock:
-            _, raw, at = self._lent.pop(id(ref))
-            if len(self._free) < self.keep:
-                self._free.append((raw, at))
+        # no lock here (see _returned): a dict pop and a deque append are atomic
+        lent = self._lent.pop(id(ref), None)
+        if lent is not None:
+            self._returned.append((lent[1], lent[2]))
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"allocated": self._allocated, "reused": self._reused,
-                    "free": len(self._free)}
+                    "free": min(self.keep, len(self._free) + len(self._returned))}
 
 
 def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
