@@ -369,8 +369,8 @@ class BufferPool:
     """An ``alloc`` for ``get_many`` that recycles batch buffers: a buffer returns to the
     pool when the last array or tensor over its memory is gone (a batch the consumer
     still holds is never handed out again), and the next batch is gathered into memory
-    already mapped, instead of fresh pages the kernel must zero and fault in (a warm
-    epoch of 110 KB samples took up to a third longer: benchmarks/RESULTS.md).
+    already mapped, instead of fresh pages the kernel must zero and fault in (warm
+    epochs of 110 KB samples in 0.69-0.97x the time: benchmarks/RESULTS.md).
 
     ``keep``: buffers held for reuse at most (the batches in flight, e.g. a loader's
     ``prefetch`` + 2); more are freed.  Buffers are whole multiples of ``granule``
@@ -429,7 +429,7 @@ class BufferPool:
     def _give_back(self, ref: Any) -> None:
         # no lock here (see _returned): a dict pop and a deque append are atomic
         lent = self._lent.pop(id(ref), None)
-        if lent is not None:
+        if lent is not None and len(self._returned) < self.keep:   # (else: freed)
             self._returned.append((lent[1], lent[2]))
 
     def stats(self) -> dict[str, int]:
