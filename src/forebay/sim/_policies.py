@@ -21,6 +21,7 @@ from ..store import NONE, compute_coverage, compute_placement, fill_tiers
 from ..vocab import Tier
 from ._engine import F_PEER_RAM, F_PEER_SSD, F_PFS, F_RAM, F_SSD, SOURCES, Timeline, timeline
 from ._system import System
+from .._intervals import positions_in_runs
 from ..errors import InvalidArgumentError
 
 __all__ = ["POLICIES", "Workload", "simulate_policy"]
@@ -434,7 +435,7 @@ def locality_aware(w: Workload) -> dict[str, Any]:
         order = np.argsort(key, kind="stable")
         k_sorted = key[order]
         starts = np.flatnonzero(np.r_[True, k_sorted[1:] != k_sorted[:-1]])
-        rank_in = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        rank_in = positions_in_runs(np.diff(np.r_[starts, len(order)]))
         local = np.zeros(len(flat), dtype=bool)
         local[order] = (hold[order] >= 0) & (rank_in < b)
         worker = np.full(len(flat), -1, dtype=np.int64)

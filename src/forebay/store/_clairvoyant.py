@@ -44,6 +44,7 @@ from ..vocab import Backoff, FillState
 from ..comm import (NodeSegment, all_true, allgather_array, alltoall_bytes, fence, is_mpi,
                     ordered_shared_memory, shm_usable)
 from ..world import abort_on_uncaught, resolve_comm
+from .._intervals import positions_in_runs
 from ..errors import InvalidArgumentError
 from ..plan import AccessPlan
 from ._distributed import (StoreError, agree, check_agreement, free_window,
@@ -78,13 +79,6 @@ _HERE, _PEER, _FILES = 0, 1, 2
 
 def _align(n):
     return n + (-n) % ALIGNMENT
-
-
-def _rank_in_group(key: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """For ``key`` sorted into runs (equal keys together, ``counts[k]`` of key k): each
-    element's position inside its run."""
-    first = np.cumsum(counts) - counts
-    return np.arange(len(key), dtype=np.int64) - first[key]
 
 
 def tier_nbytes(ds: PackedDataset) -> np.ndarray:
@@ -917,16 +911,19 @@ class ClairvoyantStore(SampleStore):
         count = n_to + n_ask
         count[peers] += 1
         start = np.cumsum(count) - count
+        # where each ask of this rank's and each ask of a peer's is, in either message
+        to_at = start[to] + 1 + positions_in_runs(n_to)
+        oa = owner[ask]
+        ask_at = start[oa] + 1 + positions_in_runs(n_ask)
         flags = np.empty(int(count.sum()), dtype=np.uint8)
         alone = self._self_sufficient()
         flags[start[peers]] = alone
-        flags[start[to] + 1 + _rank_in_group(to, n_to)] = have
+        flags[to_at] = have
         wanted = want[ask]
-        oa = owner[ask]
-        flags[start[oa] + 1 + n_to[oa] + _rank_in_group(oa, n_ask)] = wanted
+        flags[ask_at + n_to[oa]] = wanted
         back = alltoall_bytes(comm, flags, count, count)
-        held = back[start[oa] + 1 + _rank_in_group(oa, n_ask)].astype(bool)
-        sent = have & back[start[to] + 1 + n_ask[to] + _rank_in_group(to, n_to)].astype(bool)
+        held = back[ask_at].astype(bool)
+        sent = have & back[to_at + n_ask[to]].astype(bool)
         # the records both sides said yes to, in the same order
         send_ids, send_lp = sids[sent], lp[sent]
         slen = reclen[send_ids]

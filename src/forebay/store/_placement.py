@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plan import AccessPlan
+from .._intervals import positions_in_runs
 from ..errors import InvalidArgumentError
 from ..vocab import Tier
 
@@ -195,7 +196,7 @@ def compute_coverage(plan: AccessPlan, sizes: np.ndarray, ram_bytes: "np.ndarray
     o = held[np.lexsort((first[held], owner[held].astype(np.int64) * 2 + tier[held]))]
     k = owner[o].astype(np.int64) * 2 + tier[o]
     starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(o) else np.zeros(0, np.int64)
-    slot[o] = np.arange(len(o)) - np.repeat(starts, np.diff(np.r_[starts, len(o)]))
+    slot[o] = positions_in_runs(np.diff(np.r_[starts, len(o)]))
     return Coverage(owner=owner, tier=tier, slot=slot, first_need=first, ram_used=ram_used,
                     ssd_used=ssd_used, fill=o, fill_key=k)
 
