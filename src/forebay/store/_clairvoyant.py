@@ -1084,14 +1084,10 @@ class ClairvoyantStore(SampleStore):
                     ahead = np.zeros(len(ids), dtype=bool)
                     ahead[need] = first_pin[inv]
                 local = writing | (mine & ((lpos < self._filled) | self._done_at(lpos)))
-            if self.transport == "exchange" and not self._exchange_ended:
+            if self.transport == "exchange":
                 t0 = time.perf_counter()
                 peer, exchanged = self._exchange(ids, ~local, requests)
                 t_exchange = time.perf_counter() - t0
-            elif self.transport == "exchange":
-                # every rank's tiers hold all its plan reads: no collective any more (a
-                # sample outside the plan comes from the files)
-                peer = np.zeros(len(ids), dtype=bool)
             else:
                 peer = ~local & self._present(ids)
         if self._peer_via_pfs and peer.any():
@@ -1160,13 +1156,16 @@ class ClairvoyantStore(SampleStore):
     def _check_steady(self) -> None:
         """Once this rank's tiers and every peer's it reads are full, fix where each
         sample is read from (``_steady``: _HERE, _PEER or _FILES per sample): batches
-        then skip the presence checks.  Not over the exchange, whose batches are a
-        collective every rank calls in step."""
-        if self.transport == "exchange" or self._filled < len(self.fill_order):
+        then skip the presence checks.  Over the exchange, whose batches are a
+        collective every rank calls in step, only once it ended (every rank's tiers
+        hold all it reads: no peer is read again, a sample outside the plan comes
+        from the files)."""
+        if (self.transport == "exchange" and not self._exchange_ended) or \
+                self._filled < len(self.fill_order):
             return
         p = self.placement
         owner = p.owner.astype(np.int64)
-        readable = (owner >= 0) & (owner != self.rank) & \
+        readable = (owner >= 0) & (owner != self.rank) & (self.transport != "exchange") & \
             ((p.tier == RAM) | (self.transport == "shm"))
         for o in np.unique(owner[readable]).tolist():
             if self._known[o] < self._fill_all[o]:
