@@ -595,14 +595,16 @@ def rank_exchange_pages(path: str) -> None:
     import tempfile
     from forebay.store._placement import SSD
     sizes = tier_nbytes(ds)
-    st = ClairvoyantStore(ds, plan, comm, transport="exchange", ram_tier="pages",
-                          ram_bytes=int(sizes.sum() // 20 if comm.rank == 0 else sizes.sum()),
-                          ssd_dir=tempfile.mkdtemp(), ssd_bytes=int(sizes.sum()))
-    p = st.placement
-    if comm.rank == 1:
-        assert (p.tier[p.extra_ram] == SSD).any()
-    _exchange_epochs(st, ds, plan, comm)
-    st.close()
+    with tempfile.TemporaryDirectory() as ssd:
+        st = ClairvoyantStore(ds, plan, comm, transport="exchange", ram_tier="pages",
+                              ram_bytes=int(sizes.sum() // 20 if comm.rank == 0 else
+                                            sizes.sum()),
+                              ssd_dir=ssd, ssd_bytes=int(sizes.sum()))
+        p = st.placement
+        if comm.rank == 1:
+            assert (p.tier[p.extra_ram] == SSD).any()
+        _exchange_epochs(st, ds, plan, comm)
+        st.close()
     # room for the whole dataset on every rank: each holds its peer's samples as extra
     # copies, so once filled no record crosses the exchange (an owner sent every
     # sample it was asked for, the requester's own copies notwithstanding), and once
