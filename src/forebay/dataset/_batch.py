@@ -333,36 +333,38 @@ class SampleViews:
         return f"SampleViews(n={self.num_samples}, fields=[{self.schema.describe()}])"
 
 
-class ReadOnly:
+class _Lease:
+    """A numpy interface over ``nbytes`` of memory at address ``at`` that keeps
+    ``owner`` (what holds that memory) alive: numpy keeps it as the ``base`` of the
+    array made from it, and every view of that array keeps the array, so it lives as
+    long as anything reaches the memory (a weak reference to it tells when nothing
+    does).  A memoryview would not do: numpy wraps a buffer in a memoryview of its
+    own, which does not reference the one it was given."""
+
+    __slots__ = ("owner", "__array_interface__", "__weakref__")
+
+    def __init__(self, owner: Any, at: int, nbytes: int, writable: bool) -> None:
+        self.owner = owner
+        self.__array_interface__ = {"data": (at, not writable), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
+class ReadOnly(_Lease):
     """A read-only numpy interface over ``src``'s memory that keeps ``keep`` (whatever
     owns that memory) alive: ``np.asarray(ReadOnly(src, keep))`` and its slices cannot
     be made writable, and while any of them lives this object does (a store checks that
     with a weak reference before it frees memory it does not own)."""
 
+    __slots__ = ("src", "keep")
+
     def __init__(self, src: np.ndarray, keep: Any = None) -> None:
         if src.dtype != np.uint8 or src.ndim != 1:
             raise InvalidArgumentError("ReadOnly views a 1-D uint8 buffer")
+        super().__init__(None, src.ctypes.data, len(src), writable=False)
         self.src, self.keep = src, keep
-        self.__array_interface__ = {"data": (src.ctypes.data, True), "shape": src.shape,
-                                    "typestr": "|u1", "version": 3}
 
     def array(self) -> np.ndarray:
         return np.asarray(self)
-
-
-class _Lease:
-    """A writable numpy interface over the first ``nbytes`` of a pool's buffer: numpy
-    keeps it as the ``base`` of the array made from it, and every view of that array
-    keeps the array, so it lives as long as anything reaches the memory.  (A
-    memoryview would not do: numpy wraps the buffer in a memoryview of its own, which
-    does not reference the one it was given.)"""
-
-    __slots__ = ("raw", "__array_interface__", "__weakref__")
-
-    def __init__(self, raw: np.ndarray, at: int, nbytes: int) -> None:
-        self.raw = raw
-        self.__array_interface__ = {"data": (at, False), "shape": (nbytes,),
-                                    "typestr": "|u1", "version": 3}
 
 
 class BufferPool:
@@ -421,7 +423,7 @@ class BufferPool:
             at = raw.ctypes.data
         # every array over the batch's memory keeps the lease alive; once the last is
         # gone, its weak reference's callback gives the buffer back
-        lease = _Lease(raw, at, nbytes)
+        lease = _Lease(raw, at, nbytes, writable=True)
         ref = weakref.ref(lease, self._give_back)
         self._lent[id(ref)] = (ref, raw, at)      # (one dict operation: atomic)
         return np.asarray(lease)
