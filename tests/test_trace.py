@@ -667,3 +667,44 @@ def test_chrome_json_documents_are_read_one_event_at_a_time(tmp_path, monkeypatc
     a = analyze(cut)
     assert 400 < a["fetch_sources"]["pfs"]["count"] < 600
     assert any("not valid JSON after" in s and "kept" in s for s in a["skipped"]), a["skipped"]
+
+
+def test_threads_asking_while_the_environment_starts_a_recorder_all_get_it(tmp_path,
+                                                                          monkeypatch):
+    """With FOREBAY_TRACE set, the first ``active()`` starts the recorder; a thread that
+    asks while it is being started (a store's fill thread, as the loader's thread asks)
+    waits for it.  It got None before, and the reads it then counted in the store's
+    stats were missing from the trace (a multi-rank trace test failed one run in five).
+    Here the recorder's start is held until the second thread has had its answer, or
+    for a second where asking waits (as it must)."""
+    import threading
+
+    starting, answered = threading.Event(), threading.Event()
+
+    class Held(trace.Recorder):
+        def __init__(self, *a, **kw):
+            starting.set()
+            answered.wait(timeout=1.0)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setenv("FOREBAY_TRACE", str(tmp_path / "t"))
+    monkeypatch.setattr(trace, "Recorder", Held)
+    monkeypatch.setattr(trace, "_active", None)
+    monkeypatch.setattr(trace, "_env_checked", False)
+    got = {}
+
+    def second() -> None:
+        starting.wait()
+        got["second"] = trace.active()
+        answered.set()
+
+    threads = [threading.Thread(target=lambda: got.setdefault("first", trace.active())),
+               threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert got["first"] is not None and got["second"] is got["first"]
+    finally:
+        trace.disable()

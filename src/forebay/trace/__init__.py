@@ -32,6 +32,9 @@ __all__ = ["enable", "disable", "active", "region", "Recorder", "SOURCES", "TIER
 _active: Optional[Recorder] = None
 _env_checked = False
 _lock = threading.Lock()
+#: one start of a recorder at a time (enable, or the first active() with FOREBAY_TRACE):
+#: a thread asking while another starts one waits for it, instead of getting None
+_starting = threading.RLock()
 
 
 def enable(directory: "str | os.PathLike[str]", *, prefix: str = "forebay",
@@ -39,15 +42,16 @@ def enable(directory: "str | os.PathLike[str]", *, prefix: str = "forebay",
     """Record this process's events into ``directory`` (created if needed); the file is
     ``<prefix>-<rank>-<pid>.pfw.gz``.  A recorder already active is closed first."""
     global _active, _env_checked
-    with _lock:
-        _env_checked = True
-        old, _active = _active, None
-    if old is not None:
-        old.close()
-    rec = Recorder(directory, prefix=prefix, rank=rank)
-    with _lock:
-        _active = rec
-    return rec
+    with _starting:
+        with _lock:
+            old, _active = _active, None
+        if old is not None:
+            old.close()
+        rec = Recorder(directory, prefix=prefix, rank=rank)
+        with _lock:
+            _active = rec
+            _env_checked = True
+        return rec
 
 
 def disable() -> Optional[Path]:
@@ -60,13 +64,17 @@ def disable() -> Optional[Path]:
 
 def active() -> Optional[Recorder]:
     """The recorder in use, or None.  The first call starts one if ``FOREBAY_TRACE`` names
-    a directory."""
+    a directory (threads calling at once all get it: a store's fill threads and the
+    loader's thread count the same reads the trace records)."""
     global _env_checked
-    if _active is None and not _env_checked:
-        _env_checked = True
-        d = os.environ.get("FOREBAY_TRACE")
-        if d:
-            return enable(d)
+    if _active is not None or _env_checked:
+        return _active
+    with _starting:
+        if _active is None and not _env_checked:
+            d = os.environ.get("FOREBAY_TRACE")
+            if d:
+                return enable(d)
+            _env_checked = True
     return _active
 
 
