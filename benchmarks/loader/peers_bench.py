@@ -12,7 +12,10 @@ job (epoch 1 is cold), later epochs are warm:
   read-only arrays over the store's memory instead of copied; an ``exchange`` suffix
   (``forebay preload-overlap exchange``; ``rma`` under ``--launcher mpiexec``): a
   transport used across nodes, forced; ``copy`` / ``pages`` (``forebay clairvoyant
-  copy``): the clairvoyant RAM tier's ``ram_tier`` (default ``auto``);
+  copy``): the clairvoyant RAM tier's ``ram_tier`` (default ``auto``); ``shm`` /
+  ``pages`` after preload (``forebay preload shm``): the preload's transport, its
+  chunks in a shared segment or in the files' pages (default ``auto``: pages on one
+  node);
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
   ImageFolder tree of blobs for images), per-sample collation;
@@ -135,9 +138,11 @@ def worker(a) -> None:
         for t in ("exchange", "rma"):  # the transports across nodes, forced on one
             if t in words:
                 kw["transport"] = t
-        for t in ("copy", "pages"):    # the clairvoyant RAM tier (default: auto)
-            if t in words:
+        for t in ("copy", "pages", "shm"):
+            if t in words and mode == "clairvoyant":   # its RAM tier (default: auto)
                 kw["ram_tier"] = t
+            elif t in words:           # preload's memory (default: auto)
+                kw["transport"] = t
         loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
                             progress=False, views="views" in words, **kw)
         set_epoch = loader.set_epoch

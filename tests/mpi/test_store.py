@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 import forebay
 from forebay.store import DistributedStore, StoreError, StoreLayout
+from forebay.dataset import can_lock
 from conftest import assert_ranks_ok, run_ranks
 
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.mpi
+#: the transports on one node: the chunks in shared memory, read by RMA, and (where
+#: this process may lock memory) held in the files' pages
+TRANSPORTS = ("shm", "rma") + (("pages",) if can_lock(64 << 20) else ())
 
 def rank_bit_exact(*args: str) -> None:
     """One rank of the bit_exact test (run by run_ranks)."""
@@ -23,12 +29,11 @@ def rank_bit_exact(*args: str) -> None:
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(argv[1])
     widths = [w for w in range(1, comm.size + 1) if comm.size % w == 0]
-    for w, transport in [(w, t) for w in widths for t in ("shm", "rma")]:
+    for w, transport in [(w, t) for w in widths for t in TRANSPORTS]:
         with DistributedStore(ds, comm, width=w, transport=transport, progress=False) as st:
-            assert st.transport == (transport if w > 1 else "local")
+            assert st.transport == (transport if w > 1 or transport == "pages" else "local")
             assert st.replicas == comm.size // w
             rng = np.random.default_rng(comm.rank * 100 + w)
-            assert st.transport in ("shm", "rma", "local")
             for _ in range(25):
                 ids = rng.integers(-len(ds), len(ds), size=int(rng.integers(0, 70)))
                 assert st.get_many(ids).equals(ds.get_many(ids)), (w, ids)
@@ -47,7 +52,7 @@ def test_bit_exact_for_every_width(packed, ranks):
     assert p.returncode == 0, p.stderr[-3000:]
     widths = [w for w in range(1, ranks + 1) if ranks % w == 0]
     for w in widths:
-        for t in ("shm", "rma"):
+        for t in TRANSPORTS:
             assert sum(f"width {w} {t} ok" in line for line in p.stdout.splitlines()) == ranks
 
 
@@ -199,3 +204,74 @@ def _tiny(tmp_path):
     p = tmp_path / "tiny"
     forebay.write_dataset(p, ({"x": np.arange(3) + i} for i in range(5)))
     return p
+
+
+def rank_preload_of_a_short_shard(path: str, transport: str) -> None:
+    """A shard of rank 1's chunk cut short after every rank opened the dataset: the
+    set-up fails on both ranks, naming it (rank 0 waited for rank 1 before)."""
+    import os
+
+    from mpi4py import MPI
+
+    from forebay.errors import TruncatedShardError
+    from conftest import say
+
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(path)
+    last = ds.shard_path(len(ds.manifest.shards) - 1)
+    comm.Barrier()
+    if comm.rank == 1:
+        os.truncate(last, 100)
+    comm.Barrier()
+    with pytest.raises((TruncatedShardError, StoreError), match=os.path.basename(last)):
+        DistributedStore(ds, comm, transport=transport, progress=False)
+    say(f"rank {comm.rank} failed together")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_short_shard_fails_the_preload_on_every_rank(tmp_path, transport):
+    path = tmp_path / "ds"
+    forebay.write_dataset(path, ({"x": np.full(500, i, dtype=np.int64)} for i in range(64)),
+                          shard_bytes=64 << 10)
+    p = run_ranks(2, rank_preload_of_a_short_shard, path, transport)
+    assert_ranks_ok(p, 2)
+    assert p.stdout.count("failed together") == 2
+
+
+def _locked_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmLck"))
+
+
+def rank_pages_lock_the_chunk(path: str) -> None:
+    """Transport "pages": each rank locks the shards of its own chunk in memory (the
+    node holds each byte once, in the page cache; no segment of the store's own) and
+    unlocks them at close."""
+    from mpi4py import MPI
+
+    from conftest import say
+
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(path)
+    before = _locked_bytes()
+    with DistributedStore(ds, comm, progress=False) as st:
+        assert st.transport == "pages"       # auto, on one node
+        mine = np.unique(ds.shard_of[st.layout.member == st.member]).tolist()
+        page = 4096
+        want = sum(-(-ds.manifest.shards[k].data_nbytes // page) * page for k in mine)
+        assert _locked_bytes() - before == want
+        every = np.arange(len(ds))
+        assert st.get_many(every).equals(ds.get_many(every))
+    assert _locked_bytes() == before
+    say(f"rank {comm.rank} locked its chunk")
+
+
+@pytest.mark.skipif(not can_lock(64 << 20) or not os.path.exists("/proc/self/status"),
+                    reason="this process may not lock memory (RLIMIT_MEMLOCK)")
+def test_pages_preload_locks_each_rank_s_shards_until_close(tmp_path):
+    path = tmp_path / "ds"
+    forebay.write_dataset(path, ({"x": np.full(700, i, dtype=np.int64)} for i in range(96)),
+                          shard_bytes=64 << 10)
+    p = run_ranks(2, rank_pages_lock_the_chunk, path)
+    assert_ranks_ok(p, 2)
+    assert p.stdout.count("locked its chunk") == 2

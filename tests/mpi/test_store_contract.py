@@ -45,8 +45,13 @@ FACTORIES = {
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
                                                      progress=False),
+    # the chunks held in the files' pages, locked in the page cache (auto on one node)
+    "preload-pages": lambda ds, comm: DistributedStore(ds, comm, transport="pages",
+                                                       progress=False),
     "preload-overlap": lambda ds, comm: DistributedStore(ds, comm, overlap=True,
                                                          progress=False),
+    "preload-overlap-shm": lambda ds, comm: DistributedStore(ds, comm, overlap=True,
+                                                             transport="shm", progress=False),
     "preload-exchange": lambda ds, comm: DistributedStore(ds, comm, transport="exchange",
                                                           progress=False),
     "preload-overlap-exchange": lambda ds, comm: DistributedStore(
@@ -235,8 +240,20 @@ class TestPreloadShm(DistributedStoreContract):
     under_torchrun = "shm"
 
 
+@pytest.mark.skipif(not CAN_LOCK, reason="this process may not lock 2 MiB "
+                    "(RLIMIT_MEMLOCK): the chunks cannot be held in the page cache")
+class TestPreloadPages(DistributedStoreContract):
+    kind = "preload-pages"
+    under_torchrun = "pages"
+
+
 class TestPreloadOverlap(DistributedStoreContract):
     kind = "preload-overlap"
+    under_torchrun = "pages" if CAN_LOCK else "shm"
+
+
+class TestPreloadOverlapShm(DistributedStoreContract):
+    kind = "preload-overlap-shm"
     under_torchrun = "shm"
 
 

@@ -89,8 +89,12 @@ def _populate(m: np.ndarray, path: str, starts: np.ndarray, ends: np.ndarray) ->
     (MADV_POPULATE_READ; forebay's C kernel); a range the file cannot give (an I/O
     error, a file that shrank after it was mapped) raises :class:`TruncatedShardError`
     instead of SIGBUS at its first read."""
-    failed = _native.populate(m, np.ascontiguousarray(starts, dtype=np.int64),
-                              np.ascontiguousarray(ends, dtype=np.int64))
+    # whole pages, ranges that touch one call (a call per record cost a system call
+    # each: millions for a dataset of small records)
+    a, b = merge_intervals((np.asarray(starts, dtype=np.int64) // _PAGE) * _PAGE,
+                           np.minimum(-(-np.asarray(ends, dtype=np.int64) // _PAGE) * _PAGE,
+                                      len(m)))
+    failed = _native.populate(m, a, b)
     if failed:
         size = os.stat(path).st_size
         raise TruncatedShardError(
@@ -750,9 +754,17 @@ class PinnedPages:
         cached (and so lock them)."""
         arr = self._array(k)
         if len(arr):
-            a, b = merge_intervals((starts // _PAGE) * _PAGE,
-                                   np.minimum(-(-ends // _PAGE) * _PAGE, len(arr)))
-            _populate(arr, self._ds.shard_path(k), a, b)
+            _populate(arr, self._ds.shard_path(k), starts, ends)
+
+    def pin_range(self, k: int, start: int, end: int) -> None:
+        """Read bytes ``[start, end)`` of shard ``k`` into memory, if they are not there,
+        and lock their pages (whole pages); a range the file cannot give raises
+        :class:`~forebay.errors.TruncatedShardError`.  For a caller that holds a
+        contiguous run of records (a preload's chunk), read in pieces."""
+        self._read_in(k, np.zeros(0, dtype=np.int64), np.array([start], dtype=np.int64),
+                      np.array([end], dtype=np.int64))
+        with self._lock:
+            self.nbytes += max(0, end - start)
 
     def pin(self, ids: np.ndarray, rows: np.ndarray, *,
             advise: Optional[np.ndarray] = None) -> None:

@@ -24,13 +24,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 
 import numpy as np
 
-from ..dataset import PackedDataset, SampleBatch, SampleViews, open_dataset
+from ..dataset import (PackedDataset, PinnedPages, SampleBatch, SampleViews, can_lock,
+                       open_dataset)
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, gather_ranges
-from ..errors import ChecksumError, InvalidArgumentError, RankMismatchError
+from ..errors import (ChecksumError, InvalidArgumentError, RankMismatchError,
+                      TruncatedShardError)
 from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
                     fence, is_mpi, mpi_thread_multiple, node_ranks, ordered_shared_memory,
                     shm_usable)
+from .._fs import NETWORK_FS, filesystem_type
 from ..vocab import Backoff
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import Lender, SampleStore, StoreError, raise_background_error
@@ -72,19 +75,9 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
                   block: int = _PAR_BLOCK) -> None:
     """Read ``len(dst)`` bytes of file ``fd`` from ``offset`` into ``dst``: pieces of
     16 MiB by ``threads`` threads at once (``preadv`` releases the GIL), so the device
-    has several requests in flight rather than one sequential stream.  ``on_piece(a,
-    b)``: called in order as bytes ``[0, b)`` of ``dst`` have all arrived (``a``: the
-    previous call's ``b``); ``stop``: set, no further piece is started;
-    ``wait_turn(a, bytes)``: called before the piece at ``dst[a:]`` is queued (it may
-    block; True: the piece is already in ``dst``, skip reading it); ``block``: the
-    piece size."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    n = len(dst)
-    lock = threading.Lock()
-
-    def piece(a: int) -> None:
-        k = min(block, n - a)
+    has several requests in flight rather than one sequential stream.  The other
+    arguments: :func:`in_pieces`."""
+    def read(a: int, k: int) -> None:
         done = 0
         while done < k:
             got = os.preadv(fd, [dst[a + done:a + k].data], offset + a + done)
@@ -92,6 +85,28 @@ def read_parallel(fd: int, dst: np.ndarray, offset: int, path: Any, prog: Progre
                 raise StoreError(f"{path}: unexpected end of file at byte "
                                  f"{offset + a + done} while preloading")
             done += got
+
+    in_pieces(len(dst), read, prog, threads, on_piece, stop, wait_turn, block)
+
+
+def in_pieces(n: int, read: Callable[[int, int], None], prog: Progress, threads: int,
+              on_piece: Optional[Callable[[int, int], None]] = None,
+              stop: Optional[threading.Event] = None,
+              wait_turn: Optional[Callable[[int, int], bool]] = None,
+              block: int = _PAR_BLOCK) -> None:
+    """Bytes ``[0, n)`` of something read by ``read(a, k)`` (bytes ``[a, a + k)``;
+    a call that releases the GIL) in pieces of ``block`` bytes, ``threads`` at once.
+    ``on_piece(a, b)``: called in order as bytes ``[0, b)`` have all arrived (``a``:
+    the previous call's ``b``); ``stop``: set, no further piece is started;
+    ``wait_turn(a, bytes)``: called before the piece at ``a`` is queued (it may block;
+    True: the piece is there already, skip reading it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+
+    def piece(a: int) -> None:
+        k = min(block, n - a)
+        read(a, k)
         with lock:
             prog.update(k)
 
@@ -262,7 +277,7 @@ def node_size(comm: Any) -> int:
     return len(node_ranks(comm))
 
 
-TRANSPORTS = ("auto", "shm", "rma", "exchange")
+TRANSPORTS = ("auto", "pages", "shm", "rma", "exchange")
 
 
 def shared_segment(win: Any, comm: Any) -> "Optional[tuple[np.ndarray, np.ndarray]]":
@@ -360,7 +375,12 @@ class DistributedStore(SampleStore):
             the reader's group.
         node_aware: make each node one replica group (``COMM_TYPE_SHARED``), so every
             read is intra-node; every node must run the same number of ranks.
-        transport: how a rank reads its group's memory.  ``"shm"``: the group shares
+        transport: how a rank reads its group's memory.  ``"pages"``: the group
+            shares one node and the chunks are held in the files' own pages in the
+            page cache, each member locking its chunk's (:class:`PinnedPages`); every
+            rank reads any sample through its maps of the files (no copy of the
+            store's own: the node holds each byte once; needs the right to lock
+            them, :func:`~forebay.dataset.can_lock`); ``"shm"``: the group shares
             one node, so the members' chunks live in one shared-memory segment (an MPI
             shared window, or a file in /dev/shm under torch.distributed) and peers
             read it with plain memory copies (no communication per batch);
@@ -368,7 +388,9 @@ class DistributedStore(SampleStore):
             ``"exchange"``: each ``get_many`` is a collective of the replica group
             (an all-gather of the requested ids, then one all-to-all of the records),
             so every member must call it in step, as the loader does;
-            ``"auto"`` (default): shm when the whole group is on one node, else rma
+            ``"auto"`` (default): pages when every group is on one node, the
+            dataset on a local file system, no ``on_pfs_read``, and every rank may
+            lock its shards; else shm when the whole group is on one node, else rma
             under MPI and exchange under torch.distributed.
         progress: preload progress (default: a bar on rank 0 when it has a terminal).
         on_pfs_read: called after each preload read from the dataset files with
@@ -433,8 +455,11 @@ class DistributedStore(SampleStore):
             "width": width, "node_aware": node_aware, "transport": transport,
             "verify_on_read": self.ds.verify_on_read, "overlap": bool(overlap)})
         self._setup_groups(width, node_aware)
-        self.transport = self._choose_transport(transport)
         self.layout = StoreLayout(self.ds, self.width)
+        #: transport "pages": this rank's chunk held in the files' pages, locked
+        self._pages: Optional[PinnedPages] = None
+        self._mapped = False         # pages: the whole dataset mapped into this process
+        self.transport = self._choose_transport(transport, on_pfs_read, bool(overlap))
         #: bytes of each member's chunk known to be loaded (all of it once preloaded)
         self._known = self.layout.nbytes.copy()
         self._check_memory()
@@ -444,12 +469,12 @@ class DistributedStore(SampleStore):
         self._allocate(bool(overlap))
         if self.transport == "shm":
             self._map_peers()        # may find the MPI's layout unusable: then rma
-        #: loading in the background: shm and local (a reader reads the owner's
+        #: loading in the background: shm, pages and local (a reader reads the owner's
         #: header), rma (through MPI: the load publishes from its thread, which needs
         #: MPI_THREAD_MULTIPLE), exchange (the owner serves what it has not loaded from
         #: the files)
         self.overlap = bool(overlap) and (
-            self.transport in ("local", "exchange") or
+            self.transport in ("local", "exchange", "pages") or
             (self.transport == "shm" and ordered_shared_memory()) or
             (self.transport == "rma" and mpi_thread_multiple()))
         #: the background load yields to batches reading the files: for large records,
@@ -471,8 +496,8 @@ class DistributedStore(SampleStore):
             self.capabilities |= {"background_fill"}
             self._start_load()
             return
-        self._preload(as_progress(progress))
         try:
+            self._preload(as_progress(progress))
             self._verify_chunk()
         except BaseException:
             self.close()
@@ -523,12 +548,21 @@ class DistributedStore(SampleStore):
         #: world rank of each member of this rank's group
         self.group_ranks = np.array(self.group_comm.allgather(self.rank), dtype=np.int64)
 
-    def _choose_transport(self, asked: str) -> str:
-        if self.group_comm is None or self.width == 1:
-            return "local"
+    def _choose_transport(self, asked: str, on_pfs_read: Any, overlap: bool) -> str:
+        single = self.group_comm is None or self.width == 1
         mpi = is_mpi(self.comm)
-        one_node = node_size(self.group_comm) == self.width
+        one_node = single or node_size(self.group_comm) == self.width
         everywhere = all_true(self.comm, one_node)
+        if asked in ("auto", "pages"):
+            why = self._why_not_pages(asked, everywhere, on_pfs_read, overlap and not single)
+            if asked == "pages":
+                agree(self.comm, f"transport='pages' is not possible here: {why}"
+                      if why else None)
+                return "pages"
+            if all_true(self.comm, why is None):
+                return "pages"
+        if single:
+            return "local"
         if everywhere and not mpi and not shm_usable(self.comm):
             if asked == "shm":
                 raise StoreError(f"transport='shm' under torch.distributed needs a writable "
@@ -546,6 +580,31 @@ class DistributedStore(SampleStore):
             return "shm" if everywhere else ("rma" if mpi else "exchange")
         return asked
 
+    def _why_not_pages(self, asked: str, everywhere: bool, on_pfs_read: Any,
+                       headers: bool) -> Optional[str]:
+        """Why this rank cannot hold its chunk in the page cache (None: it can).
+        ``everywhere``: every replica group is on one node; ``headers``: the members
+        share load counters in a node segment (an overlapped load).  Collective."""
+        shared = shm_usable(self.comm) and ordered_shared_memory() if headers else True
+        if not everywhere:
+            return "a replica group spans nodes (a page cache is one node's)"
+        if not shared:
+            return (f"an overlapped load shares its progress in {SHM_DIR}, which is not "
+                    f"writable on every rank")
+        shards = self.ds.manifest.shards
+        mine = np.unique(self.ds.shard_of[self.layout.member == self.member]).tolist()
+        locked = sum(int(shards[k].data_nbytes) for k in mine)  # RLIMIT_MEMLOCK: maps whole
+        if not can_lock(locked):
+            return (f"this process may not lock {locked} bytes in memory (the shards of "
+                    f"its chunk: RLIMIT_MEMLOCK, `ulimit -l`), or forebay's C kernel is "
+                    f"not built")
+        fs = filesystem_type(self.ds.path)
+        if asked == "auto" and fs in NETWORK_FS:
+            return f"{self.ds.path} is on {fs}, whose client may drop cached pages itself"
+        if asked == "auto" and on_pfs_read is not None:
+            return "on_pfs_read is given (an emulated file system)"
+        return None
+
     @property
     def replicas(self) -> int:
         return self.world // self.width
@@ -559,6 +618,8 @@ class DistributedStore(SampleStore):
             node = node_ranks(self.comm)
             every = self.comm.allgather([need, -1 if avail is None else int(avail)])
             node_need = sum(every[r][0] for r in node)
+            if self.transport == "pages":    # replicas on one node share the pages
+                node_need = min(node_need, int(self.layout.nbytes.sum()) + ALIGNMENT)
             least = min(every[r][1] for r in node)
             avail = None if least < 0 else least
         gib = 2.0 ** 30
@@ -572,6 +633,9 @@ class DistributedStore(SampleStore):
         agree(self.comm, msg)
 
     def _allocate(self, overlap: bool) -> None:
+        if self.transport == "pages":
+            self._allocate_pages(overlap)
+            return
         b = self.layout.bounds
         head = _HEADER + (int(_align(b[self.member + 1] - b[self.member])) if overlap else 0)
         size = int(self.layout.nbytes[self.member]) + ALIGNMENT + head
@@ -597,6 +661,23 @@ class DistributedStore(SampleStore):
         self._shift = np.array(self.group_comm.allgather(shift)
                                if self.group_comm is not None else [shift], dtype=np.int64)
 
+    def _allocate_pages(self, overlap: bool) -> None:
+        """Transport "pages": no memory of the store's own (the chunk is held in the
+        files' pages); with ``overlap`` the members' headers (how far each load has
+        got) in one node segment, else this rank's header alone."""
+        self._pages = PinnedPages(self.ds)
+        if overlap and self.group_comm is not None and self.width > 1:
+            self._node_seg = NodeSegment(self.group_comm, _HEADER)
+            self._segment, self._seg_hdr = self._node_seg.view, self._node_seg.starts
+            raw = self._node_seg.region()
+            raw[:] = 0
+        else:
+            raw = np.zeros(_HEADER, dtype=np.uint8)
+        self._raw = raw
+        self._hdr = raw[:32].view(np.int64)
+        self._buf = np.zeros(0, dtype=np.uint8)
+        self._shift = np.zeros(self.width, dtype=np.int64)
+
     def _map_peers(self) -> None:
         """shm transport: one view of the group's shared segment (see
         :func:`shared_segment`); an MPI that lays members out otherwise gets MPI_Get on
@@ -614,11 +695,58 @@ class DistributedStore(SampleStore):
         self._seg_pos = seg_off[self.layout.member] + self.layout.offset
 
     def _preload(self, prog: Progress) -> None:
-        """Read this rank's chunk with large sequential reads from the shards."""
+        """Read this rank's chunk with large sequential reads from the shards (into its
+        memory, or the page cache, locked there).  A read that fails on one rank fails
+        the set-up on every rank (the others do not wait for it)."""
         runs = self.layout.runs
         mine = np.flatnonzero(runs["member"] == self.member)
         total = int(runs["len"][mine].sum())
         prog.start(total, desc=f"preload (rank {self.rank})", unit="B")
+        err: Optional[Exception] = None
+        try:
+            if self._pages is not None:
+                self._pin_runs(mine, prog)
+            else:
+                self._read_runs(mine, prog)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            err = e
+        finally:
+            prog.close()
+        failed = self._failure(err, "preload")
+        if self._win is not None:
+            from mpi4py import MPI
+
+            self._win.Lock_all(MPI.MODE_NOCHECK)   # (close() ends it, failed or not)
+            self._win.Sync()  # our stores are visible before peers read them
+        if failed is not None:
+            raise failed
+        if self.group_comm is not None:
+            self.group_comm.Barrier()
+        if self._win is not None:
+            self._win.Sync()
+        if self._pages is not None:
+            self._map_dataset()
+
+    def _failure(self, err: Optional[Exception], what: str) -> Optional[Exception]:
+        """What every rank raises when ``err`` (this rank's) or another rank's error
+        ended ``what``: its own error on the rank it happened on, else an error of the
+        same kind naming the rank and the cause; None when no rank failed.
+        Collective."""
+        mine = None if err is None else [type(err).__name__, str(err)]
+        every = self.comm.allgather(mine) if self.comm is not None else [mine]
+        bad = [(r, m) for r, m in enumerate(every) if m]
+        if not bad:
+            return None
+        if err is not None:
+            return err
+        r, (kind, msg) = bad[0]
+        cls = {"TruncatedShardError": TruncatedShardError,
+               "ChecksumError": ChecksumError}.get(kind, StoreError)
+        return cls(f"rank {r}'s {what} failed: {kind}: {msg}")
+
+    def _read_runs(self, mine: np.ndarray, prog: Progress) -> None:
+        """Read this rank's runs ``mine`` into its chunk's memory."""
+        runs = self.layout.runs
         if self._win is not None:
             from mpi4py import MPI
 
@@ -636,31 +764,52 @@ class DistributedStore(SampleStore):
                         t0 = time.perf_counter()
                         read_parallel(fd, self._buf[base:base + length], start, path, prog,
                                       self.read_threads)
-                        t1 = time.perf_counter()
-                        if self.on_pfs_read is not None:
-                            self.on_pfs_read(length, int(runs["count"][k]), t1 - t0)
-                        rec = _trace.active()
-                        if rec is not None:
-                            rec.file_reads(path, np.array([start]), np.array([length]),
-                                           np.array([t0]), np.array([t1 - t0]),
-                                           samples=int(runs["count"][k]))
-                            rec.span("memstore", "preload", t0, t1,
-                                     count=int(runs["count"][k]), nbytes=length)
+                        self._report_read(shard, start, length, int(runs["count"][k]),
+                                          t0, time.perf_counter())
                 finally:
                     os.close(fd)
         finally:
             if self._win is not None:
                 self._win.Unlock(self.member)
-            prog.close()
-        if self._win is not None:
-            from mpi4py import MPI
 
-            self._win.Lock_all(MPI.MODE_NOCHECK)
-            self._win.Sync()  # our stores are visible before peers read them
-        if self.group_comm is not None:
-            self.group_comm.Barrier()
-        if self._win is not None:
-            self._win.Sync()
+    def _pin_runs(self, mine: np.ndarray, prog: Progress) -> None:
+        """Transport "pages": read this rank's runs ``mine`` into the page cache and lock
+        them there (pieces of 16 MiB, ``read_threads`` at once).  Once every member has,
+        :meth:`_map_dataset` maps the whole dataset into this process (cached and
+        locked by then: a page-table walk, no I/O), so that no batch faults."""
+        runs = self.layout.runs
+        for k in mine.tolist():
+            shard, start, length = (int(runs["shard"][k]), int(runs["start"][k]),
+                                    int(runs["len"][k]))
+            t0 = time.perf_counter()
+            in_pieces(length, partial(self._pin_piece, shard, start), prog, self.read_threads)
+            self._report_read(shard, start, length, int(runs["count"][k]), t0,
+                              time.perf_counter())
+
+    def _pin_piece(self, shard: int, start: int, a: int, k: int) -> None:
+        assert self._pages is not None
+        self._pages.pin_range(shard, start + a, start + a + k)
+
+    def _map_dataset(self) -> None:
+        """Map every record into this process's maps of the shards (transport "pages",
+        once the group's chunks are all locked in the page cache)."""
+        every = np.arange(len(self.ds))
+        self.ds.record_parts(every, self.ds.index, populate=True,
+                             advise=np.zeros(len(every), dtype=bool))
+        self._mapped = True
+
+    def _report_read(self, shard: int, start: int, length: int, count: int, t0: float,
+                     t1: float) -> None:
+        """A preload read of ``length`` bytes from ``start`` of ``shard`` (``count``
+        samples), to on_pfs_read and the trace."""
+        if self.on_pfs_read is not None:
+            self.on_pfs_read(length, count, t1 - t0)
+        rec = _trace.active()
+        if rec is not None:
+            path = self.ds.path / self.ds.manifest.shards[shard].data
+            rec.file_reads(path, np.array([start]), np.array([length]), np.array([t0]),
+                           np.array([t1 - t0]), samples=count)
+            rec.span("memstore", "preload", t0, t1, count=count, nbytes=length)
 
     # -- background preload (overlap) ---------------------------------------------------
     def _header(self, member: int) -> np.ndarray:
@@ -753,20 +902,25 @@ class DistributedStore(SampleStore):
             shard, start, length, base = (int(runs["shard"][k]), int(runs["start"][k]),
                                           int(runs["len"][k]), int(runs["base"][k]))
             path = self.ds.path / self.ds.manifest.shards[shard].data
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, start, length, os.POSIX_FADV_SEQUENTIAL)
-                done["t"] = time.perf_counter()
-                read_parallel(fd, self._buf[base:base + length], start, path, Progress(),
-                              self.read_threads, stop=self._stop,
-                              on_piece=partial(self._landed, mine, ends, done, path, start,
-                                               base),
-                              wait_turn=partial(self._wait_turn, shard, start, base, mine,
-                                                ends) if self.yields else None,
-                              block=_YIELD_BLOCK if self.yields else _PAR_BLOCK)
-            finally:
-                os.close(fd)
+            along = dict(stop=self._stop,
+                         on_piece=partial(self._landed, mine, ends, done, path, start, base),
+                         wait_turn=partial(self._wait_turn, shard, start, base, mine, ends)
+                         if self.yields else None,
+                         block=_YIELD_BLOCK if self.yields else _PAR_BLOCK)
+            done["t"] = time.perf_counter()
+            if self._pages is not None:
+                in_pieces(length, partial(self._pin_piece, shard, start), Progress(),
+                          self.read_threads, **along)   # type: ignore[arg-type]
+            else:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, start, length, os.POSIX_FADV_SEQUENTIAL)
+                    read_parallel(fd, self._buf[base:base + length], start, path,
+                                  Progress(), self.read_threads,
+                                  **along)   # type: ignore[arg-type]
+                finally:
+                    os.close(fd)
             if self._stop.is_set():
                 return
 
@@ -778,8 +932,7 @@ class DistributedStore(SampleStore):
         upto = int(np.searchsorted(ends, base + b, side="right"))
         ids = mine[done["checked"]:upto]
         if self.ds.verify_on_read and len(ids):
-            self.ds.check_records(ids, self._buf, self.layout.offset[ids],
-                                  where=f"(preloaded by rank {self.rank})")
+            self._check_held(ids)
         if self.on_pfs_read is not None:
             self.on_pfs_read(b - a, len(ids), now - done["t"])
         rec = _trace.active()
@@ -803,7 +956,8 @@ class DistributedStore(SampleStore):
         hi = int(np.searchsorted(ends, base + a + length, side="left")) + 1
         ids = mine[lo:hi]
         ids = ids[self.layout.offset[ids] < base + a + length]
-        if len(ids) and (self._kept_flags(ids, np.full(len(ids), self.member)) == 1).all():
+        if len(ids) and self._pages is None and \
+                (self._kept_flags(ids, np.full(len(ids), self.member)) == 1).all():
             self._kept_skipped += length
             return True
         if not self._yielding or self.ds.cached(shard, start + a, length):
@@ -831,7 +985,7 @@ class DistributedStore(SampleStore):
         what the members' headers said when :meth:`_loaded_all` just read them."""
         ends = self.layout.offset[ids] + rows[:, IndexLayout.REC_LEN]
         ready = ends <= self._known[member]
-        if self.yields and not ready.all():     # what batches read and kept
+        if self.yields and self._pages is None and not ready.all():  # what batches kept
             late = np.flatnonzero(~ready)
             if self.transport == "rma":         # only this member's flags in reach
                 late = late[member[late] == self.member]
@@ -890,13 +1044,20 @@ class DistributedStore(SampleStore):
         damaged one fails the store on every rank with :class:`ChecksumError`."""
         msg = None
         if self.ds.verify_on_read:
-            mine = np.flatnonzero(self.layout.member == self.member)
             try:
-                self.ds.check_records(mine, self._buf, self.layout.offset[mine],
-                                      where=f"(preloaded by rank {self.rank})")
+                self._check_held(np.flatnonzero(self.layout.member == self.member))
             except ChecksumError as e:
                 msg = str(e)
         agree(self.comm, msg, ChecksumError)
+
+    def _check_held(self, ids: np.ndarray) -> None:
+        """Check the records of this rank's samples ``ids`` where the store holds them:
+        its chunk, or (transport "pages") the files' pages it locked."""
+        if self._pages is not None:
+            self.ds.check_records(ids, where=f"(preloaded by rank {self.rank})")
+        else:
+            self.ds.check_records(ids, self._buf, self.layout.offset[ids],
+                                  where=f"(preloaded by rank {self.rank})")
 
     # -- access -----------------------------------------------------------------------
     @property
@@ -992,6 +1153,13 @@ class DistributedStore(SampleStore):
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
         t_stage = 0.0
+        if self._pages is not None:      # the files' pages, locked by their owners
+            if not self._mapped:
+                self._map_dataset()
+            if self.ds.verify_on_read:
+                self.ds.check_records(ids)
+            return self.ds.record_parts(ids, rows, advise=np.zeros(len(ids), dtype=bool)), \
+                t_stage, None
         if self.transport == "shm":
             src = self._lent() if lend else self._segment
             seg = self._seg_pos[ids]
@@ -1090,25 +1258,15 @@ class DistributedStore(SampleStore):
         """get_many while the background preload runs: what has arrived from memory,
         the rest from the dataset files."""
         ready = self._ready(ids, rows, member)
-        if self.transport == "shm":
-            src, pos = self._segment, self._seg_pos[ids]
-        else:
-            src, pos = self._buf, self.layout.offset[ids]
-        parts: list = []
-        if (local & ready).any():
-            parts.append((src, pos[local & ready], local & ready))
-        peer = ~local & ready
-        if peer.any():       # rma: one MPI_Get per owner; else the memory in reach
-            parts.append(self._staged(ids, rows, member, peer) if self.transport == "rma"
-                         else (src, pos[peer], peer))
         sub = np.flatnonzero(~ready)
-        files = []                       # the parts read from the dataset files
-        if len(sub):
+        if self._pages is not None:      # every record through the files' maps
             if self.ds.verify_on_read:
                 self.ds.check_records(ids[sub])
-            for buf, starts, sel in self.ds.record_parts(ids[sub], rows[sub]):
-                files.append((buf, starts, _mask(len(ids), sub[sel])))
-        parts += files
+            parts = self.ds.record_parts(ids, rows, advise=~ready)
+            files: list = []             # nothing kept: the load locks the same pages
+            src, pos = self._buf, self.layout.offset[ids]
+        else:
+            parts, files, src, pos = self._loading_parts(ids, rows, member, local, ready, sub)
         rec = _trace.active()
         timings: Optional[list[Any]] = [] if rec is not None else None
         reading = self.yields and len(sub) > 0
@@ -1116,9 +1274,9 @@ class DistributedStore(SampleStore):
         with self._reading(reading, nbytes):
             batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                    timings=timings)
-        if reading:
+        if reading and self._pages is None:
             self._keep(ids, rows, member, src, pos, files)
-        if len(sub):
+        if len(sub) and self._pages is None:
             # copied out: the map's pages leave this process (the page cache keeps them)
             self.ds.release(ids[sub], rows[sub])
         nlocal = int((local & ready).sum())
@@ -1139,6 +1297,32 @@ class DistributedStore(SampleStore):
                 if not ready[sel].any():          # a part read from the files
                     _hooks.record_pfs(rec, self.ds, ids[sel], rows[sel], t0, t1)
         return batch
+
+    def _loading_parts(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
+                       local: np.ndarray, ready: np.ndarray, sub: np.ndarray
+                       ) -> "tuple[list, list, np.ndarray, np.ndarray]":
+        """A batch's parts while the background preload runs (not "pages"): what has
+        arrived from the members' memory, ``sub`` (not ready) from the files.  Returns
+        the parts, those of them read from the files, and where the records go in
+        their owners' memory (source, positions)."""
+        if self.transport == "shm":
+            src, pos = self._segment, self._seg_pos[ids]
+        else:
+            src, pos = self._buf, self.layout.offset[ids]
+        parts: list = []
+        if (local & ready).any():
+            parts.append((src, pos[local & ready], local & ready))
+        peer = ~local & ready
+        if peer.any():       # rma: one MPI_Get per owner; else the memory in reach
+            parts.append(self._staged(ids, rows, member, peer) if self.transport == "rma"
+                         else (src, pos[peer], peer))
+        files = []                       # the parts read from the dataset files
+        if len(sub):
+            if self.ds.verify_on_read:
+                self.ds.check_records(ids[sub])
+            for buf, starts, sel in self.ds.record_parts(ids[sub], rows[sub]):
+                files.append((buf, starts, _mask(len(ids), sub[sel])))
+        return parts + files, files, src, pos
 
     def _exchange(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
                   local: np.ndarray, requests: "Optional[list[np.ndarray]]"
@@ -1319,6 +1503,8 @@ class DistributedStore(SampleStore):
             return
         self._closed = True
         self._stop_loading()         # nothing writes the memory once it is released
+        if self._pages is not None:
+            self._pages.close()      # unlocked (the page cache may keep them)
         lent = self._lender.release()
         if self._win is not None:
             self._segment = None
