@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("dataset", type=Path)
     ap.add_argument("--modes", default="preload,preload-overlap,clairvoyant",
                     help="loader modes, comma-separated; clairvoyant:copy and "
-                    "clairvoyant:pages name the RAM tier (ram_tier)")
+                    "clairvoyant:pages name the RAM tier (ram_tier), preload:shm and "
+                    "preload:pages the preload's transport")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
     a = ap.parse_args()
@@ -57,7 +58,8 @@ def main() -> None:
         t0 = time.perf_counter()
         overlap = mode == "preload-overlap"       # overlap_preload=True
         base, _, tier = mode.partition(":")       # clairvoyant:copy, clairvoyant:pages
-        kw = {"ram_tier": tier} if tier else {}
+        kw = {} if not tier else {"transport": tier} if base.startswith("preload") \
+            else {"ram_tier": tier}                 # preload:shm, preload:pages
         dl = DataLoader(a.dataset, a.batch, comm=comm, seed=0, epochs=a.epochs,
                         mode="preload" if overlap else base, overlap_preload=overlap, **kw,
                         ram_bytes=2 * held, progress=False,
