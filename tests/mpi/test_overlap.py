@@ -15,10 +15,13 @@ import pytest
 import forebay
 from forebay.errors import ChecksumError
 from forebay.store import DistributedStore, StoreError, StoreLayout
+from forebay.dataset import can_lock
 from forebay.world import LOCAL
 from conftest import assert_ranks_ok, damaged_copy, run_ranks, run_torchrun
 
 pytestmark = pytest.mark.mpi
+#: whether the chunks can be held in the page cache here (RLIMIT_MEMLOCK)
+CAN_LOCK = can_lock(64 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +163,8 @@ def rank_held_member(path: str, held_: str, transport: str = "shm") -> None:
     owned = st.layout.member[np.arange(len(ds))]
     ids = np.random.default_rng(1).integers(-len(ds), len(ds), size=64) % len(ds)
     read_twice = int((owned == held).sum() + (owned[ids] == held).sum())
-    if not st.yields:                        # small records: read, not kept
-        from_files = read_twice
+    if not st.yields or transport == "pages":   # small records, or the files' pages:
+        from_files = read_twice                    # read, not kept
     elif transport == "rma":   # large: a batch keeps only its own member's records
         from_files = int((owned == held).sum()) if rank == held else read_twice
     else:   # large: rank 0 reads the held chunk and keeps it; later reads find it there
@@ -200,6 +203,17 @@ def test_what_has_not_arrived_is_read_from_the_files_torchrun(dataset):
     assert_ranks_ok(run_torchrun(2, rank_held_member, dataset, 0), 2)
 
 
+@pytest.mark.skipif(not CAN_LOCK, reason="this process may not lock memory (RLIMIT_MEMLOCK)")
+@pytest.mark.parametrize("launcher,kind", [("mpiexec", "dataset"), ("mpiexec", "large"),
+                                           ("torchrun", "large")])
+def test_what_has_not_arrived_is_read_from_the_files_pages(request, launcher, kind):
+    """Over the files' pages (transport "pages"): every batch reads the files' maps;
+    the members' headers, in a node segment, say what to count as loaded."""
+    path = request.getfixturevalue(kind)
+    run = run_ranks if launcher == "mpiexec" else run_torchrun
+    assert_ranks_ok(run(2, rank_held_member, path, 1, "pages"), 2)
+
+
 def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str,
                                  transport: str = "auto") -> None:
     from forebay.world import resolve_comm
@@ -225,7 +239,8 @@ def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str,
 
 
 @pytest.mark.parametrize("launcher,transport", [
-    ("mpiexec", "shm"), ("mpiexec", "rma"), ("mpiexec", "exchange"), ("torchrun", "exchange")])
+    ("mpiexec", "shm"), ("mpiexec", "rma"), ("mpiexec", "exchange"), ("torchrun", "exchange")] +
+    ([("mpiexec", "pages"), ("torchrun", "pages")] if CAN_LOCK else []))
 def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path, launcher,
                                                        transport):
     sample = 100

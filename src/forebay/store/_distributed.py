@@ -459,6 +459,7 @@ class DistributedStore(SampleStore):
         #: transport "pages": this rank's chunk held in the files' pages, locked
         self._pages: Optional[PinnedPages] = None
         self._mapped = False         # pages: the whole dataset mapped into this process
+        self._map_lock = threading.Lock()
         self.transport = self._choose_transport(transport, on_pfs_read, bool(overlap))
         #: bytes of each member's chunk known to be loaded (all of it once preloaded)
         self._known = self.layout.nbytes.copy()
@@ -793,10 +794,13 @@ class DistributedStore(SampleStore):
     def _map_dataset(self) -> None:
         """Map every record into this process's maps of the shards (transport "pages",
         once the group's chunks are all locked in the page cache)."""
-        every = np.arange(len(self.ds))
-        self.ds.record_parts(every, self.ds.index, populate=True,
-                             advise=np.zeros(len(every), dtype=bool))
-        self._mapped = True
+        with self._map_lock:
+            if self._mapped:
+                return
+            every = np.arange(len(self.ds))
+            self.ds.record_parts(every, self.ds.index, populate=True,
+                                 advise=np.zeros(len(every), dtype=bool))
+            self._mapped = True
 
     def _report_read(self, shard: int, start: int, length: int, count: int, t0: float,
                      t1: float) -> None:
@@ -868,6 +872,27 @@ class DistributedStore(SampleStore):
             self._raw[64:64 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
         self._set_word(_H_STATE, state)
         self.preload_seconds = time.perf_counter() - self._t0
+        if state == _LOADED and self._pages is not None:
+            threading.Thread(target=self._map_when_loaded, daemon=True,
+                             name=f"forebay-map-r{self.rank}").start()
+
+    def _map_when_loaded(self) -> None:
+        """Transport "pages" with an overlapped load: once every member's chunk is
+        locked, map the whole dataset into this process here, in the background,
+        rather than in the first batch that finds them all loaded (a failed or
+        stopped load leaves it to that batch, which raises)."""
+        poll = Backoff(first=0.001, cap=0.02)
+        while not self._stop.is_set():
+            states = [self._word(m, _H_STATE) for m in range(self.width)]
+            if _FAILED in states:
+                return
+            if _LOADING not in states:
+                try:
+                    self._map_dataset()
+                except Exception:  # noqa: BLE001 - a batch maps (and raises) itself
+                    pass
+                return
+            poll.sleep()
 
     def _publish(self, nbytes: int) -> None:
         """Announce that bytes ``[0, nbytes)`` of this rank's chunk are loaded (and
