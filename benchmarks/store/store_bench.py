@@ -12,8 +12,8 @@ time, as training ranks do).  Contenders, interleaved round by round:
 * ``forebay array rma`` / ``array shm``: ``DistributedStore.from_arrays`` (the same
   rows, no ingest): ``get(name, start)`` for one row, ``get_rows(name, ids)`` for a
   batch (one ``MPI_Get`` per owner, or one gather over the node's shared memory);
-* ``forebay dataset rma`` / ``dataset shm``: the packed-dataset store
-  (``DistributedStore``) over the same rows ingested as one field, ``get_many``;
+* ``forebay dataset rma`` / ``dataset shm`` / ``dataset pages``: the packed-dataset
+  store (``DistributedStore``) over the same rows ingested as one field, ``get_many``;
   ``dataset shm views``: the same store's ``get_views`` (the rows lent, not copied).
 
 Reported: per-call latency p50 (median over rounds of each round's median) and the
@@ -137,6 +137,8 @@ def main() -> None:
         ds, comm, transport="rma", progress=False))
     ds_shm = timed_setup("forebay dataset shm", lambda: DistributedStore(
         ds, comm, transport="shm", progress=False))
+    ds_pages = timed_setup("forebay dataset pages", lambda: DistributedStore(
+        ds, comm, transport="pages", progress=False))
     base = peer * n        # the peer's first global row
     mine0 = rank * n
     ddbuf = np.empty((1, rb), dtype=np.uint8)
@@ -155,6 +157,7 @@ def main() -> None:
         "forebay array shm": (lambda i: arr_shm.get("row", i), base),
         "forebay dataset rma": (lambda i: ds_rma.get_many(np.array([i])), base),
         "forebay dataset shm": (lambda i: ds_shm.get_many(np.array([i])), base),
+        "forebay dataset pages": (lambda i: ds_pages.get_many(np.array([i])), base),
         "forebay dataset shm views": (lambda i: ds_shm.get_views(np.array([i])), base),
     }
     if pyddstore is not None:
@@ -164,6 +167,7 @@ def main() -> None:
         "forebay array shm": (lambda i: arr_shm.get("row", i), mine0),
         "forebay dataset rma": (lambda i: ds_rma.get_many(np.array([i])), mine0),
         "forebay dataset shm": (lambda i: ds_shm.get_many(np.array([i])), mine0),
+        "forebay dataset pages": (lambda i: ds_pages.get_many(np.array([i])), mine0),
         "forebay dataset shm views": (lambda i: ds_shm.get_views(np.array([i])), mine0),
     }
     if pyddstore is not None:
@@ -173,6 +177,7 @@ def main() -> None:
         "forebay array shm": lambda ids: arr_shm.get_rows("row", ids),
         "forebay dataset rma": lambda ids: ds_rma.get_many(ids),
         "forebay dataset shm": lambda ids: ds_shm.get_many(ids),
+        "forebay dataset pages": lambda ids: ds_pages.get_many(ids),
         "forebay dataset shm views": lambda ids: ds_shm.get_views(ids),
     }
     if pyddstore is not None:
@@ -188,6 +193,7 @@ def main() -> None:
     assert np.array_equal(arr_shm.get("row", base + 7)[0], want[7])
     assert np.array_equal(ds_rma.get_many([base + 7])["row"][0], want[7])
     assert np.array_equal(ds_shm.get_views([base + 7])["row"][0], want[7])
+    assert np.array_equal(ds_pages.get_many([base + 7])["row"][0], want[7])
 
     results: dict[str, dict[str, list[float]]] = {"remote": {}, "local": {}, "batch": {}}
     for rnd in range(args.rounds):

@@ -382,13 +382,20 @@ class PackedDataset:
         starts, ends)`` when given."""
         shard = self._shard_of[ids]
         rec = rows[:, IndexLayout.REC_OFF]
+        if advise is not None and not advise.any():
+            if populate is None and len(shard) and shard[0] == shard[-1] and \
+                    (len(shard) < 3 or shard.min() == shard.max()):
+                return [(array(int(shard[0])), rec, slice(None))]  # one shard, no advice
+            advise = np.zeros(0, dtype=bool)         # (none: not looked at per shard)
         end = rec + rows[:, IndexLayout.REC_LEN]
         shards = np.unique(shard)
         parts = []
         for s in shards.tolist():
             sel: Any = shard == s if len(shards) > 1 else slice(None)
-            a: Any = slice(None) if advise is None else advise[sel]
-            if advise is None or a.any():
+            if advise is None:
+                self.advise(s, rec[sel], end[sel])
+            elif len(advise) and advise[sel].any():
+                a = advise[sel]
                 self.advise(s, rec[sel][a], end[sel][a])
             if populate is not None:
                 populate(s, ids[sel], rec[sel], end[sel])
