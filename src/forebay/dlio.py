@@ -29,7 +29,7 @@ ram_bytes       clairvoyant RAM tier per rank (bytes or "8GiB")
 ssd_dir         clairvoyant SSD tier directory; ``ssd_bytes`` its capacity
 prefetch        batches fetched ahead (default: DLIO's ``prefetch_size``, at least 2)
 width           ranks per replica (preload)
-transport       auto, shm, rma or exchange
+transport       auto, pages, shm, rma or exchange
 verify_on_read  check every sample's checksum (true/false)
 overlap_preload preload: train while the store loads (true/false; the loader's
                 ``overlap_preload``)

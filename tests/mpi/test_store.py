@@ -275,3 +275,18 @@ def test_pages_preload_locks_each_rank_s_shards_until_close(tmp_path):
     p = run_ranks(2, rank_pages_lock_the_chunk, path)
     assert_ranks_ok(p, 2)
     assert p.stdout.count("locked its chunk") == 2
+
+
+def test_transport_pages_named_where_it_applies(tmp_path):
+    """'pages' is a preload transport; the clairvoyant store, asked for it, says its
+    own word for the same thing."""
+    from forebay.errors import InvalidArgumentError
+    from forebay.store import ClairvoyantStore
+    from forebay.world import LOCAL
+
+    ds = forebay.open_dataset(_tiny(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="'auto', 'pages', 'shm', 'rma', 'exchange'"):
+        DistributedStore(ds, LOCAL, transport="page", progress=False)
+    with pytest.raises(InvalidArgumentError, match="ram_tier='pages'"):
+        ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 1, 2, 1), LOCAL, ram_bytes=1 << 20,
+                         transport="pages")

@@ -332,8 +332,11 @@ class ClairvoyantStore(SampleStore):
 
     def _choose_transport(self, asked: str) -> None:
         if asked not in ("auto", "shm", "rma", "exchange"):
+            hint = (" (the clairvoyant store holds its RAM tier in the page cache with "
+                    "ram_tier='pages'; transport='pages' is the preload's)"
+                    if asked == "pages" else "")
             raise InvalidArgumentError(f"transport must be 'auto', 'shm', 'rma' or 'exchange', "
-                                       f"got {asked!r}")
+                                       f"got {asked!r}{hint}")
         if self.comm is None or self.world == 1:
             self.transport = "local"
             return
