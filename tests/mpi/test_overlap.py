@@ -163,11 +163,12 @@ def rank_held_member(path: str, held_: str, transport: str = "shm") -> None:
     owned = st.layout.member[np.arange(len(ds))]
     ids = np.random.default_rng(1).integers(-len(ds), len(ds), size=64) % len(ds)
     read_twice = int((owned == held).sum() + (owned[ids] == held).sum())
-    if not st.yields or transport == "pages":   # small records, or the files' pages:
-        from_files = read_twice                    # read, not kept
+    if not st.yields:                        # small records: read, not kept
+        from_files = read_twice
     elif transport == "rma":   # large: a batch keeps only its own member's records
         from_files = int((owned == held).sum()) if rank == held else read_twice
-    else:   # large: rank 0 reads the held chunk and keeps it; later reads find it there
+    else:   # large: rank 0 reads the held chunk and keeps it (copied into the chunk, or
+        # locked in the page cache); later reads find it there
         assert held != 0
         from_files = int((owned == held).sum()) if rank == 0 else 0
     assert st.stats()["fetches_by_source"].get("pfs", 0) == from_files, st.stats()

@@ -667,13 +667,15 @@ class DistributedStore(SampleStore):
         files' pages); with ``overlap`` the members' headers (how far each load has
         got) in one node segment, else this rank's header alone."""
         self._pages = PinnedPages(self.ds)
+        b = self.layout.bounds
+        head = _HEADER + (int(_align(b[self.member + 1] - b[self.member])) if overlap else 0)
         if overlap and self.group_comm is not None and self.width > 1:
-            self._node_seg = NodeSegment(self.group_comm, _HEADER)
+            self._node_seg = NodeSegment(self.group_comm, head)
             self._segment, self._seg_hdr = self._node_seg.view, self._node_seg.starts
             raw = self._node_seg.region()
             raw[:] = 0
         else:
-            raw = np.zeros(_HEADER, dtype=np.uint8)
+            raw = np.zeros(head, dtype=np.uint8)
         self._raw = raw
         self._hdr = raw[:32].view(np.int64)
         self._buf = np.zeros(0, dtype=np.uint8)
@@ -981,8 +983,7 @@ class DistributedStore(SampleStore):
         hi = int(np.searchsorted(ends, base + a + length, side="left")) + 1
         ids = mine[lo:hi]
         ids = ids[self.layout.offset[ids] < base + a + length]
-        if len(ids) and self._pages is None and \
-                (self._kept_flags(ids, np.full(len(ids), self.member)) == 1).all():
+        if len(ids) and (self._kept_flags(ids, np.full(len(ids), self.member)) == 1).all():
             self._kept_skipped += length
             return True
         if not self._yielding or self.ds.cached(shard, start + a, length):
@@ -1010,7 +1011,7 @@ class DistributedStore(SampleStore):
         what the members' headers said when :meth:`_loaded_all` just read them."""
         ends = self.layout.offset[ids] + rows[:, IndexLayout.REC_LEN]
         ready = ends <= self._known[member]
-        if self.yields and self._pages is None and not ready.all():  # what batches kept
+        if self.yields and not ready.all():     # what batches read and kept
             late = np.flatnonzero(~ready)
             if self.transport == "rma":         # only this member's flags in reach
                 late = late[member[late] == self.member]
@@ -1021,7 +1022,7 @@ class DistributedStore(SampleStore):
     def _kept_at(self, ids: np.ndarray, member: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
         """(array, positions) of samples ``ids``' kept flags (their owners' headers)."""
         rel = ids - self.layout.bounds[member] + _HEADER
-        if self.transport == "shm":
+        if self._segment is not None:           # shm, pages: every member's flags
             return self._segment, self._seg_hdr[member] + rel
         return self._raw, rel
 
@@ -1047,6 +1048,19 @@ class DistributedStore(SampleStore):
         fence()       # the bytes are visible before the flags that announce them
         sub = np.flatnonzero(np.logical_or.reduce(kept))
         buf, at = self._kept_at(ids[sub], member[sub])
+        buf[at] = 1
+
+    def _pin_kept(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray) -> None:
+        """Transport "pages": lock the records a batch just read from the files (in the
+        page cache now) and flag them in their owners' headers, so their loads skip
+        them and later batches count them as held: by the end of a first epoch that
+        read every sample the loads have nothing left to read."""
+        assert self._pages is not None
+        self._pages.pin(ids, rows, advise=np.zeros(len(ids), dtype=bool))
+        if self._pages.error:   # not lockable here (a peer's shards: RLIMIT_MEMLOCK):
+            return              # their owners' loads lock them
+        fence()       # (the flags announce pages that are locked)
+        buf, at = self._kept_at(ids, member)
         buf[at] = 1
 
     def _raise_load_error(self) -> None:
@@ -1299,7 +1313,9 @@ class DistributedStore(SampleStore):
         with self._reading(reading, nbytes):
             batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                    timings=timings)
-        if reading and self._pages is None:
+        if reading and self._pages is not None:
+            self._pin_kept(ids[sub], rows[sub], member[sub])
+        elif reading:
             self._keep(ids, rows, member, src, pos, files)
         if len(sub) and self._pages is None:
             # copied out: the map's pages leave this process (the page cache keeps them)
