@@ -1298,14 +1298,15 @@ class DistributedStore(SampleStore):
         the rest from the dataset files."""
         ready = self._ready(ids, rows, member)
         sub = np.flatnonzero(~ready)
+        keep: Callable[[], None]         # what a batch that read the files keeps
         if self._pages is not None:      # every record through the files' maps
-            if self.ds.verify_on_read:
-                self.ds.check_records(ids[sub])
+            if self.ds.verify_on_read:   # (as a loaded store's batches are)
+                self.ds.check_records(ids)
             parts = self.ds.record_parts(ids, rows, advise=~ready)
-            files: list = []             # nothing kept: the load locks the same pages
-            src, pos = self._buf, self.layout.offset[ids]
+            keep = partial(self._pin_kept, ids[sub], rows[sub], member[sub])
         else:
             parts, files, src, pos = self._loading_parts(ids, rows, member, local, ready, sub)
+            keep = partial(self._keep, ids, rows, member, src, pos, files)
         rec = _trace.active()
         timings: Optional[list[Any]] = [] if rec is not None else None
         reading = self.yields and len(sub) > 0
@@ -1313,10 +1314,8 @@ class DistributedStore(SampleStore):
         with self._reading(reading, nbytes):
             batch = assemble_batch(ids, rows, self.ds.schema, self.ds.layout, parts, alloc,
                                    timings=timings)
-        if reading and self._pages is not None:
-            self._pin_kept(ids[sub], rows[sub], member[sub])
-        elif reading:
-            self._keep(ids, rows, member, src, pos, files)
+        if reading:
+            keep()
         if len(sub) and self._pages is None:
             # copied out: the map's pages leave this process (the page cache keeps them)
             self.ds.release(ids[sub], rows[sub])
