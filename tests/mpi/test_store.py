@@ -209,8 +209,6 @@ def _tiny(tmp_path):
 def rank_preload_of_a_short_shard(path: str, transport: str) -> None:
     """A shard of rank 1's chunk cut short after every rank opened the dataset: the
     set-up fails on both ranks, naming it (rank 0 waited for rank 1 before)."""
-    import os
-
     from mpi4py import MPI
 
     from forebay.errors import TruncatedShardError

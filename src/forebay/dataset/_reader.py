@@ -382,20 +382,17 @@ class PackedDataset:
         starts, ends)`` when given."""
         shard = self._shard_of[ids]
         rec = rows[:, IndexLayout.REC_OFF]
-        if advise is not None and not advise.any():
-            if populate is None and len(shard) and shard[0] == shard[-1] and \
-                    (len(shard) < 3 or shard.min() == shard.max()):
-                return [(array(int(shard[0])), rec, slice(None))]  # one shard, no advice
-            advise = np.zeros(0, dtype=bool)         # (none: not looked at per shard)
+        quiet = advise is not None and not advise.any()      # nothing to advise
+        if quiet and populate is None and len(shard) and \
+                (len(shard) == 1 or shard.min() == shard.max()):
+            return [(array(int(shard[0])), rec, slice(None))]    # one part, no numpy work
         end = rec + rows[:, IndexLayout.REC_LEN]
         shards = np.unique(shard)
         parts = []
         for s in shards.tolist():
             sel: Any = shard == s if len(shards) > 1 else slice(None)
-            if advise is None:
-                self.advise(s, rec[sel], end[sel])
-            elif len(advise) and advise[sel].any():
-                a = advise[sel]
+            a: Any = slice(None) if advise is None or quiet else advise[sel]
+            if not quiet and (advise is None or a.any()):
                 self.advise(s, rec[sel][a], end[sel][a])
             if populate is not None:
                 populate(s, ids[sel], rec[sel], end[sel])

@@ -637,8 +637,7 @@ class DistributedStore(SampleStore):
         if self.transport == "pages":
             self._allocate_pages(overlap)
             return
-        b = self.layout.bounds
-        head = _HEADER + (int(_align(b[self.member + 1] - b[self.member])) if overlap else 0)
+        head = self._head_bytes(overlap)
         size = int(self.layout.nbytes[self.member]) + ALIGNMENT + head
         if self.transport in ("local", "exchange"):
             raw = np.empty(size, dtype=np.uint8)
@@ -662,13 +661,18 @@ class DistributedStore(SampleStore):
         self._shift = np.array(self.group_comm.allgather(shift)
                                if self.group_comm is not None else [shift], dtype=np.int64)
 
+    def _head_bytes(self, overlap: bool) -> int:
+        """Bytes of this member's header: the words, then (overlap) a kept flag per
+        sample of its chunk."""
+        b = self.layout.bounds
+        return _HEADER + (int(_align(b[self.member + 1] - b[self.member])) if overlap else 0)
+
     def _allocate_pages(self, overlap: bool) -> None:
         """Transport "pages": no memory of the store's own (the chunk is held in the
         files' pages); with ``overlap`` the members' headers (how far each load has
         got) in one node segment, else this rank's header alone."""
         self._pages = PinnedPages(self.ds)
-        b = self.layout.bounds
-        head = _HEADER + (int(_align(b[self.member + 1] - b[self.member])) if overlap else 0)
+        head = self._head_bytes(overlap)
         if overlap and self.group_comm is not None and self.width > 1:
             self._node_seg = NodeSegment(self.group_comm, head)
             self._segment, self._seg_hdr = self._node_seg.view, self._node_seg.starts
