@@ -12,15 +12,67 @@ from ..dataset import KIND_BYTES, gather_ranges
 from ..errors import InvalidArgumentError
 
 __all__ = ["default_collate", "collate_graphs", "collate_views", "is_graph_batch",
-           "NODE_FIELDS"]
+           "pin_tree", "NODE_FIELDS"]
 
 #: fields whose first dimension is the node count, in order of preference
 NODE_FIELDS = ("x", "pos", "z", "atomic_numbers")
 
 
 def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
-    t = torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))
-    return t.pin_memory() if pin and not t.is_pinned() else t
+    if pin:
+        return _pinned(a)
+    return torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))
+
+
+_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _pinned(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor in pinned memory owned by torch's pinned-memory allocator: a
+    view of the pinned tensor ``a`` was gathered into (the loader's ``pin_memory``
+    buffer), else a pinned copy.
+
+    Never ``torch.from_numpy`` over pinned memory: a ``.to("cuda", non_blocking=True)``
+    copy makes the allocator keep a block until the copy has run only when the source
+    tensor's storage is that block; over the same memory through numpy it is not, so
+    once the batch was dropped the block went to the next batch's gather while the
+    copy (queued behind the model's kernels) had yet to read it."""
+    owner = a.base
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    dtype = _DTYPES.get(a.dtype)
+    if dtype is None:
+        dtype = _DTYPES.setdefault(a.dtype, torch.from_numpy(np.empty(0, a.dtype)).dtype)
+    if isinstance(owner, torch.Tensor) and owner.is_contiguous() and a.flags.c_contiguous \
+            and owner.is_pinned():
+        start = a.ctypes.data - owner.data_ptr()
+        if 0 <= start and start + a.nbytes <= owner.nbytes:
+            flat = owner.reshape(-1).view(torch.uint8)[start:start + a.nbytes]
+            try:
+                return flat.view(dtype).reshape(a.shape)
+            except RuntimeError:          # not aligned for the dtype: copy below
+                pass
+    out = torch.empty(a.shape, dtype=dtype, pin_memory=True)
+    out.numpy()[...] = a
+    return out
+
+
+def pin_tree(obj: Any) -> Any:
+    """Every CPU tensor in ``obj`` (dicts, lists, tuples and named tuples, nested; an
+    object with a ``pin_memory()`` method, such as a PyG batch) copied into pinned
+    memory, as torch's ``DataLoader(pin_memory=True)`` does to what its workers
+    return; tensors already pinned and device tensors stay as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory() if obj.device.type == "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: pin_tree(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(pin_tree(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(pin_tree(v) for v in obj)
+    if callable(getattr(obj, "pin_memory", None)):
+        return obj.pin_memory()
+    return obj
 
 
 def is_graph_batch(batch: Any) -> bool:

@@ -21,7 +21,7 @@ from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStor
 from ..comm import all_true, is_mpi, mpi_thread_multiple
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
-from ._collate import collate_views, default_collate, is_graph_batch
+from ._collate import collate_views, default_collate, is_graph_batch, pin_tree
 from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
@@ -49,9 +49,12 @@ def _default_ram_bytes(comm: Any) -> int:
     return int((available_memory() or 0) * 0.5 / node_size(comm))
 
 
-def _resolved(out: Any) -> Any:
-    """A fetched batch, waiting for it if a transform worker has it."""
-    return out.result() if isinstance(out, _Pending) else out
+def _resolved(out: Any, pin: bool) -> Any:
+    """A fetched batch, waiting for it if a transform worker has it (and copying what
+    it returned into pinned memory when ``pin``)."""
+    if isinstance(out, _Pending):
+        return pin_tree(out.result()) if pin else out.result()
+    return out
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:
@@ -134,7 +137,12 @@ class DataLoader:
             (0: fetch in the iterating thread).
         staging_bytes: also bound the samples waiting in that staging area by their
             bytes (one batch is always let in); None: only ``prefetch`` bounds it.
-        pin_memory: gather batches straight into pinned host memory (CUDA only).
+        pin_memory: batches in pinned host memory (CUDA only), so that
+            ``.to("cuda", non_blocking=True)`` overlaps the copy with compute: gathered
+            straight into it when forebay collates them, else what the transform,
+            ``collate_fn`` or the transform workers return is copied into it, as torch
+            does.  The tensors belong to torch's pinned-memory allocator, which keeps
+            a batch's memory from the next batches until its copies to the device ran.
         views: lend the samples instead of copying them (``workers=0``): the store's
             ``get_views`` gives read-only numpy arrays over the memory that holds the
             samples (the preload's shared memory, the clairvoyant tiers, the shards'
@@ -363,7 +371,11 @@ class DataLoader:
                 pending.on_read = lambda t0, t1: self._trace_pfs(rec, ids, t0, t1,
                                                                  epoch, step)
             return pending
-        alloc: Any = _pinned_alloc if self.pin_memory else self._buffers
+        # pinned batches: gathered straight into pinned memory where forebay collates
+        # them, else what the transform or collate_fn returns is pinned (below)
+        pin_late = self.pin_memory and (self.transform is not None or self.collate_fn
+                                        is not None or self.batch_transform is not None)
+        alloc: Any = _pinned_alloc if self.pin_memory and not pin_late else self._buffers
         if self._pool is not None:
             alloc = SharedAlloc()        # gathered straight into shared memory
         rec = _trace.active()
@@ -394,6 +406,8 @@ class DataLoader:
             out = collate_views(batch, pin=self.pin_memory)
         else:
             out = default_collate(batch, pin=self.pin_memory)
+        if pin_late and not isinstance(out, _Pending):
+            out = pin_tree(out)
         if rec is not None:
             self._trace_fetch(rec, ids, t0)
         return out
@@ -460,7 +474,7 @@ class DataLoader:
                 for step in range(start, len(batches)):
                     # the first wait includes the epoch's set-up
                     t0 = t_epoch if step == start else time.perf_counter()
-                    out = _resolved(self._fetch(batches[step], epoch, step))
+                    out = _resolved(self._fetch(batches[step], epoch, step), self.pin_memory)
                     self._step = step + 1
                     self._waited(t0, epoch, step)
                     yield out
@@ -521,7 +535,7 @@ class DataLoader:
                     room.notify()
                 if err is not None:
                     raise err
-                out = _resolved(out)      # a batch in a transform worker: wait for it
+                out = _resolved(out, self.pin_memory)  # a batch in a transform worker: wait for it
                 self._step = step + 1
                 # the wait ends here, not at q.get: handing the GIL back from the
                 # prefetch thread can take as long as the get itself
