@@ -13,11 +13,27 @@ contender, side by side in one run:
 * the decode ceiling: the transform alone over every image in one process, divided by
   W (perfect parallel scaling, no loading at all).
 
+With ``--device cuda`` every batch goes on to the GPU (``pin_memory=True``,
+``non_blocking=True`` copies; an epoch ends when the device is done with it), and three
+contenders decode on the GPU instead (nvjpeg through ``torchvision.io.decode_jpeg``,
+one call per batch):
+
+* torch DataLoader + nvjpeg: W workers read the files' bytes (pinned); the training
+  process decodes the batch and crops and flips each image with torchvision's
+  ``v2.RandomResizedCrop(224)`` and ``v2.RandomHorizontalFlip``, as a user would write it;
+* forebay preload / direct + nvjpeg: ``views=True`` and
+  ``batch_transform=BatchDecodeCropFlip(224, device="cuda")`` in the loader's prefetch
+  thread (the samples' bytes copied once, into a pinned staging buffer).
+
+NVIDIA DALI, the usual GPU decode pipeline, is not compared: it is not installed where
+this ran (no package index reachable from the GPU machine).
+
 One process, images per second over an epoch (those really processed: forebay fills its
 last batch with repeats) after a warm-up epoch, files in the page cache, contenders in
 rotating order, repeated.  W above the core count oversubscribes.
 
     python benchmarks/loader/decode_bench.py --out /tmp/decode --samples 1000 --workers 2,4
+    python benchmarks/loader/decode_bench.py --out /tmp/decode --samples 4096 --workers 8 --device cuda
 
 A slow shared file system (root only): ``--throttle MBPS[,IOPS]`` caps this process's
 and its workers' reads from the data's disk (a block-I/O cgroup), and
@@ -46,7 +62,7 @@ from _common import ThrottledDevice, evict, files_under, machine, throttled  # n
 import forebay  # noqa: E402
 from forebay.dataset.sources import get_source, ingest  # noqa: E402
 from forebay.synth import synthesize  # noqa: E402
-from forebay.torch import DataLoader, DecodeCropFlip  # noqa: E402
+from forebay.torch import BatchDecodeCropFlip, DataLoader, DecodeCropFlip  # noqa: E402
 
 T = DecodeCropFlip(224)
 
@@ -63,6 +79,46 @@ class Folder(torch.utils.data.Dataset):
     def __getitem__(self, i):
         path, label = self.items[i]
         return T({"image": path.read_bytes(), "label": label})
+
+
+class FolderBytes(torch.utils.data.Dataset):
+    """One file read per sample, its bytes as a uint8 tensor (decoded on the GPU)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        path, label = self.items[i]
+        return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), label
+
+
+def bytes_collate(samples):
+    return [s[0] for s in samples], torch.tensor([s[1] for s in samples])
+
+
+def _torch_nvjpeg(device):
+    """The training process's step for torch DataLoader + nvjpeg: decode the batch in
+    one call, then torchvision's crop and flip per image."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms import v2
+
+    aug = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
+
+    def step(batch):
+        data, labels = batch
+        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return {"image": torch.stack([aug(im) for im in images]),
+                "label": labels.to(device, non_blocking=True)}
+    return step
+
+
+def _on_device(it, device):
+    """Batches of a CPU pipeline copied to the device as a training loop would."""
+    for b in it:
+        yield {k: v.to(device, non_blocking=True) for k, v in b.items()}
 
 
 def _peer_classes():
@@ -126,7 +182,8 @@ def _lit_jpeg(arg):
 
 
 def epoch_rate(make, epochs: int, cold: "list[Path] | None" = None,
-               device: "ThrottledDevice | None" = None) -> "tuple[float, int, int]":
+               device: "ThrottledDevice | None" = None,
+               gpu: bool = False) -> "tuple[float, int, int]":
     """Images per second over an epoch (the images really processed: forebay's last
     batch is filled with repeats, torch's is short), median after a warm-up; ``cold``:
     files evicted from the page cache before every epoch.  Also the images processed
@@ -139,6 +196,8 @@ def epoch_rate(make, epochs: int, cold: "list[Path] | None" = None,
             evict(cold)
         t0 = time.perf_counter()
         n = sum(int(b["label"].shape[0]) for b in make(e))
+        if gpu:
+            torch.cuda.synchronize()      # the epoch ends when the device is done
         rates.append(n / (time.perf_counter() - t0))
         total += n
     read = device.read_bytes() - before if device is not None else 0
@@ -157,6 +216,8 @@ def main() -> None:
                    help="cap reads from the data's disk (block-I/O cgroup; root)")
     p.add_argument("--evict-each-epoch", action="store_true",
                    help="empty the page cache of the contender's files before every epoch")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: batches go on to the GPU, and GPU-decode contenders run")
     a = p.parse_args()
     with throttled(a.out if a.out.exists() else a.out.parent, a.throttle) as throttle:
         run(a, throttle)
@@ -188,39 +249,45 @@ def run(a, throttle) -> None:
     del ds              # its maps would keep the packed file's pages from being evicted
     gc.collect()
     res: dict = {}
-    for w in [int(x) for x in a.workers.split(",")]:
+    gpu = a.device == "cuda"
+    for wi, w in enumerate(int(x) for x in a.workers.split(",")):
         peer = torch.utils.data.DataLoader(
             Folder(items), batch_size=a.batch, shuffle=True,
             generator=torch.Generator().manual_seed(0), num_workers=w,
-            persistent_workers=True, prefetch_factor=4)
+            persistent_workers=True, prefetch_factor=4, pin_memory=gpu)
 
         def torch_dl(e, peer=peer):         # workers kept across epochs, as users do
             return iter(peer)
 
+        # (name, mode, loader keywords); the GPU-decode ones once, beside the first W
+        made = [(f"forebay {mode}", mode, dict(workers=w, transform=T, pin_memory=gpu))
+                for mode in ("preload", "direct")]
+        if gpu and wi == 0:
+            made += [(f"forebay {mode} + nvjpeg", mode,
+                      dict(views=True, batch_transform=BatchDecodeCropFlip(224, device="cuda")))
+                     for mode in ("preload", "direct")]
         loaders = {}
-        for mode in ("preload", "direct"):
+        for name, mode, kw in made:
             if a.evict_each_epoch:
                 evict(files_under(packed))
             t0 = time.perf_counter()
             b0 = throttle.read_bytes() if throttle is not None else 0
-            loaders[mode] = DataLoader(packed, a.batch, comm=None, mode=mode, seed=0,
-                                       epochs=a.epochs * a.reps, workers=w, transform=T,
-                                       progress=False)
-            setup[(w, f"forebay {mode}")] = (time.perf_counter() - t0,
-                                             throttle.read_bytes() - b0 if throttle else 0)
-        counter = {"preload": 0, "direct": 0}
+            loaders[name] = DataLoader(packed, a.batch, comm=None, mode=mode, seed=0,
+                                       epochs=a.epochs * a.reps, progress=False, **kw)
+            setup[(w, name)] = (time.perf_counter() - t0,
+                                throttle.read_bytes() - b0 if throttle else 0)
+        counter = {name: 0 for name in loaders}
 
-        def fb(mode, loaders=loaders, counter=counter):
+        def fb(name, loaders=loaders, counter=counter):
             def make(e):
-                dl = loaders[mode]
-                dl.set_epoch(counter[mode])
-                counter[mode] += 1
+                dl = loaders[name]
+                dl.set_epoch(counter[name])
+                counter[name] += 1
                 return iter(dl)
             return make
 
-        names = ["torch DataLoader", "forebay preload", "forebay direct"]
-        makes = {"torch DataLoader": torch_dl, "forebay preload": fb("preload"),
-                 "forebay direct": fb("direct")}
+        names = ["torch DataLoader", *loaders]
+        makes = {"torch DataLoader": torch_dl, **{name: fb(name) for name in loaders}}
         for pname, make_ds in peers.items():
             if pname == "litdata":
                 import litdata
@@ -229,14 +296,28 @@ def run(a, throttle) -> None:
             else:
                 pl = torch.utils.data.DataLoader(make_ds(a.batch), batch_size=a.batch,
                                                  num_workers=w, persistent_workers=True,
-                                                 prefetch_factor=4)
+                                                 prefetch_factor=4, pin_memory=gpu)
             names.append(pname)
             makes[pname] = lambda e, pl=pl: iter(pl)
+        if gpu:       # the CPU pipelines' batches go on to the device
+            for name in list(makes):
+                if "nvjpeg" not in name:
+                    makes[name] = lambda e, make=makes[name]: _on_device(make(e), "cuda")
+        if gpu and wi == 0:
+            nv = torch.utils.data.DataLoader(
+                FolderBytes(items), batch_size=a.batch, shuffle=True,
+                generator=torch.Generator().manual_seed(0), num_workers=w,
+                persistent_workers=True, prefetch_factor=4, pin_memory=True,
+                collate_fn=bytes_collate)
+            step = _torch_nvjpeg("cuda")
+            names.insert(1, "torch DataLoader + nvjpeg")
+            makes["torch DataLoader + nvjpeg"] = lambda e, nv=nv, step=step: map(step, iter(nv))
         k = len(names)
         for rep in range(a.reps):
             for name in names[rep % k:] + names[:rep % k]:
                 r, n, read = epoch_rate(makes[name], a.epochs,
-                                        files[name] if a.evict_each_epoch else None, throttle)
+                                        files[name.removesuffix(" + nvjpeg")]
+                                        if a.evict_each_epoch else None, throttle, gpu)
                 res.setdefault((w, name), []).append(r)
                 got = per_sample.setdefault((w, name), [0, 0])
                 got[0] += read
@@ -244,7 +325,8 @@ def run(a, throttle) -> None:
                 print(f"W={w} rep {rep} {name:<18} {r:,.0f} images/s", flush=True)
         for dl in loaders.values():
             dl.close()
-    print(f"\nmachine: {machine()}; {a.samples} JPEGs (~{sum(f.stat().st_size for f, _ in items) / a.samples / 1e3:.0f} KB, "
+    gpu_name = f", GPU {torch.cuda.get_device_name()}" if gpu else ""
+    print(f"\nmachine: {machine()}{gpu_name}; {a.samples} JPEGs (~{sum(f.stat().st_size for f, _ in items) / a.samples / 1e3:.0f} KB, "
           f"~450x400), batch {a.batch}, one process; decode alone: {decode_s:.2f} s for all "
           f"({a.samples / decode_s:,.0f} images/s on one core)"
           + (f"; {throttle.describe()}" if throttle is not None else "")
@@ -254,18 +336,27 @@ def run(a, throttle) -> None:
                                                   f"({nb / a.samples:,.0f} per image)"
                                                   if throttle is not None else ""))
     dev = throttle is not None
+    nv = ("torch DataLoader + nvjpeg" if gpu else None)
     print("\n| workers | contender | images/s, median (max) | vs torch DataLoader "
-          "| vs decode ceiling |" + (" device bytes read per image over the run "
-                                      "(set-up included) |" if dev else "")
-          + "\n|---:|---|---:|---:|---:|" + ("---:|" if dev else ""))
+          "| vs decode ceiling | vs the round's best peer, min / median |"
+          + (" vs torch DataLoader + nvjpeg |" if nv else "")
+          + (" device bytes read per image over the run (set-up included) |" if dev else "")
+          + "\n|---:|---|---:|---:|---:|---:|" + ("---:|" if nv else "") + ("---:|" if dev else ""))
     for (w, name), rs in res.items():
         base = statistics.median(res[(w, "torch DataLoader")])
         ceiling = w * a.samples / decode_s
         med = statistics.median(rs)
-        extra = ""
+        # each round against the fastest non-forebay contender of that round
+        best = [max(res[(w2, n2)][r] for (w2, n2) in res if w2 == w
+                    and not n2.startswith("forebay")) for r in range(len(rs))]
+        ratios = [x / b for x, b in zip(rs, best)]
+        extra = f" {min(ratios):.2f} / {statistics.median(ratios):.2f} |"
+        if nv:
+            nv_rs = res.get((w, nv))
+            extra += f" {med / statistics.median(nv_rs):.2f}x |" if nv_rs else " |"
         if dev:
             nb, n = per_sample[(w, name)]
-            extra = f" {(nb + setup.get((w, name), (0, 0))[1]) / n:,.0f} |"
+            extra += f" {(nb + setup.get((w, name), (0, 0))[1]) / n:,.0f} |"
         print(f"| {w} | {name} | {med:,.0f} ({max(rs):,.0f}) | {med / base:.2f}x | "
               f"{med / ceiling:.2f} |{extra}")
 
