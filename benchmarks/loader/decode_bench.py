@@ -14,9 +14,10 @@ contender, side by side in one run:
   W (perfect parallel scaling, no loading at all).
 
 With ``--device cuda`` every batch goes on to the GPU (``pin_memory=True``,
-``non_blocking=True`` copies; an epoch ends when the device is done with it), and three
-contenders decode on the GPU instead (nvjpeg through ``torchvision.io.decode_jpeg``,
-one call per batch):
+``non_blocking=True`` copies; an epoch ends when the device is done with it); "forebay
+direct unpinned" runs the CPU pipeline with ``pin_memory=False`` (batches copied from
+pageable memory: what pinning the workers' output costs); and three contenders decode
+on the GPU instead (nvjpeg through ``torchvision.io.decode_jpeg``, one call per batch):
 
 * torch DataLoader + nvjpeg: W workers read the files' bytes (pinned); the training
   process decodes the batch and crops and flips each image with torchvision's
@@ -218,6 +219,9 @@ def main() -> None:
                    help="empty the page cache of the contender's files before every epoch")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: batches go on to the GPU, and GPU-decode contenders run")
+    p.add_argument("--only", default="",
+                   help="comma-separated names of the contenders to run (torch "
+                        "DataLoader always runs)")
     a = p.parse_args()
     with throttled(a.out if a.out.exists() else a.out.parent, a.throttle) as throttle:
         run(a, throttle)
@@ -262,10 +266,15 @@ def run(a, throttle) -> None:
         # (name, mode, loader keywords); the GPU-decode ones once, beside the first W
         made = [(f"forebay {mode}", mode, dict(workers=w, transform=T, pin_memory=gpu))
                 for mode in ("preload", "direct")]
+        if gpu:       # what pinning the workers' output costs
+            made.append(("forebay direct unpinned", "direct",
+                         dict(workers=w, transform=T, pin_memory=False)))
         if gpu and wi == 0:
             made += [(f"forebay {mode} + nvjpeg", mode,
                       dict(views=True, batch_transform=BatchDecodeCropFlip(224, device="cuda")))
                      for mode in ("preload", "direct")]
+        if a.only:
+            made = [m for m in made if m[0] in a.only.split(",")]
         loaders = {}
         for name, mode, kw in made:
             if a.evict_each_epoch:
@@ -289,6 +298,8 @@ def run(a, throttle) -> None:
         names = ["torch DataLoader", *loaders]
         makes = {"torch DataLoader": torch_dl, **{name: fb(name) for name in loaders}}
         for pname, make_ds in peers.items():
+            if a.only and pname not in a.only.split(","):
+                continue
             if pname == "litdata":
                 import litdata
                 pl = litdata.StreamingDataLoader(make_ds(a.batch), batch_size=a.batch,
@@ -303,7 +314,7 @@ def run(a, throttle) -> None:
             for name in list(makes):
                 if "nvjpeg" not in name:
                     makes[name] = lambda e, make=makes[name]: _on_device(make(e), "cuda")
-        if gpu and wi == 0:
+        if gpu and wi == 0 and (not a.only or "torch DataLoader + nvjpeg" in a.only.split(",")):
             nv = torch.utils.data.DataLoader(
                 FolderBytes(items), batch_size=a.batch, shuffle=True,
                 generator=torch.Generator().manual_seed(0), num_workers=w,
