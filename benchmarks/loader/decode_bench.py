@@ -82,14 +82,8 @@ class Folder(torch.utils.data.Dataset):
         return T({"image": path.read_bytes(), "label": label})
 
 
-class FolderBytes(torch.utils.data.Dataset):
+class FolderBytes(Folder):
     """One file read per sample, its bytes as a uint8 tensor (decoded on the GPU)."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
 
     def __getitem__(self, i):
         path, label = self.items[i]
