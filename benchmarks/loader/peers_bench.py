@@ -257,7 +257,8 @@ def main() -> None:
                    help="the loop reads every byte of every image once (xxh3)")
     p.add_argument("--ram-bytes", type=int, default=0,
                    help="clairvoyant RAM tier per rank (default: the whole dataset)")
-    p.add_argument("--contenders", default=",".join(FOREBAY + PEERS))
+    p.add_argument("--contenders", help="comma-separated (default: every forebay mode "
+                   "and peer; for graphs no views contender: graph batches are a copy)")
     p.add_argument("--throttle", metavar="MBPS[,IOPS]",
                    help="cap reads from the data's disk (block-I/O cgroup; root)")
     p.add_argument("--evict-each-epoch", action="store_true",
@@ -294,7 +295,8 @@ def main() -> None:
     files = {"forebay": files_under(paths["packed"]), "torch": files_under(paths["pff"]),
              "mosaicml-streaming": files_under(paths["mds"]),
              "litdata": files_under(paths["lit"])}
-    contenders = [c for c in a.contenders.split(",") if c]
+    contenders = [c for c in a.contenders.split(",") if c] if a.contenders else \
+        [c for c in FOREBAY + PEERS if a.kind == "imagenet" or not c.endswith(" views")]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     runs: dict[str, list[dict]] = {}
     with throttled(paths["packed"], a.throttle) as throttle:
