@@ -231,7 +231,7 @@ def run(a, throttle) -> None:
     items = [(f, i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
     peers = _peer_datasets(src, a.out, items)
     files = {"torch DataLoader": [f for f, _ in items], "forebay preload": [],
-             "forebay direct": files_under(packed),
+             "forebay direct": files_under(packed), "forebay direct unpinned": files_under(packed),
              "mosaicml-streaming": files_under(a.out / f"{src.name}-mds"),
              "litdata": files_under(a.out / f"{src.name}-litdata")}
     if throttle is not None:
