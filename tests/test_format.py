@@ -280,6 +280,66 @@ def test_batch_kernels_match_numpy_and_refuse_ranges_outside_buffers(tmp_path, m
         B._native.batch_layout(rows, ncols, lay.nbytes_cols, lay.itemsizes, 64, meta[:3])
 
 
+def test_one_call_assemble_takes_only_what_it_can_read_safely(tmp_path):
+    """The one-call kernel (layout, allocation and every part's copy) gives
+    assemble_batch's batches; a part it does not take (an index-array selector, int32
+    or reversed starts, int32 rows) is NotImplemented with nothing allocated, and the
+    batch then comes from the other paths, bit-exact; crafted ranges and a short
+    allocation raise ValueError before any byte moves."""
+    import forebay.dataset._batch as B
+
+    if not B._FAST:
+        pytest.skip("the C kernel is not built")
+    rng = np.random.default_rng(2)
+    forebay.write_dataset(tmp_path / "d", ({"x": rng.normal(size=(int(rng.integers(0, 5)), 3)),
+                                             "k": np.int16(i)} for i in range(40)),
+                          shard_bytes=1 << 30)
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert len(ds.manifest.shards) == 1
+    ids = np.array([5, 0, 39, 5, 17])
+    want = ds.get_many(ids)
+    rows = ds.rows(ids)
+    src = ds.shard_buffer(0)
+    starts = rows[:, 0].copy()
+    lay = ds.layout
+    nf, ncols = len(lay.fields), rows.shape[1]
+    asked = []
+
+    def alloc(n):
+        asked.append(n)
+        return np.empty(n, np.uint8)
+
+    def call(parts, rws=rows, allocate=alloc):
+        meta = np.empty(nf + len(ids) * nf + (len(ids) + 1) * nf, np.int64)
+        return B._native.assemble(rws, ncols, lay.off_cols, lay.nbytes_cols, lay.itemsizes,
+                                  64, meta, parts, allocate)
+
+    half = np.array([True, False, True, False, True])
+    for parts in ([(src, starts, slice(None))],
+                  [(src, rows[:, 0], slice(None))],              # a column: strided starts
+                  [(src, starts[half], half), (src, starts[~half], ~half)]):
+        got = B.assemble_batch(ids, rows, ds.schema, lay, parts)
+        assert got.equals(want)
+        out, bounds = call(parts)
+        assert len(bounds) == 2 * nf and out.nbytes == asked[-1]
+    asked.clear()
+    for parts, rws in (([(src, starts, np.arange(5))], rows),
+                       ([(src, starts[:1], slice(0, 1)), (src, starts[1:], slice(1, None))],
+                        rows),
+                       ([(src, starts.astype(np.int32), slice(None))], rows),
+                       ([(src, np.ascontiguousarray(starts[::-1])[::-1], slice(None))], rows),
+                       ([(src, starts, slice(None))], rows.astype(np.int32))):
+        assert call(parts, rws) is NotImplemented
+        assert B.assemble_batch(ids, rows, ds.schema, lay, parts).equals(want)
+    assert asked == []
+    with pytest.raises(ValueError, match="out of bounds"):      # a record past the shard
+        call([(src, starts + len(src), slice(None))])
+    with pytest.raises(ValueError, match="gave"):                # allocation too small
+        call([(src, starts, slice(None))], allocate=lambda n: np.empty(n - 1, np.uint8))
+    with pytest.raises(ValueError, match="record starts"):       # starts and mask disagree
+        call([(src, starts[half][:2], half), (src, starts[~half], ~half)])
+
+
 def test_native_extension_is_built_in_dev():
     """make builds the C kernel; if this fails, forebay silently runs the slower fallback."""
     from forebay.dataset._batch import _native

@@ -169,8 +169,13 @@ def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
     ``timings``, if a list, gets one ``(start, end)`` perf_counter pair per part
     (tracing attributes each part's time to its source).
     """
-    if _FAST and all(_mask_of(sel, len(ids)) is not False for _, _, sel in parts):
-        return _assemble_native(ids, rows, schema, layout, parts, alloc, timings)
+    if _FAST:
+        if timings is None:
+            got = _assemble_one_call(ids, rows, layout, parts, alloc)
+            if got is not NotImplemented:
+                return SampleBatch(ids, schema, got)
+        if all(_mask_of(sel, len(ids)) is not False for _, _, sel in parts):
+            return _assemble_native(ids, rows, schema, layout, parts, alloc, timings)
     n = len(ids)
     nf = len(schema.fields)
     lens = rows[:, layout.nbytes_cols]                         # (n, nf) bytes per field
@@ -198,7 +203,35 @@ def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
     return SampleBatch(ids, schema, fields)
 
 
-_FAST = _native is not None and hasattr(_native, "batch_layout")
+_FAST = _native is not None and hasattr(_native, "assemble")
+
+
+def _empty_bytes(n: int, _empty: Any = np.empty, _u8: Any = np.uint8) -> np.ndarray:
+    return _empty(n, dtype=_u8)
+
+
+def _assemble_one_call(ids: np.ndarray, rows: np.ndarray, layout,
+                       parts: list[tuple[np.ndarray, np.ndarray, Any]],
+                       alloc) -> "dict[str, FieldBatch] | Any":
+    """assemble_batch's fields in one C call (layout, allocation, every part's copy):
+    a one-sample batch's fixed cost is then the FieldBatch objects.  NotImplemented
+    when a part is not one the call takes (an index array or partial slice as selector,
+    starts or rows that are not C-contiguous int64): nothing was allocated or copied."""
+    n, nf = len(ids), len(layout.fields)
+    ncols = rows.shape[1] if rows.ndim == 2 else 0
+    meta = np.empty(nf + n * nf + (n + 1) * nf, dtype=np.int64)
+    got = _native.assemble(rows, ncols, layout.off_cols, layout.nbytes_cols,
+                           layout.itemsizes, ALIGN, meta, parts,
+                           _empty_bytes if alloc is None else alloc)
+    if got is NotImplemented:
+        return got
+    out, bounds = got
+    elems = meta[nf + n * nf:].reshape(n + 1, nf)
+    fields = {}
+    for k, (name, dtype, shape) in enumerate(layout.fields):
+        fields[name] = _field_batch(out[bounds[2 * k]:bounds[2 * k + 1]].view(dtype),
+                                    elems[:, k], rows[:, shape])
+    return fields
 
 
 def _mask_of(sel: Any, n: int) -> Any:

@@ -26,6 +26,7 @@ __all__ = ["PackedDataset", "PinnedPages", "can_lock", "open_dataset", "VerifyRe
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
 _EMPTY.flags.writeable = False       # as the shards' maps: views of it are read-only
+_INT64 = np.dtype(np.int64)   # (dtypes of builtin types are singletons: `is` tests)
 _PAGE = mmap.PAGESIZE
 _HAVE_MADVISE = hasattr(mmap, "MADV_WILLNEED")
 #: Linux maps the cached pages around a faulting one, in aligned windows of this size
@@ -210,8 +211,9 @@ class PackedDataset:
         return self._index
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        """Index rows of samples ``ids`` (a copy)."""
-        return self._index[ids]
+        """Index rows of samples ``ids`` (a copy; ``take``: a quarter of a fancy index's
+        fixed cost, which a one-sample get pays)."""
+        return self._index.take(ids, axis=0)
 
     @property
     def record_nbytes(self) -> np.ndarray:
@@ -382,7 +384,8 @@ class PackedDataset:
         starts, ends)`` when given."""
         shard = self._shard_of[ids]
         rec = rows[:, IndexLayout.REC_OFF]
-        quiet = advise is not None and not advise.any()      # nothing to advise
+        quiet = advise is not None and not (              # nothing to advise
+            True in advise.tolist() if len(advise) <= 16 else advise.any())
         if quiet and populate is None and len(shard) and \
                 (len(shard) == 1 or shard.min() == shard.max()):
             return [(array(int(shard[0])), rec, slice(None))]    # one part, no numpy work
@@ -565,7 +568,7 @@ class PackedDataset:
         """``ids`` as a flat int64 array with negative ids resolved; raises
         :class:`SampleIndexError` naming the first id out of range."""
         n = len(self)
-        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and len(ids):
+        if type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1 and len(ids):
             # already as asked (the batch owns a copy); a few ids: checked in Python,
             # cheaper than two numpy reductions (a one-sample get's fixed cost)
             if len(ids) <= 16:
@@ -598,7 +601,7 @@ class PackedDataset:
         ids = self.normalize_ids(ids)
         if self.verify_on_read:
             self.check_records(ids)
-        rows = self._index[ids]
+        rows = self._index.take(ids, axis=0)
         return assemble_batch(ids, rows, self.schema, self._layout,
                               self.record_parts(ids, rows), alloc)
 
@@ -613,7 +616,7 @@ class PackedDataset:
         ids = self.normalize_ids(ids)
         if self.verify_on_read:
             self.check_records(ids)
-        rows = self._index[ids]
+        rows = self._index.take(ids, axis=0)
         return assemble_views(ids, rows, self.schema, self._layout,
                               self.record_parts(ids, rows, populate=True))
 

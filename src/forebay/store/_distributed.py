@@ -323,6 +323,22 @@ def free_window(win: Any, comm: Any, lent: bool) -> None:
         win.Free()
 
 
+_MPI_BYTE: list[Any] = []     # MPI.BYTE, once mpi4py is imported (a one-sample get's cost)
+
+
+def rma_get_one(win: Any, stage: np.ndarray, target: int, disp: int) -> None:
+    """Fetch ``len(stage)`` bytes at ``disp`` of rank ``target``'s window into ``stage``:
+    one ``MPI_Get`` and a flush of that target."""
+    if not _MPI_BYTE:
+        from mpi4py import MPI
+
+        _MPI_BYTE.append(MPI.BYTE)
+    nbytes, byte = len(stage), _MPI_BYTE[0]
+    if nbytes:
+        win.Get([stage, nbytes, byte], target, (disp, nbytes, byte))
+        win.Flush(target)
+
+
 def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
             length: np.ndarray, pos: np.ndarray) -> None:
     """Fetch byte ranges of other ranks' windows into ``stage`` with one ``MPI_Get`` per
@@ -334,11 +350,8 @@ def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
     from mpi4py import MPI
 
     if len(target) == 1:        # one range (a single-sample read): no grouping, no type
-        t, nbytes, p0 = int(target[0]), int(length[0]), int(pos[0])
-        if nbytes:
-            win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t,
-                    (int(disp[0]), nbytes, MPI.BYTE))
-            win.Flush(t)
+        p0, nbytes = int(pos[0]), int(length[0])
+        rma_get_one(win, stage[p0:p0 + nbytes], int(target[0]), int(disp[0]))
         return
     owners, first = np.unique(target, return_index=True)
     ends = np.append(first[1:], len(target))
@@ -456,6 +469,7 @@ class DistributedStore(SampleStore):
             "verify_on_read": self.ds.verify_on_read, "overlap": bool(overlap)})
         self._setup_groups(width, node_aware)
         self.layout = StoreLayout(self.ds, self.width)
+        self._mine = self.layout.member == self.member     # which samples this member holds
         #: transport "pages": this rank's chunk held in the files' pages, locked
         self._pages: Optional[PinnedPages] = None
         self._mapped = False         # pages: the whole dataset mapped into this process
@@ -593,7 +607,7 @@ class DistributedStore(SampleStore):
             return (f"an overlapped load shares its progress in {SHM_DIR}, which is not "
                     f"writable on every rank")
         shards = self.ds.manifest.shards
-        mine = np.unique(self.ds.shard_of[self.layout.member == self.member]).tolist()
+        mine = np.unique(self.ds.shard_of[self._mine]).tolist()
         locked = sum(int(shards[k].data_nbytes) for k in mine)  # RLIMIT_MEMLOCK: maps whole
         if not can_lock(locked):
             return (f"this process may not lock {locked} bytes in memory (the shards of "
@@ -924,7 +938,7 @@ class DistributedStore(SampleStore):
         ``read_threads`` in flight), checking the records each piece completes
         (``verify_on_read``) before announcing them."""
         runs = self.layout.runs
-        mine = np.flatnonzero(self.layout.member == self.member)
+        mine = np.flatnonzero(self._mine)
         ends = self.layout.offset[mine] + self.ds.record_nbytes[mine]
         order = np.argsort(ends, kind="stable")
         mine, ends = mine[order], ends[order]
@@ -1088,7 +1102,7 @@ class DistributedStore(SampleStore):
         msg = None
         if self.ds.verify_on_read:
             try:
-                self._check_held(np.flatnonzero(self.layout.member == self.member))
+                self._check_held(np.flatnonzero(self._mine))
             except ChecksumError as e:
                 msg = str(e)
         agree(self.comm, msg, ChecksumError)
@@ -1136,7 +1150,7 @@ class DistributedStore(SampleStore):
         ids = self.ds.normalize_ids(ids)
         rows = self.ds.rows(ids)
         member = self.layout.member[ids]
-        local = member == self.member
+        local = self._mine[ids]
         if self._loader is not None and self.transport != "exchange" and \
                 not self._loaded_all():
             return self._get_loading(ids, rows, local, member, alloc)
@@ -1159,7 +1173,7 @@ class DistributedStore(SampleStore):
         ids = self.ds.normalize_ids(ids)
         rows = self.ds.rows(ids)
         member = self.layout.member[ids]
-        return self._read(ids, rows, member, member == self.member, None, True,
+        return self._read(ids, rows, member, self._mine[ids], None, True,
                           lambda parts, timings: assemble_views(
                               ids, rows, self.ds.schema, self.ds.layout, parts, timings))
 
@@ -1192,7 +1206,8 @@ class DistributedStore(SampleStore):
         (``rma``; ``exchange``: the collective); ``lend``: read-only sources for views.
         Also counts the fetches; returns the parts, the seconds spent fetching, and
         which samples came from the files (an overlapped exchange; else None)."""
-        nlocal = int(np.count_nonzero(local))
+        nlocal = local.tolist().count(True) if len(local) <= 16 else \
+            int(np.count_nonzero(local))
         self._fetches["local"] += nlocal
         self._fetches["peer"] += len(ids) - nlocal
         t_stage = 0.0
@@ -1240,6 +1255,12 @@ class DistributedStore(SampleStore):
                 sel: np.ndarray) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
         """Peers' records ``ids[sel]`` fetched into a fresh buffer, contiguous and
         grouped by owner (one MPI_Get per owner): an assemble_batch part."""
+        if len(ids) == 1:       # one record (a one-sample read): Python scalars, no grouping
+            t = int(member[0])
+            stage = np.empty(int(rows[0, IndexLayout.REC_LEN]), dtype=np.uint8)
+            rma_get_one(self._win, stage, t, int(self.layout.offset[ids[0]]) +
+                        int(self._shift[t]))
+            return stage, np.zeros(1, dtype=np.int64), sel
         rlen, rmember = rows[sel, IndexLayout.REC_LEN], member[sel]
         if len(rlen) == 1:      # one record: nothing to group
             stage_pos = np.zeros(1, dtype=np.int64)
@@ -1519,7 +1540,7 @@ class DistributedStore(SampleStore):
         this rank's chunk loaded (None while an overlapped load runs);
         ``preload_skipped_bytes``: what the overlapped load did not read because
         batches had read and kept it."""
-        mine = self.layout.member == self.member
+        mine = self._mine
         return {"fetches_by_source": {k: v for k, v in self._fetches.items()
                                       if v or k != "pfs"},
                 "pfs_reads": int(mine.sum()) + self._fetches["pfs"] +
