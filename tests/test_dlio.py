@@ -115,6 +115,11 @@ def test_settings_from_a_toml_file_and_the_environment(tmp_path):
         settings({"FOREBAY_DLIO_RAM_BYTE": "1"})
     with pytest.raises(InvalidArgumentError, match="prefetch='many'"):
         settings({"FOREBAY_DLIO_PREFETCH": "many"})
+    assert settings({"FOREBAY_DLIO_OVERLAP_PRELOAD": "Auto"}) == {"overlap_preload": "auto"}
+    with pytest.raises(InvalidArgumentError, match="overlap_preload='maybe'"):
+        settings({"FOREBAY_DLIO_OVERLAP_PRELOAD": "maybe"})
+    with pytest.raises(InvalidArgumentError, match="verify_on_read='auto'"):
+        settings({"FOREBAY_DLIO_VERIFY_ON_READ": "auto"})
 
 
 def _dlio_python() -> str | None:

@@ -31,8 +31,8 @@ prefetch        batches fetched ahead (default: DLIO's ``prefetch_size``, at lea
 width           ranks per replica (preload)
 transport       auto, pages, shm, rma or exchange
 verify_on_read  check every sample's checksum (true/false)
-overlap_preload preload: train while the store loads (true/false; the loader's
-                ``overlap_preload``)
+overlap_preload preload: train while the store loads (true, false or auto, the
+                default: on a network file system; the loader's ``overlap_preload``)
 =============== ==================================================================
 """
 
@@ -61,7 +61,7 @@ __all__ = ["ForebayLoader", "ForebayPreload", "ForebayClairvoyant", "ForebayDire
 #: setting name -> kind
 SETTINGS = {"dataset": "str", "mode": "str", "ram_bytes": "size", "ssd_dir": "str",
             "ssd_bytes": "size", "prefetch": "int", "width": "int", "transport": "str",
-            "verify_on_read": "bool", "overlap_preload": "bool"}
+            "verify_on_read": "bool", "overlap_preload": "bool or auto"}
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -73,7 +73,9 @@ def _convert(name: str, value: Any) -> Any:
             return parse_size(value) if isinstance(value, str) else int(value)
         if kind == "int":
             return int(value)
-        if kind == "bool":
+        if kind == "bool or auto" and str(value).lower() == "auto":
+            return "auto"
+        if kind in ("bool", "bool or auto"):
             if isinstance(value, bool):
                 return value
             if str(value).lower() in ("1", "true", "yes", "on"):
@@ -190,7 +192,7 @@ class ForebayLoader(BaseDataLoader):
             width=cfg.get("width"), transport=cfg.get("transport", "auto"),
             ram_bytes=cfg.get("ram_bytes"), ssd_dir=cfg.get("ssd_dir"),
             ssd_bytes=cfg.get("ssd_bytes", 0), verify_on_read=cfg.get("verify_on_read"),
-            overlap_preload=cfg.get("overlap_preload", False), progress=False)
+            overlap_preload=cfg.get("overlap_preload", "auto"), progress=False)
 
     def next(self) -> Iterator[Any]:
         """This epoch's batches (the next epoch of forebay's plan each call)."""

@@ -63,6 +63,52 @@ def _check_all(store, ds) -> None:
     assert store.get_many(ids).equals(ds.get_many(ids))
 
 
+def test_auto_overlaps_on_a_network_or_emulated_file_system(dataset, tmp_path):
+    """``overlap="auto"``: the loader's default.  On a network file system (a mounts
+    table in /proc/mounts' format) or with an on_pfs_read hook the load overlaps
+    training; on this local disk it does not; anything else is refused by name."""
+    from forebay.errors import InvalidArgumentError
+    from forebay.store._distributed import overlap_by_default
+    from forebay.torch import DataLoader
+
+    table = (f"/dev/sda1 / ext4 rw 0 0\n10.0.0.1@o2ib:/scratch {tmp_path} lustre rw 0 0\n"
+             f"srv:/home {tmp_path / 'home'} nfs4 rw 0 0\n")
+    assert overlap_by_default(tmp_path / "ds", mounts=table)
+    assert overlap_by_default(tmp_path / "home" / "ds", mounts=table)
+    assert not overlap_by_default("/data/ds", mounts=table)
+    assert overlap_by_default("/data/ds", lambda *a: None, mounts=table)
+    ds = forebay.open_dataset(dataset)
+    local = not overlap_by_default(dataset)     # this test's own tmp directory
+    with DistributedStore(ds, LOCAL, overlap="auto") as st:
+        assert st.overlap == (not local)
+    with DistributedStore(ds, LOCAL, overlap="auto", on_pfs_read=lambda *a: None) as st:
+        assert st.overlap and "background_fill" in st.capabilities
+        _check_all(st, ds)
+    with DataLoader(dataset, 8, comm=LOCAL, mode="preload") as dl:
+        assert dl.stats()["overlap"] == (not local)
+    with pytest.raises(InvalidArgumentError, match="overlap must be True, False or 'auto'"):
+        DistributedStore(ds, LOCAL, overlap="yes")
+
+
+def rank_auto_overlap_agrees(path: str) -> None:
+    """Only rank 0's files are 'slow' (its on_pfs_read hook): every rank overlaps, and
+    the batches are bit-exact."""
+    from forebay.world import resolve_comm
+
+    comm = resolve_comm()
+    ds = forebay.open_dataset(path)
+    hook = (lambda *a: None) if comm.Get_rank() == 0 else None
+    with DistributedStore(ds, comm, overlap="auto", on_pfs_read=hook, progress=False) as st:
+        assert st.overlap
+        _check_all(st, ds)
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_auto_overlap_is_one_decision_for_every_rank(dataset, launcher):
+    run = run_ranks if launcher == "mpiexec" else run_torchrun
+    assert_ranks_ok(run(2, rank_auto_overlap_agrees, dataset), 2)
+
+
 @pytest.mark.parametrize("kind", ["dataset", "large", "large_run"])
 def test_one_process_reads_the_files_until_the_chunk_arrives(request, kind):
     ds = forebay.open_dataset(request.getfixturevalue(kind))

@@ -231,6 +231,15 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
+def overlap_by_default(path: "str | os.PathLike[str]", on_pfs_read: Any = None,
+                       mounts: Optional[str] = None) -> bool:
+    """What ``overlap="auto"`` picks on this rank for a dataset at ``path``: True on a
+    network file system (:data:`forebay._fs.NETWORK_FS`, from ``/proc/mounts`` or the
+    table ``mounts``) or an emulated one (an ``on_pfs_read`` hook)."""
+    fs = filesystem_type(os.fspath(path), mounts)
+    return on_pfs_read is not None or (fs is not None and fs in NETWORK_FS)
+
+
 def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, Any]) -> None:
     """Every rank of ``comm`` opened the same dataset (manifest fingerprint and size;
     else :class:`StoreError`) and passed the same ``params`` (everything that shapes the
@@ -417,6 +426,12 @@ class DistributedStore(SampleStore):
             its memory, read through MPI atomics over ``rma``; over ``exchange`` the
             owner itself reads from the files what it has not loaded yet and sends
             it), so training starts at once; :meth:`wait_filled` waits for the end.
+            ``"auto"``: overlapped where the dataset is on a network file system
+            (NFS, Lustre, GPFS, ...: :data:`forebay._fs.NETWORK_FS`) on any rank, or
+            ``on_pfs_read`` is given (an emulated one): there the load is bound by
+            the file system and would hold every step back; plain on a local disk,
+            whose load is short and whose batches then run without the load's
+            bookkeeping (the loader's default; this constructor's is False).
             For records of 64 KiB and more the load yields to batches reading the
             files (:attr:`yields`: it queues a piece only when none has for 10 ms;
             over ``exchange`` and ``rma``, when its own member's batches have not);
@@ -437,7 +452,7 @@ class DistributedStore(SampleStore):
                  width: Optional[int] = None, *, node_aware: bool = False,
                  transport: str = "auto", progress: "Progress | bool | None" = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
-                 read_threads: int = 4, overlap: bool = False) -> None:
+                 read_threads: int = 4, overlap: "bool | str" = False) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         if transport not in TRANSPORTS:
@@ -464,9 +479,15 @@ class DistributedStore(SampleStore):
             raise InvalidArgumentError(f"read_threads must be a positive integer, got "
                                        f"{read_threads!r}")
         self.read_threads = read_threads
+        if not isinstance(overlap, bool) and overlap != "auto":
+            raise InvalidArgumentError(f"overlap must be True, False or 'auto', got "
+                                       f"{overlap!r}")
         check_agreement(self.comm, "DistributedStore's arguments", self.ds, {
             "width": width, "node_aware": node_aware, "transport": transport,
-            "verify_on_read": self.ds.verify_on_read, "overlap": bool(overlap)})
+            "verify_on_read": self.ds.verify_on_read, "overlap": overlap})
+        if overlap == "auto":   # any rank's files on a network file system: all overlap
+            overlap = not all_true(self.comm, not overlap_by_default(self.ds.path,
+                                                                    on_pfs_read))
         self._setup_groups(width, node_aware)
         self.layout = StoreLayout(self.ds, self.width)
         self._mine = self.layout.member == self.member     # which samples this member holds

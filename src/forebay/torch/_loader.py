@@ -92,7 +92,10 @@ class DataLoader:
             its chunk in the background; batches read what has not arrived yet from
             the dataset files (``DistributedStore(overlap=True)``: over shared memory
             on one node, MPI RMA across nodes (with MPI_THREAD_MULTIPLE) and the
-            ``exchange`` transport across nodes under torchrun).
+            ``exchange`` transport across nodes under torchrun).  ``"auto"``
+            (default): overlapped where the dataset is on a network file system
+            (NFS, Lustre, GPFS, ...) or ``on_pfs_read`` is given, plain on a local
+            disk (see ``DistributedStore``'s ``overlap``).
         ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
             available memory shared by its ranks).
         ssd_dir, ssd_bytes: clairvoyant mode: a node-local directory for this rank's SSD
@@ -190,7 +193,7 @@ class DataLoader:
                  pin_memory: bool = False, progress: Any = None,
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None,
-                 warm_files: "bool | str" = "auto", overlap_preload: bool = False,
+                 warm_files: "bool | str" = "auto", overlap_preload: "bool | str" = "auto",
                  views: bool = False, ram_tier: str = "auto") -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
@@ -227,7 +230,7 @@ class DataLoader:
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "mode": mode, "width": width, "node_aware": node_aware,
             "transport": transport, "verify_on_read": self.ds.verify_on_read,
-            "overlap_preload": bool(overlap_preload)})
+            "overlap_preload": overlap_preload})
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
