@@ -14,7 +14,7 @@ import pytest
 
 import forebay
 from forebay.dataset import ALIGNMENT, FieldBatch
-from forebay.errors import SchemaError, TruncatedShardError
+from forebay.errors import InvalidArgumentError, SchemaError, TruncatedShardError
 from conftest import assert_sample_equal, as_array
 
 DTYPES = ["?", "i1", "u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8",
@@ -375,6 +375,68 @@ def test_release_unmaps_copied_records_and_a_reread_is_unchanged(tmp_path):
     ds.release(ids, ds.rows(ids))
     assert _mapped_rss(shard) < 64 << 10
     assert all(bytes(ds[i]["b"]) == samples[i]["b"] for i in ids)
+
+
+def test_read_records_copies_records_with_pread_and_names_a_shard_cut_short(tmp_path,
+                                                                            monkeypatch):
+    """``read_records`` gives the records' bytes (as the maps hold them) across shards,
+    with the C kernel and with its pure-Python fallback; a copied dataset has no open
+    files; a shard cut short after it was opened raises TruncatedShardError naming the
+    file and the sample, never a short copy."""
+    import forebay.dataset._reader as R
+    from forebay.dataset import IndexLayout
+
+    rng = np.random.default_rng(3)
+    forebay.write_dataset(tmp_path / "d", ({"b": rng.bytes(int(rng.integers(1, 5000))),
+                                             "k": np.int64(i)} for i in range(300)),
+                          shard_bytes=64 << 10)
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert len(ds.manifest.shards) > 3
+    ids = rng.permutation(len(ds))[:200]
+    rows = ds.rows(ids)
+    ln = rows[:, IndexLayout.REC_LEN]
+    dst = np.cumsum(ln) - ln
+
+    def want() -> bytes:
+        return b"".join(bytes(ds.shard_buffer(int(ds.shard_of[i]))[o:o + n])
+                        for i, o, n in zip(ids, rows[:, IndexLayout.REC_OFF], ln))
+
+    for native in (R._native, None):
+        monkeypatch.setattr(R, "_native", native)
+        out = np.zeros(int(ln.sum()), np.uint8)
+        ds.read_records(ids, rows, out, dst)
+        assert out.tobytes() == want()
+        with pytest.raises((ValueError, InvalidArgumentError), match="out of bounds"):
+            ds.read_records(ids, rows, out[:-1], dst)
+    assert pickle.loads(pickle.dumps(ds))._files == {}
+    last = int(ds.shard_of[-1])
+    victim = np.flatnonzero(ds.shard_of == last)[-1]
+    with open(ds.shard_path(last), "r+b") as f:               # cut short after opening
+        f.truncate(int(ds.rows(np.array([victim]))[0, IndexLayout.REC_OFF]) + 1)
+    one = np.array([victim])
+    with pytest.raises(TruncatedShardError, match=f"sample {victim}'s record .* past the end"):
+        ds.read_records(one, ds.rows(one), np.zeros(1 << 16, np.uint8), np.zeros(1, np.int64))
+
+
+def test_a_copying_tier_fills_without_mapping_the_files(tmp_path):
+    """The clairvoyant copying tier reads the files with pread: after a whole fill the
+    process maps none of the shard's pages (the node holds each sample once, in the
+    tier), and the tier's batches are the dataset's."""
+    from forebay.plan import AccessPlan
+    from forebay.store import ClairvoyantStore
+    from forebay.world import LOCAL
+
+    rng = np.random.default_rng(4)
+    forebay.write_dataset(tmp_path / "d", ({"b": rng.bytes(64 << 10)} for _ in range(64)))
+    ds = forebay.open_dataset(tmp_path / "d")
+    st = ClairvoyantStore(ds, AccessPlan(len(ds), 1, 8, 1, 0), LOCAL, ram_bytes=8 << 20,
+                          ram_tier="copy", fill=False, warm_files=False)
+    assert st.fill_now() == len(ds)
+    assert _mapped_rss(ds.shard_path(0)) == 0
+    ids = np.arange(len(ds))
+    assert st.get_many(ids).equals(ds.get_many(ids))
+    assert st.stats()["fetches_by_source"] == {"local": len(ds), "peer": 0, "pfs": 0}
+    st.close()
 
 
 def _evict(path) -> None:

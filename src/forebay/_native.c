@@ -75,6 +75,75 @@ done:
     return result;
 }
 
+/* pread_ranges(fd, offsets, lens, out, dst) -> ranges read
+ *
+ * out[dst[k]:+lens[k]] = bytes [offsets[k], +lens[k]) of file fd, for every k, with
+ * pread (the kernel copies from its page cache: no map, no page faults in this
+ * process), without the GIL.  Every destination range is bounds-checked first.
+ * Returns how many ranges were read whole: fewer than asked when the file ended
+ * inside range k (k is returned); an I/O error raises OSError. */
+static PyObject *pread_ranges(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer of, ln, out, ds;
+    if (!PyArg_ParseTuple(args, "iy*y*w*y*", &fd, &of, &ln, &out, &ds))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n1, n2, n3;
+    if (as_i64(&of, "offsets", &n1) || as_i64(&ln, "lens", &n2) || as_i64(&ds, "dst", &n3))
+        goto done;
+    if (n1 != n2 || n1 != n3) {
+        PyErr_Format(PyExc_ValueError, "offsets, lens and dst differ in length (%zd, %zd, %zd)",
+                     n1, n2, n3);
+        goto done;
+    }
+    {
+        const int64_t *o = (const int64_t *)of.buf, *l = (const int64_t *)ln.buf,
+                      *d = (const int64_t *)ds.buf;
+        for (Py_ssize_t k = 0; k < n1; k++) {
+            if (o[k] < 0 || l[k] < 0 || d[k] < 0 || d[k] > out.len - l[k]) {
+                PyErr_Format(PyExc_ValueError, "range %zd out of bounds: file[%lld:+%lld], "
+                             "out[%lld:+%lld] of %zd", k, (long long)o[k], (long long)l[k],
+                             (long long)d[k], (long long)l[k], out.len);
+                goto done;
+            }
+        }
+        char *op = (char *)out.buf;
+        Py_ssize_t k = 0;
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (; k < n1; k++) {
+            int64_t got = 0;
+            while (got < l[k]) {
+                ssize_t r = pread(fd, op + d[k] + got, (size_t)(l[k] - got), (off_t)(o[k] + got));
+                if (r < 0) {
+                    if (errno == EINTR)
+                        continue;
+                    err = errno;
+                    break;
+                }
+                if (r == 0)
+                    break;
+                got += r;
+            }
+            if (err || got < l[k])
+                break;
+        }
+        Py_END_ALLOW_THREADS
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        result = PyLong_FromSsize_t(k);
+    }
+done:
+    PyBuffer_Release(&of);
+    PyBuffer_Release(&ln);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&ds);
+    return result;
+}
+
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14 */
 #endif
@@ -589,6 +658,9 @@ static PyMethodDef methods[] = {
     {"assemble", assemble, METH_VARARGS,
      "assemble(rows, ncols, off_cols, nbytes_cols, itemsizes, align, meta, parts, alloc) "
      "-> (out, bounds) | NotImplemented: batch_layout and every part's gather_fields"},
+    {"pread_ranges", pread_ranges, METH_VARARGS,
+     "pread_ranges(fd, offsets, lens, out, dst) -> ranges read whole: pread each range "
+     "of a file into out, without the GIL"},
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lens, out, dst): out[dst[k]:+lens[k]] = src[starts[k]:+lens[k]]"},
     {NULL, NULL, 0, NULL}};

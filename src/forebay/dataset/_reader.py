@@ -74,15 +74,53 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def _open_checked(path: str, want: int) -> int:
+    """Shard file ``path`` opened for reading (a descriptor), after checking its size is
+    the manifest's ``want`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    size = os.fstat(fd).st_size
+    if size != want:
+        os.close(fd)
+        raise TruncatedShardError(f"{path}: {size} bytes on disk, the manifest records "
+                                  f"{want}")
+    return fd
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
 def _map_file(path: str, want: int) -> mmap.mmap:
     """Shard file ``path`` mapped read-only, after checking its size is the manifest's
     ``want`` bytes (a shorter file would fault the reader with SIGBUS)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != want:
-            raise TruncatedShardError(f"{path}: {size} bytes on disk, the manifest records "
-                                      f"{want}")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    fd = _open_checked(path, want)
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def _pread_ranges(fd: int, offsets: np.ndarray, lens: np.ndarray, out: np.ndarray,
+                  dst: np.ndarray) -> int:
+    """``out[dst[k]:+lens[k]]`` = bytes ``[offsets[k], +lens[k])`` of file ``fd`` for
+    every k (int64 arrays), with pread; how many ranges were read whole (fewer: the
+    file ended inside the next one).  forebay's C kernel reads them all without the
+    GIL; without it, one ``os.preadv`` per range."""
+    if _native is not None and hasattr(_native, "pread_ranges"):
+        return int(_native.pread_ranges(fd, offsets, lens, out, dst))
+    view = out.data.cast("B")
+    for k, (o, n, d) in enumerate(zip(offsets.tolist(), lens.tolist(), dst.tolist())):
+        if d < 0 or n < 0 or o < 0 or d + n > len(view):
+            raise InvalidArgumentError(f"range {k} out of bounds: out[{d}:+{n}] of {len(view)}")
+        got = 0
+        while got < n:
+            r = os.preadv(fd, [view[d + got:d + n]], o + got)
+            if r == 0:
+                return k
+            got += r
+    return len(offsets)
 
 
 def _populate(m: np.ndarray, path: str, starts: np.ndarray, ends: np.ndarray) -> None:
@@ -160,6 +198,9 @@ class PackedDataset:
         self._load_index()
         self._maps: list[Optional[np.ndarray]] = [None] * len(self.manifest.shards)
         self._mmaps: list[Optional[mmap.mmap]] = [None] * len(self.manifest.shards)
+        #: shards opened for read_records (descriptors, closed with this object)
+        self._files: dict[int, int] = {}
+        weakref.finalize(self, _close_all, self._files)
         self._lock = threading.Lock()
         self._mapped_in: Optional[np.ndarray] = None    # samples get_views mapped in
         _live.add(self)
@@ -361,6 +402,47 @@ class PackedDataset:
                 if y > x:
                     mm.madvise(mmap.MADV_DONTNEED, x, y - x)
 
+    def read_records(self, ids: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                     dst: np.ndarray) -> None:
+        """Copy the records of samples ``ids`` (index rows ``rows``) from the shard
+        files into ``out`` (uint8) at ``dst`` (one offset per id) with ``pread``: the
+        kernel copies from its page cache, and nothing is mapped into this process (no
+        page faults, nothing left to unmap): what a store that keeps its own copy of
+        the records uses.  A record the file cannot give (it shrank after it was
+        opened, or the device failed) raises :class:`TruncatedShardError`."""
+        if not len(ids):
+            return
+        shard = self._shard_of[ids]
+        rec = rows[:, IndexLayout.REC_OFF]
+        ln = rows[:, IndexLayout.REC_LEN]
+        one = len(shard) == 1 or shard.min() == shard.max()
+        for s in ([int(shard[0])] if one else np.unique(shard).tolist()):
+            sel: Any = slice(None) if one else shard == s
+            fd = self._file(s)
+            o, n, d = (np.ascontiguousarray(x[sel], dtype=np.int64) for x in (rec, ln, dst))
+            try:
+                done = _pread_ranges(fd, o, n, out, d)
+            except OSError as e:
+                raise TruncatedShardError(f"{self.shard_path(s)}: its records could not be "
+                                          f"read ({e})") from e
+            if done < len(o):
+                raise TruncatedShardError(
+                    f"{self.shard_path(s)}: sample {int(ids[sel][done])}'s record (bytes "
+                    f"{int(o[done])} to {int(o[done] + n[done])}) is past the end of the "
+                    f"file ({os.fstat(fd).st_size} bytes): it changed after it was opened")
+
+    def _file(self, k: int) -> int:
+        """Shard ``k``'s data file, opened once (read_records): a descriptor."""
+        fd = self._files.get(k)
+        if fd is None:
+            with self._lock:
+                fd = self._files.get(k)
+                if fd is None:
+                    s = self.manifest.shards[k]
+                    fd = self._files[k] = _open_checked(str(self.path / s.data),
+                                                        s.data_nbytes)
+        return fd
+
     def record_parts(self, ids: np.ndarray, rows: np.ndarray, *, populate: bool = False,
                      advise: Optional[np.ndarray] = None
                      ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
@@ -496,11 +578,13 @@ class PackedDataset:
         state["_maps"] = [None] * len(self._maps)
         state["_mmaps"] = [None] * len(self._maps)
         state["_mapped_in"] = None
-        del state["_lock"]
+        del state["_files"], state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._files = {}
+        weakref.finalize(self, _close_all, self._files)
         self._lock = threading.Lock()
         _live.add(self)
 
