@@ -418,6 +418,41 @@ def test_read_records_copies_records_with_pread_and_names_a_shard_cut_short(tmp_
         ds.read_records(one, ds.rows(one), np.zeros(1 << 16, np.uint8), np.zeros(1, np.int64))
 
 
+def test_running_out_of_file_descriptors_is_named(tmp_path):
+    """Each shard a dataset reads stays open; a process at its RLIMIT_NOFILE gets an
+    error naming the limit and what to change, not a bare EMFILE."""
+    import resource
+
+    from forebay.errors import UsageError
+
+    forebay.write_dataset(tmp_path / "d", ({"b": bytes(3000)} for _ in range(40)),
+                          shard_bytes=16 << 10)
+    ds = forebay.open_dataset(tmp_path / "d")
+    assert len(ds.manifest.shards) >= 4
+    import numpy.ma  # noqa: F401  (imported lazily on the way; nothing left to open it)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    taken = []
+    try:
+        while True:                  # every descriptor below the limit in use
+            try:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        with pytest.raises(UsageError, match=r"RLIMIT_NOFILE .*ulimit -n"):
+            ds.get_many(np.arange(len(ds)))
+        os.close(taken.pop())        # one left: the shard opens, its map cannot
+        with pytest.raises(UsageError, match=r"RLIMIT_NOFILE .*ulimit -n"):
+            ds.get_many(np.arange(len(ds)))
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert ds.get_many(np.arange(len(ds))).num_samples == len(ds)
+
+
 def test_a_copying_tier_fills_without_mapping_the_files(tmp_path):
     """The clairvoyant copying tier reads the files with pread: after a whole fill the
     process maps none of the shard's pages (the node holds each sample once, in the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import io
 import mmap
 import os
@@ -10,13 +12,14 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import xxhash
 
 from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, DatasetNotFoundError,
-                      InvalidArgumentError, SampleIndexError, TruncatedShardError)
+                      InvalidArgumentError, SampleIndexError, TruncatedShardError,
+                      UsageError)
 from .._intervals import merge_intervals
 from ..progress import Progress, as_progress
 from ._batch import SampleBatch, SampleViews, _native, assemble_batch, assemble_views
@@ -74,10 +77,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+@contextlib.contextmanager
+def _named_fd_limit(path: str) -> Iterator[None]:
+    """EMFILE (this process at its RLIMIT_NOFILE) as an error that says what to do."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise UsageError(f"{path}: this process has as many files open as it may "
+                         f"(RLIMIT_NOFILE {soft}): a dataset keeps each shard it reads "
+                         f"open (a descriptor for its map; another for read_records); "
+                         f"raise `ulimit -n`, or write fewer, larger shards "
+                         f"(shard_bytes)") from e
+
+
 def _open_checked(path: str, want: int) -> int:
     """Shard file ``path`` opened for reading (a descriptor), after checking its size is
     the manifest's ``want`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    with _named_fd_limit(path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     size = os.fstat(fd).st_size
     if size != want:
         os.close(fd)
@@ -97,7 +119,8 @@ def _map_file(path: str, want: int) -> mmap.mmap:
     ``want`` bytes (a shorter file would fault the reader with SIGBUS)."""
     fd = _open_checked(path, want)
     try:
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        with _named_fd_limit(path):     # (mmap keeps a descriptor of its own)
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
 
