@@ -32,19 +32,29 @@ static int as_i64(Py_buffer *b, const char *name, Py_ssize_t *n) {
     return 0;
 }
 
+/* Three int64 buffers of one length (*n), named a, b and c in errors. */
+static int three_i64(Py_buffer *x, Py_buffer *y, Py_buffer *z, const char *a, const char *b,
+                     const char *c, Py_ssize_t *n) {
+    Py_ssize_t n1, n2, n3;
+    if (as_i64(x, a, &n1) || as_i64(y, b, &n2) || as_i64(z, c, &n3))
+        return -1;
+    if (n1 != n2 || n1 != n3) {
+        PyErr_Format(PyExc_ValueError, "%s, %s and %s differ in length (%zd, %zd, %zd)", a, b,
+                     c, n1, n2, n3);
+        return -1;
+    }
+    *n = n1;
+    return 0;
+}
+
 static PyObject *gather(PyObject *self, PyObject *args) {
     Py_buffer src, st, ln, out, ds;
     if (!PyArg_ParseTuple(args, "y*y*y*w*y*", &src, &st, &ln, &out, &ds))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n1, n2, n3;
-    if (as_i64(&st, "starts", &n1) || as_i64(&ln, "lens", &n2) || as_i64(&ds, "dst", &n3))
+    Py_ssize_t n1;
+    if (three_i64(&st, &ln, &ds, "starts", "lens", "dst", &n1))
         goto done;
-    if (n1 != n2 || n1 != n3) {
-        PyErr_Format(PyExc_ValueError, "starts, lens and dst differ in length (%zd, %zd, %zd)",
-                     n1, n2, n3);
-        goto done;
-    }
     const int64_t *s = (const int64_t *)st.buf, *l = (const int64_t *)ln.buf,
                   *d = (const int64_t *)ds.buf;
     for (Py_ssize_t k = 0; k < n1; k++) {
@@ -88,14 +98,9 @@ static PyObject *pread_ranges(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iy*y*w*y*", &fd, &of, &ln, &out, &ds))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n1, n2, n3;
-    if (as_i64(&of, "offsets", &n1) || as_i64(&ln, "lens", &n2) || as_i64(&ds, "dst", &n3))
+    Py_ssize_t n1;
+    if (three_i64(&of, &ln, &ds, "offsets", "lens", "dst", &n1))
         goto done;
-    if (n1 != n2 || n1 != n3) {
-        PyErr_Format(PyExc_ValueError, "offsets, lens and dst differ in length (%zd, %zd, %zd)",
-                     n1, n2, n3);
-        goto done;
-    }
     {
         const int64_t *o = (const int64_t *)of.buf, *l = (const int64_t *)ln.buf,
                       *d = (const int64_t *)ds.buf;
