@@ -12,7 +12,8 @@ from typing import Callable, Optional
 from .errors import DatasetExistsError
 
 __all__ = ["check_target", "tmp_sibling", "commit_dir", "fsync_dir", "filesystem_type",
-           "NETWORK_FS", "create_private", "LiveLock", "abandoned", "new_tmp_dir"]
+           "NETWORK_FS", "NETWORK_FS_ENV", "network_fs", "create_private", "LiveLock",
+           "abandoned", "new_tmp_dir"]
 
 #: temporaries whose liveness cannot be told (no lock, or locks unsupported) are stale
 #: only when nothing in them changed for this long
@@ -175,6 +176,18 @@ NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs"
               "glusterfs", "panfs", "orangefs", "pvfs2", "afs", "wekafs", "fuse.ceph",
               "fuse.glusterfs", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs"}
 _MOUNTS = "/proc/mounts"
+#: more file system types to treat as shared between hosts (comma-separated): one
+#: forebay does not list, or a local one declared shared to emulate a parallel one
+NETWORK_FS_ENV = "FOREBAY_NETWORK_FS"
+
+
+def network_fs(path: "str | Path", mounts: Optional[str] = None) -> Optional[str]:
+    """The type of the file system holding ``path`` when it is shared between hosts
+    (:data:`NETWORK_FS`, or a type named in ``FOREBAY_NETWORK_FS``); None for a local
+    one, or where the type cannot be read."""
+    fs = filesystem_type(path, mounts)
+    extra = {t.strip() for t in os.environ.get(NETWORK_FS_ENV, "").split(",")}
+    return fs if fs is not None and (fs in NETWORK_FS or fs in extra) else None
 
 
 def filesystem_type(path: "str | Path", mounts: Optional[str] = None) -> Optional[str]:

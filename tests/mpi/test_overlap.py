@@ -90,6 +90,36 @@ def test_auto_overlaps_on_a_network_or_emulated_file_system(dataset, tmp_path):
         DistributedStore(ds, LOCAL, overlap="yes")
 
 
+def test_a_file_system_declared_shared_is_treated_as_one(dataset, tmp_path, monkeypatch):
+    """FOREBAY_NETWORK_FS names more file system types shared between hosts (one forebay
+    does not list, or a local one, to emulate a parallel file system): a dataset there
+    gets what a network file system gets: an overlapped preload by default, no
+    transport or RAM tier in the page cache, and the model repository's LMDB refused."""
+    from forebay._fs import filesystem_type, network_fs
+    from forebay.errors import ModelRepositoryError
+    from forebay.models._backend import check_local_fs
+    from forebay.plan import AccessPlan
+    from forebay.store import ClairvoyantStore
+    from forebay.store._distributed import overlap_by_default
+
+    fs = filesystem_type(dataset)
+    assert fs is not None and network_fs(dataset) is None
+    table = f"/dev/sda1 / ext4 rw 0 0\nsrv:/x {tmp_path} fuse.dfuse rw 0 0\n"
+    assert network_fs(tmp_path / "d", table) is None
+    monkeypatch.setenv("FOREBAY_NETWORK_FS", f"fuse.dfuse, {fs}")
+    assert network_fs(tmp_path / "d", table) == "fuse.dfuse"
+    assert network_fs(dataset) == fs and overlap_by_default(dataset)
+    ds = forebay.open_dataset(dataset)
+    with DistributedStore(ds, LOCAL, overlap="auto") as st:
+        assert st.overlap and st.transport != "pages"
+        _check_all(st, ds)
+    st = ClairvoyantStore(ds, AccessPlan(len(ds), 1, 8, 1, 0), LOCAL, ram_bytes=1 << 20)
+    assert st.stats()["ram_tier"] == "copy"
+    st.close()
+    with pytest.raises(ModelRepositoryError, match=f"is on {fs}"):
+        check_local_fs(tmp_path / "models")
+
+
 def rank_auto_overlap_agrees(path: str) -> None:
     """Only rank 0's files are 'slow' (its on_pfs_read hook): every rank overlaps, and
     the batches are bit-exact."""

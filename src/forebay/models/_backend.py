@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Optional
 
-from .._fs import NETWORK_FS, filesystem_type
+from .._fs import network_fs
 from ..errors import ModelRepositoryError
 
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
@@ -62,8 +62,8 @@ SHARED_FS_ENV = "FOREBAY_LMDB_SHARED_FS"   # "1": the user vouches only one node
 def check_local_fs(path: "str | Path") -> None:
     """Refuse an LMDB store on a file system shared between nodes, unless the user
     vouches (``FOREBAY_LMDB_SHARED_FS=1``) that one node only opens it."""
-    fs = filesystem_type(path)
-    if fs in NETWORK_FS and os.environ.get(SHARED_FS_ENV) != "1":
+    fs = network_fs(path)
+    if fs is not None and os.environ.get(SHARED_FS_ENV) != "1":
         raise ModelRepositoryError(
             f"{path} is on {fs}, a file system shared between nodes: LMDB's locks "
             f"do not hold across nodes, so processes on two nodes writing it would "

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .._fs import NETWORK_FS, LiveLock, abandoned, create_private, filesystem_type
+from .._fs import LiveLock, abandoned, create_private, network_fs
 from ..dataset import (PackedDataset, PinnedPages, SampleBatch, SampleViews, can_lock,
                        open_dataset)
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, gather_ranges
@@ -285,8 +285,8 @@ class ClairvoyantStore(SampleStore):
             warnings.warn(f"rank {self.rank}: SSD tier skipped: {problem}; its samples go "
                           f"to the other tiers or the files", RuntimeWarning, stacklevel=3)
             return 0
-        fs = filesystem_type(d)
-        if fs in NETWORK_FS:
+        fs = network_fs(d)
+        if fs is not None:
             warnings.warn(f"rank {self.rank}: the SSD tier {d} is on {fs}, a file system "
                           f"shared between nodes: its reads go over the network, where the "
                           f"tier is meant to be a node-local disk (a burst buffer such as "
@@ -370,14 +370,14 @@ class ClairvoyantStore(SampleStore):
         shards = self.ds.manifest.shards
         locked = sum(int(shards[k].data_nbytes)      # RLIMIT_MEMLOCK counts maps whole
                      for k in np.unique(self.ds.shard_of[self._ram_order]).tolist())
-        fs = filesystem_type(self.ds.path)
+        fs = network_fs(self.ds.path)
         if self.transport == "rma":
             why = "transport 'rma' serves peers on other nodes from the tier's own memory"
         elif not can_lock(locked):
             why = (f"this process may not lock {locked} bytes in memory (the shards its RAM "
                    f"tier's samples are in: RLIMIT_MEMLOCK, `ulimit -l`), or forebay's C "
                    f"kernel is not built")
-        elif asked == "auto" and fs in NETWORK_FS:
+        elif asked == "auto" and fs is not None:
             why = f"{self.ds.path} is on {fs}, whose client may drop cached pages itself"
         elif asked == "auto" and on_pfs_read is not None:
             why = "on_pfs_read is given (an emulated file system)"

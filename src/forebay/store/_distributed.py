@@ -33,7 +33,7 @@ from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, allgather_array, alltoall_bytes,
                     fence, is_mpi, mpi_thread_multiple, node_ranks, ordered_shared_memory,
                     shm_usable)
-from .._fs import NETWORK_FS, filesystem_type
+from .._fs import network_fs
 from ..vocab import Backoff
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import Lender, SampleStore, StoreError, raise_background_error
@@ -234,10 +234,9 @@ def _rank_list(ranks: list[int]) -> str:
 def overlap_by_default(path: "str | os.PathLike[str]", on_pfs_read: Any = None,
                        mounts: Optional[str] = None) -> bool:
     """What ``overlap="auto"`` picks on this rank for a dataset at ``path``: True on a
-    network file system (:data:`forebay._fs.NETWORK_FS`, from ``/proc/mounts`` or the
+    network file system (:func:`forebay._fs.network_fs`, from ``/proc/mounts`` or the
     table ``mounts``) or an emulated one (an ``on_pfs_read`` hook)."""
-    fs = filesystem_type(os.fspath(path), mounts)
-    return on_pfs_read is not None or (fs is not None and fs in NETWORK_FS)
+    return on_pfs_read is not None or network_fs(os.fspath(path), mounts) is not None
 
 
 def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, Any]) -> None:
@@ -427,7 +426,8 @@ class DistributedStore(SampleStore):
             owner itself reads from the files what it has not loaded yet and sends
             it), so training starts at once; :meth:`wait_filled` waits for the end.
             ``"auto"``: overlapped where the dataset is on a network file system
-            (NFS, Lustre, GPFS, ...: :data:`forebay._fs.NETWORK_FS`) on any rank, or
+            (NFS, Lustre, GPFS, ...: :data:`forebay._fs.NETWORK_FS`, and the types
+            named in ``FOREBAY_NETWORK_FS``) on any rank, or
             ``on_pfs_read`` is given (an emulated one): there the load is bound by
             the file system and would hold every step back; plain on a local disk,
             whose load is short and whose batches then run without the load's
@@ -634,8 +634,8 @@ class DistributedStore(SampleStore):
             return (f"this process may not lock {locked} bytes in memory (the shards of "
                     f"its chunk: RLIMIT_MEMLOCK, `ulimit -l`), or forebay's C kernel is "
                     f"not built")
-        fs = filesystem_type(self.ds.path)
-        if asked == "auto" and fs in NETWORK_FS:
+        fs = network_fs(self.ds.path)
+        if asked == "auto" and fs is not None:
             return f"{self.ds.path} is on {fs}, whose client may drop cached pages itself"
         if asked == "auto" and on_pfs_read is not None:
             return "on_pfs_read is given (an emulated file system)"
