@@ -42,6 +42,9 @@ keep between epochs, the case NoPFS is for); the kernel does not drop pages a pr
 has mapped, so a contender that keeps its files mapped (forebay direct) still reads
 them from memory after its first epoch.  With ``--throttle`` the table also gives the
 bytes each contender read from the device (the cgroup's count) per sample and epoch.
+``--network-fs`` tells forebay the data's file system is shared between hosts
+(``FOREBAY_NETWORK_FS``), so it decides as on a parallel file system: no page-cache
+transport or RAM tier, the preload overlapped with training by default.
 
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
 somewhere on PYTHONPATH, e.g.::
@@ -263,6 +266,9 @@ def main() -> None:
                    help="cap reads from the data's disk (block-I/O cgroup; root)")
     p.add_argument("--evict-each-epoch", action="store_true",
                    help="empty the page cache of the contender's files before every epoch")
+    p.add_argument("--network-fs", action="store_true",
+                   help="forebay treats the data's file system as shared between hosts "
+                   "(FOREBAY_NETWORK_FS), as on a parallel file system")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", help=argparse.SUPPRESS)
@@ -298,6 +304,11 @@ def main() -> None:
     contenders = [c for c in a.contenders.split(",") if c] if a.contenders else \
         [c for c in FOREBAY + PEERS if a.kind == "imagenet" or not c.endswith(" views")]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    if a.network_fs:
+        from forebay._fs import NETWORK_FS_ENV, filesystem_type
+
+        a.fs_type = filesystem_type(paths["packed"])
+        env[NETWORK_FS_ENV] = a.fs_type or ""
     runs: dict[str, list[dict]] = {}
     with throttled(paths["packed"], a.throttle) as throttle:
         _rounds(a, contenders, paths, files, env, runs, throttle)
@@ -356,7 +367,9 @@ def _report(a, contenders, runs, throttle) -> None:
           f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
           f"), compute {a.compute_ms} ms/step"
           f"{', every image byte read by the loop (--touch)' if a.touch else ''}, {a.reps} rounds"
-          + (f"; {throttle.describe()}" if throttle is not None else ""))
+          + (f"; {throttle.describe()}" if throttle is not None else "")
+          + (f"; forebay told {a.fs_type} is shared between hosts (FOREBAY_NETWORK_FS)"
+             if a.network_fs else ""))
     # ratios to the best peer of each round (no peer run: to the best contender)
     peers = [c for c in contenders if c in PEERS] or contenders
     later = "later epochs (files evicted)" if a.evict_each_epoch else "warm"
