@@ -1276,19 +1276,16 @@ class DistributedStore(SampleStore):
                 sel: np.ndarray) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
         """Peers' records ``ids[sel]`` fetched into a fresh buffer, contiguous and
         grouped by owner (one MPI_Get per owner): an assemble_batch part."""
-        if len(ids) == 1:       # one record (a one-sample read): Python scalars, no grouping
-            t = int(member[0])
-            stage = np.empty(int(rows[0, IndexLayout.REC_LEN]), dtype=np.uint8)
-            rma_get_one(self._win, stage, t, int(self.layout.offset[ids[0]]) +
+        # one record (a one-sample read: no numpy reduction either): Python scalars, one get
+        one = 0 if len(ids) == 1 else (int(np.argmax(sel)) if np.count_nonzero(sel) == 1
+                                       else -1)
+        if one >= 0:
+            t = int(member[one])
+            stage = np.empty(int(rows[one, IndexLayout.REC_LEN]), dtype=np.uint8)
+            rma_get_one(self._win, stage, t, int(self.layout.offset[ids[one]]) +
                         int(self._shift[t]))
             return stage, np.zeros(1, dtype=np.int64), sel
         rlen, rmember = rows[sel, IndexLayout.REC_LEN], member[sel]
-        if len(rlen) == 1:      # one record: nothing to group
-            stage_pos = np.zeros(1, dtype=np.int64)
-            stage = np.empty(int(rlen[0]), dtype=np.uint8)
-            rma_get(self._win, stage, rmember, self.layout.offset[ids[sel]] +
-                    self._shift[rmember], rlen, stage_pos)
-            return stage, stage_pos, sel
         order = np.argsort(rmember, kind="stable")
         stage_pos = np.empty(len(rlen), dtype=np.int64)
         stage_pos[order] = np.cumsum(rlen[order]) - rlen[order]
