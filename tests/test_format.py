@@ -14,7 +14,8 @@ import pytest
 
 import forebay
 from forebay.dataset import ALIGNMENT, FieldBatch
-from forebay.errors import InvalidArgumentError, SchemaError, TruncatedShardError
+from forebay.errors import (ArgumentTypeError, InvalidArgumentError, SampleIndexError,
+                            SchemaError, TruncatedShardError)
 from conftest import assert_sample_equal, as_array
 
 DTYPES = ["?", "i1", "u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8",
@@ -70,6 +71,40 @@ def test_views_are_read_only_aligned_and_zero_copy(packed):
     assert checked > 0
     with pytest.raises(ValueError):
         ds[0]["mask"][0] = True
+
+
+def test_a_sample_copied_or_read_from_another_buffer(packed):
+    """ds.sample(i, copy=True): one writable copy of the record; sample_from: a sample
+    out of a buffer that holds its record (a store's memory); a record that does not
+    fit in the buffer is named, never read past."""
+    path, samples = packed
+    ds = forebay.open_dataset(path)
+    rows = ds.rows(np.arange(len(ds)))
+    for i in (0, 1, 17, len(samples) - 1, -1, -len(samples)):
+        got = ds.sample(i, copy=True)
+        assert_sample_equal(got, samples[i])
+        assert all(a.flags.writeable for a in got.values())
+        j = i % len(ds)
+        start, n = int(rows[j, 0]), int(rows[j, 1])
+        record = ds.shard_buffer(int(ds.shard_of[j]))[start:start + n]
+        held = np.zeros(n + 24, dtype=np.uint8)
+        held[8:8 + n] = record
+        assert_sample_equal(ds.sample_from(i, held, 8), samples[i])
+        lent = ds.sample_from(i, held, 8, copy=False)
+        assert_sample_equal(lent, samples[i])
+        if lent["x"].size:                     # a view of the buffer given, not a copy
+            assert np.shares_memory(lent["x"], held)
+        with pytest.raises(InvalidArgumentError, match="not inside the buffer"):
+            ds.sample_from(i, held[:8 + n - 1], 8)
+        with pytest.raises(InvalidArgumentError, match="not inside the buffer"):
+            ds.sample_from(i, held, -1)
+    got = ds.sample(3, copy=True)
+    got["x"][...] = 7
+    assert_sample_equal(ds[3], samples[3])
+    with pytest.raises(ArgumentTypeError, match="uint8"):
+        ds.sample_from(0, np.zeros(4096, dtype=np.int64))
+    with pytest.raises(SampleIndexError):
+        ds.sample(len(ds), copy=True)
 
 
 def test_get_many_matches_single_reads_in_any_order(packed):

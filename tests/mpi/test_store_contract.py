@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 import forebay
-from forebay.errors import InvalidArgumentError, RankMismatchError, SampleIndexError
+from forebay.errors import (ArgumentTypeError, InvalidArgumentError, RankMismatchError,
+                            SampleIndexError)
 from forebay.store import (STATS_KEYS, ArrayStore, ClairvoyantStore, DirectStore, DistributedStore,
                            SampleStore, StoreError)
 from forebay.dataset import can_lock
 from forebay.world import LOCAL
-from conftest import assert_ranks_ok, run_ranks, run_torchrun, say
+from conftest import assert_ranks_ok, assert_sample_equal, run_ranks, run_torchrun, say
 
 pytestmark = pytest.mark.mpi
 #: whether the RAM tier can be held in the page cache here (RLIMIT_MEMLOCK)
@@ -115,6 +116,27 @@ def check_views(store: SampleStore, ds, rng, alone: bool) -> tuple:
     return kept, ds.get_many(every), asked
 
 
+def check_one_sample(store: SampleStore, ds, rng) -> int:
+    """``store[i]``: sample i bit-exact to ``ds[i]`` (negative ids too, empty fields
+    among them), writable, a copy of its own; bad indexes named.  Returns the reads
+    made."""
+    ids = [0, len(ds) - 1, -1, -len(ds)] + rng.integers(-len(ds), len(ds), size=12).tolist()
+    for i in ids:
+        got = store[i]
+        assert list(got) == list(ds.schema.names)
+        assert_sample_equal(got, ds[i])
+        assert all(a.flags.writeable for a in got.values()), i
+    i = next(k for k in range(len(ds)) if ds[k]["x"].size)
+    got = store[i]
+    got["x"][...] = -1.0                      # the caller's copy; the store's is intact
+    assert_sample_equal(store[np.int64(i)], ds[i])
+    with pytest.raises(SampleIndexError, match="out of range"):
+        store[len(ds)]
+    with pytest.raises(ArgumentTypeError, match="integer"):
+        store[1.5]                            # type: ignore[index]
+    return len(ids) + 2
+
+
 def check_contract(store: SampleStore, ds, seed: int = 0, alone: bool = True) -> None:
     """What every SampleStore does, on one rank (``alone``: the only one)."""
     assert isinstance(store, SampleStore) and isinstance(store.capabilities, frozenset)
@@ -132,6 +154,7 @@ def check_contract(store: SampleStore, ds, seed: int = 0, alone: bool = True) ->
         asked += 1
     assert store.get_many(every).equals(ds.get_many(every))
     asked += len(ds)
+    asked += check_one_sample(store, ds, rng)
     with pytest.raises(SampleIndexError):
         store.get_many([len(ds)])
     with pytest.raises(SampleIndexError):
@@ -151,6 +174,8 @@ def check_contract(store: SampleStore, ds, seed: int = 0, alone: bool = True) ->
         store.get_many([0])
     with pytest.raises(StoreError, match="closed"):
         store.get_views([0])
+    with pytest.raises(StoreError, match="closed"):
+        store[0]
     assert kept.equals(want)             # views outlive the store, unchanged
 
 

@@ -633,7 +633,12 @@ class PackedDataset:
         """Checksum of the manifest: equal fingerprints mean the same dataset."""
         return self.manifest.fingerprint
 
-    def _norm_index(self, i: Any) -> int:
+    def normalize_index(self, i: Any) -> int:
+        """Sample index ``i`` checked and made non-negative; raises
+        :class:`ArgumentTypeError` for a non-integer and :class:`SampleIndexError` out
+        of range."""
+        if type(i) is int and 0 <= i < len(self._index):   # the common case, first
+            return i
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
             raise ArgumentTypeError(f"sample index must be an integer, got {type(i).__name__}")
         n = len(self)
@@ -645,26 +650,65 @@ class PackedDataset:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         """Sample ``i`` as a dict of read-only numpy views (no copy)."""
-        i = self._norm_index(i)
+        return self.sample(i)
+
+    def sample(self, i: int, *, copy: bool = False,
+               advise: bool = True) -> dict[str, np.ndarray]:
+        """Sample ``i`` as a dict of arrays: read-only views of the mapped shard, or
+        with ``copy`` views of one writable copy of its record (one copy per sample,
+        not per field), bit-exact to ``get_many([i]).sample(0)``.  ``advise=False``
+        skips the read-ahead advice (a caller that knows the record is in memory)."""
+        i = self.normalize_index(i)
         row = self._index[i].tolist()
         shard = int(self._shard_of[i])
         buf = self._maps[shard]
         if buf is None:
             buf = self._map(shard)
         base, rec_len = row[IndexLayout.REC_OFF], row[IndexLayout.REC_LEN]
-        if self.readahead == "record" and rec_len and _HAVE_MADVISE:
+        if advise and self.readahead == "record" and rec_len and _HAVE_MADVISE:
             mm = self._mmaps[shard]
             if mm is not None:
                 a = base - base % _PAGE
                 mm.madvise(mmap.MADV_WILLNEED, a, min(base + rec_len, len(mm)) - a)
         if self.verify_on_read:
             self.check_records(np.array([i]))
+        if copy:
+            return self._fields_of(row, buf[base:base + rec_len].copy(), 0, True)
+        return self._fields_of(row, buf, base, False)
+
+    def sample_from(self, i: int, src: np.ndarray, start: int = 0, *,
+                    copy: bool = True) -> dict[str, np.ndarray]:
+        """Sample ``i`` from a uint8 buffer that holds its record, as laid out in its
+        shard, at byte ``start`` (a store's memory, a record fetched from a peer): a
+        dict of arrays viewing one copy of the record (``copy``, writable) or ``src``
+        itself.  Raises :class:`InvalidArgumentError` when the record does not fit in
+        ``src``; the record's bytes are not verified here."""
+        i = self.normalize_index(i)
+        row = self._index[i].tolist()
+        rec_len = row[IndexLayout.REC_LEN]
+        if not (isinstance(src, np.ndarray) and src.dtype == np.uint8 and src.ndim == 1):
+            raise ArgumentTypeError("src must be a 1-D uint8 array")
+        if start < 0 or start > len(src) - rec_len:
+            raise InvalidArgumentError(
+                f"sample {i}'s record ({rec_len} bytes at {start}) is not inside the "
+                f"buffer of {len(src)} bytes")
+        if copy:
+            return self._fields_of(row, src[start:start + rec_len].copy(), 0, True)
+        return self._fields_of(row, src, start, None)
+
+    def _fields_of(self, row: list, buf: Any, base: int,
+                   writable: Optional[bool]) -> dict[str, np.ndarray]:
+        """A sample's fields as arrays over ``buf``, its record at ``base`` (``row``: its
+        index row, checked at open to lie inside the record); an empty field's array
+        is ``writable`` (None: as ``buf``)."""
         out = {}
         for name, dtype, c_off, c_nb, c_shape, c_end in self._field_cols:
-            nb = row[c_nb]
-            if nb == 0:
+            if row[c_nb] == 0:
                 a = np.empty(row[c_shape:c_end], dtype=dtype)
-                a.setflags(write=False)
+                if writable is None:
+                    writable = bool(buf.flags.writeable)
+                if not writable:
+                    a.setflags(write=False)
             else:
                 a = np.ndarray(row[c_shape:c_end], dtype=dtype, buffer=buf,
                                offset=base + row[c_off])

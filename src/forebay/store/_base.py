@@ -91,6 +91,12 @@ class SampleStore(Releasable, abc.ABC):
         by ``"views"`` in :attr:`capabilities`) lends it instead."""
         return SampleViews.of_batch(self.get_many(ids))
 
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Sample ``i`` as a dict of writable arrays (a copy), bit-exact to the
+        dataset's ``ds[i]``: the one-sample read of a map-style dataset.  Default: the
+        sample of ``get_many([i])``; a store with a cheaper path overrides it."""
+        return self.get_many([self.ds.normalize_index(i)]).sample(0)
+
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters, with at least :data:`STATS_KEYS`."""
@@ -239,6 +245,19 @@ class DirectStore(SampleStore):
         views = self.ds.get_views(ids)
         self.account(views.ids)
         return views
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self._warm is not None:
+            self._warm.check()
+        j = self.ds.normalize_index(i)
+        sample = self.ds.sample(j, copy=True)
+        nbytes = int(self.ds.record_nbytes[j])
+        with self._lock:
+            self._reads += 1
+            self._bytes += nbytes
+        return sample
 
     def account(self, ids: np.ndarray) -> None:
         """Count reads of ``ids`` done on this store's behalf by another process that

@@ -1198,6 +1198,33 @@ class DistributedStore(SampleStore):
                           lambda parts, timings: assemble_views(
                               ids, rows, self.ds.schema, self.ds.layout, parts, timings))
 
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Sample ``i`` as a dict of writable arrays over one copy of its record,
+        bit-exact to ``ds[i]``: DDStore's one-sample ``get``, without a batch's objects
+        (a record copied from the segment, the chunk or a peer's window with one
+        ``MPI_Get``).  Collective, as :meth:`get_many`, with the ``exchange``
+        transport."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        j = self.ds.normalize_index(i)
+        if self.transport == "exchange" or _trace.active() is not None or (
+                self._loader is not None and not self._loaded_all()):
+            return super().__getitem__(j)        # the batch path: collective, traced
+        mine = bool(self._mine[j])
+        self._fetches["local" if mine else "peer"] += 1
+        if self._pages is not None:              # the files' pages, locked by their owners
+            if not self._mapped:
+                self._map_dataset()
+            return self.ds.sample(j, copy=True, advise=False)
+        if self.transport == "shm":
+            return self.ds.sample_from(j, self._segment, int(self._seg_pos[j]))
+        if mine:
+            return self.ds.sample_from(j, self._buf, int(self.layout.offset[j]))
+        t = int(self.layout.member[j])
+        stage = np.empty(int(self.ds.record_nbytes[j]), dtype=np.uint8)
+        rma_get_one(self._win, stage, t, int(self.layout.offset[j]) + int(self._shift[t]))
+        return self.ds.sample_from(j, stage, copy=False)
+
     def _read(self, ids: np.ndarray, rows: np.ndarray, member: np.ndarray,
               local: np.ndarray, requests: "Optional[list[np.ndarray]]", lend: bool,
               build: Callable[[list, Optional[list]], Any]) -> Any:

@@ -601,7 +601,7 @@ class Dataset(torch.utils.data.Dataset):
         return len(self.ds)
 
     def __getitem__(self, i: int) -> Any:
-        sample = {k: torch.from_numpy(np.array(v)) for k, v in self.ds[i].items()}
+        sample = {k: torch.from_numpy(v) for k, v in self.ds.sample(i, copy=True).items()}
         return self.transform(sample) if self.transform is not None else sample
 
 
