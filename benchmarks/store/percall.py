@@ -11,6 +11,9 @@ and the array store's ``get`` (the few-microsecond path) for scale:
 * ``ds.rows``: the samples' index rows;
 * ``assemble_batch``: the batch from one part (layout, allocation and copy in one C
   call, then one ``FieldBatch`` per field and the ``SampleBatch``);
+* ``store[i]``: the one-sample read without a batch (a dict of arrays over one copy
+  of the record), through ``pages`` and ``shm``; ``ds.sample(i, copy=True)``: the same
+  from the dataset's own maps;
 * ``arrays.get``: ``DistributedStore.from_arrays``'s one-row read, same bytes.
 
 What the whole call spends beyond these steps is the store's own bookkeeping (which
@@ -62,6 +65,7 @@ def main() -> None:
         forebay.write_dataset(Path(tmp) / "d", (sample(i) for i in range(args.samples)))
         ds = forebay.open_dataset(Path(tmp) / "d")
         store = DistributedStore(ds, None, progress=False)
+        shm = DistributedStore(ds, None, transport="shm", progress=False)
         arrays = DistributedStore.from_arrays({"row": rows}, None)
         ids = np.array([args.samples // 3])
         r = ds.rows(ids)
@@ -69,12 +73,19 @@ def main() -> None:
         assert len(ds.manifest.shards) == 1
         assert assemble_batch(ids, r, ds.schema, ds.layout, parts).equals(ds.get_many(ids))
         assert store.get_many(ids).equals(ds.get_many(ids))
+        i = int(ids[0])
+        for got in (store[i], shm[i], ds.sample(i, copy=True)):
+            assert all(np.array_equal(got[k], v) and got[k].dtype == v.dtype
+                       for k, v in ds[i].items())
         steps = {
             "store.get_many([i])": lambda: store.get_many(ids),
             "ds.normalize_ids": lambda: ds.normalize_ids(ids),
             "ds.rows": lambda: ds.rows(ids),
             "assemble_batch": lambda: assemble_batch(ids, r, ds.schema, ds.layout, parts),
-            "arrays.get": lambda: arrays.get("row", int(ids[0])),
+            "store[i]": lambda: store[i],
+            "store[i], shm": lambda: shm[i],
+            "ds.sample(i, copy=True)": lambda: ds.sample(i, copy=True),
+            "arrays.get": lambda: arrays.get("row", i),
         }
         print(f"# percall: one-sample get_many, {args.fields} field(s), transport "
               f"{store.transport}; best of {args.repeat} x {args.number} calls; "
@@ -83,6 +94,7 @@ def main() -> None:
             best = min(timeit.repeat(fn, number=args.number, repeat=args.repeat))
             print(f"{name:24s} {best / args.number * 1e6:7.2f} us")
         store.close()
+        shm.close()
         arrays.close()
 
 

@@ -14,7 +14,9 @@ time, as training ranks do).  Contenders, interleaved round by round:
   batch (one ``MPI_Get`` per owner, or one gather over the node's shared memory);
 * ``forebay dataset rma`` / ``dataset shm`` / ``dataset pages``: the packed-dataset
   store (``DistributedStore``) over the same rows ingested as one field, ``get_many``;
-  ``dataset shm views``: the same store's ``get_views`` (the rows lent, not copied).
+  ``dataset shm views``: the same store's ``get_views`` (the rows lent, not copied);
+  ``dataset rma [i]`` / ``shm [i]`` / ``pages [i]``: the store's one-sample
+  ``store[i]`` (a dict of arrays over one copy of the record, no batch).
 
 Reported: per-call latency p50 (median over rounds of each round's median) and the
 best round, for one remote row, one local row and a batch of 128 random rows; set-up
@@ -159,6 +161,9 @@ def main() -> None:
         "forebay dataset shm": (lambda i: ds_shm.get_many(np.array([i])), base),
         "forebay dataset pages": (lambda i: ds_pages.get_many(np.array([i])), base),
         "forebay dataset shm views": (lambda i: ds_shm.get_views(np.array([i])), base),
+        "forebay dataset rma [i]": (lambda i: ds_rma[i], base),
+        "forebay dataset shm [i]": (lambda i: ds_shm[i], base),
+        "forebay dataset pages [i]": (lambda i: ds_pages[i], base),
     }
     if pyddstore is not None:
         single["DDStore"] = (dd_get, base)
@@ -169,6 +174,9 @@ def main() -> None:
         "forebay dataset shm": (lambda i: ds_shm.get_many(np.array([i])), mine0),
         "forebay dataset pages": (lambda i: ds_pages.get_many(np.array([i])), mine0),
         "forebay dataset shm views": (lambda i: ds_shm.get_views(np.array([i])), mine0),
+        "forebay dataset rma [i]": (lambda i: ds_rma[i], mine0),
+        "forebay dataset shm [i]": (lambda i: ds_shm[i], mine0),
+        "forebay dataset pages [i]": (lambda i: ds_pages[i], mine0),
     }
     if pyddstore is not None:
         local_one["DDStore"] = (dd_get, mine0)
@@ -194,6 +202,8 @@ def main() -> None:
     assert np.array_equal(ds_rma.get_many([base + 7])["row"][0], want[7])
     assert np.array_equal(ds_shm.get_views([base + 7])["row"][0], want[7])
     assert np.array_equal(ds_pages.get_many([base + 7])["row"][0], want[7])
+    for st in (ds_rma, ds_shm, ds_pages):
+        assert np.array_equal(st[base + 7]["row"], want[7])
 
     results: dict[str, dict[str, list[float]]] = {"remote": {}, "local": {}, "batch": {}}
     for rnd in range(args.rounds):
@@ -238,7 +248,7 @@ def main() -> None:
         print("\n## set-up (s) and RSS added on rank 0 (MiB)")
         for name, v in setup.items():
             print(f"{name:26s} {np.median(v):8.3f} {mem[name] / 2**20:9.1f}")
-    for s in (arr_rma, arr_shm, ds_rma, ds_shm):
+    for s in (arr_rma, arr_shm, ds_rma, ds_shm, ds_pages):
         s.close()
     if pyddstore is not None:
         stores["DDStore"].free()
