@@ -107,6 +107,41 @@ def run_torchrun(ranks: int, func, *args, timeout: int = 120, env: dict | None =
                           timeout=timeout, env=full_env)
 
 
+def rank_steps(steps: str) -> None:
+    """Several rank functions in turn, in one process per rank: ``steps`` is JSON
+    ``[[name, module, function, [args...]], ...]``; after each, the rank says
+    ``step NAME done`` (see :func:`run_steps`)."""
+    import importlib
+    import json
+
+    for name, module, func, args in json.loads(steps):
+        getattr(importlib.import_module(module), func)(*args)
+        say(f"step {name} done")
+
+
+def run_steps(ranks: int, steps: dict, launcher: str = "torchrun", timeout: int = 300):
+    """Run each of ``steps`` (name -> ``(rank function, *args)``) in turn in ONE job of
+    ``ranks`` ranks under ``launcher`` (a torchrun launch costs seconds of imports on
+    every rank); each test then checks its own step with :func:`assert_step_ok`.  A step
+    that fails ends the job: the steps after it are reported as not run."""
+    import json
+
+    spec = [[name, f.__module__, f.__name__, [str(a) for a in args]]
+            for name, (f, *args) in steps.items()]
+    dirs = sorted({str(Path(sys.modules[f.__module__].__file__).parent)
+                   for f, *_ in steps.values()})
+    run = run_torchrun if launcher == "torchrun" else run_ranks
+    return run(ranks, rank_steps, json.dumps(spec), timeout=timeout,
+               env={"PYTHONPATH": os.pathsep.join(dirs + [os.environ.get("PYTHONPATH", "")])})
+
+
+def assert_step_ok(p, name: str, ranks: int) -> None:
+    """Every rank of a :func:`run_steps` job finished step ``name``."""
+    assert p.stdout.count(f"step {name} done\n") == ranks, \
+        f"step {name!r} not done on every rank: exit {p.returncode}\n{p.stdout[-2000:]}\n" \
+        f"{p.stderr[-4000:]}"
+
+
 def assert_ranks_ok(p, ranks: int) -> None:
     """Every rank of a :func:`run_ranks` run returned from its function."""
     ok = sorted(line for line in p.stdout.splitlines() if line.startswith("rank-main: "))

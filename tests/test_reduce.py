@@ -3,7 +3,8 @@
 Multi-rank tests are ``rank_*`` functions run on every rank of a real gloo process group
 on 127.0.0.1 under ``mpiexec`` (the port is agreed through mpi4py by
 ``init_process_group``), or as plain processes with torchrun's variables where a rank
-must die; each with a timeout."""
+must die; each with a timeout.  The two-rank cases run one after the other in one
+``mpiexec`` job (``TWO_RANK_CASES``), whose output each of their tests reads."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,10 @@ P = Params((3,), "float32", "average", -1)
 
 def results(proc) -> list[dict]:
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return results_of(proc)
+
+
+def results_of(proc) -> list[dict]:
     return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("RES ")]
 
 
@@ -97,8 +102,56 @@ def _init() -> tuple[int, int]:
     return fr.init_process_group("gloo")
 
 
+#: the case rank_cases is running (its results carry it)
+_CASE = [""]
+
+
 def _out(rank: int, **kw) -> None:
-    say("RES " + json.dumps(dict(rank=rank, **kw)))
+    say("RES " + json.dumps(dict(rank=rank, case=_CASE[0], **kw)))
+
+
+# The two-rank cases share one mpiexec job (each launch costs seconds of imports on
+# every rank): case name -> (rank function, its arguments).  Each case makes and closes
+# its own coordinators (each with its own process groups); fr.shutdown() between cases
+# leaves no default coordinator behind.
+TWO_RANK_CASES = {
+    "adhoc-bitvector": ("rank_adhoc", ("bitvector", "0", "1024")),
+    "adhoc-small-cache": ("rank_adhoc", ("bitvector", "0", "5")),
+    "train-bitvector-null": ("rank_train", ("bitvector", "null")),
+    "train-bitvector-2": ("rank_train", ("bitvector", "2")),
+    'train-bitvector-"lists"': ("rank_train", ("bitvector", '"lists"')),
+    'train-master-"lists"': ("rank_train", ("master", '"lists"')),
+    "ddp-bitvector": ("rank_ddp", ("bitvector",)),
+    "ddp-master": ("rank_ddp", ("master",)),
+    "params": ("rank_params", ()),
+    "misuse": ("rank_misuse", ()),
+    "mismatch": ("rank_mismatch", ()),
+    "reshape": ("rank_reshape", ()),
+}
+
+
+def rank_cases() -> None:
+    """Every two-rank case in turn, in one process per rank."""
+    import forebay.reduce as fr
+    for case, (func, args) in TWO_RANK_CASES.items():
+        _CASE[0] = case
+        globals()[func](*args)
+        fr.shutdown()
+        say(f"case {case} done")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The CompletedProcess of the job that ran every two-rank case."""
+    return run_ranks(2, rank_cases, timeout=300)
+
+
+def case_results(p, case: str) -> list[dict]:
+    """The results of ``case``, which both ranks finished (a case that failed ends the
+    job: its error is in the output shown)."""
+    assert p.stdout.count(f"case {case} done\n") == 2, \
+        f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    return [r for r in results_of(p) if r["case"] == case]
 
 
 def rank_adhoc(mode: str, grouped: str, capacity: str) -> None:
@@ -144,8 +197,9 @@ def rank_adhoc(mode: str, grouped: str, capacity: str) -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode,grouped,ranks", [("bitvector", 0, 2), ("bitvector", 1, 4),
                                                  ("master", 1, 3)])
-def test_random_readiness_order_gives_reference_average(mode, grouped, ranks):
-    res = results(run_ranks(ranks, rank_adhoc, mode, grouped, 1024, timeout=180))
+def test_random_readiness_order_gives_reference_average(mode, grouped, ranks, two_ranks):
+    res = case_results(two_ranks, "adhoc-bitvector") if ranks == 2 else \
+        results(run_ranks(ranks, rank_adhoc, mode, grouped, 1024, timeout=180))
     assert len(res) == ranks and all(r["ok"] for r in res)
     if mode == "bitvector":            # step 1 negotiates, the later steps hit the cache
         assert all(r["negotiated"] == 12 and r["cached"] == 36 for r in res)
@@ -159,8 +213,8 @@ def test_random_readiness_order_gives_reference_average(mode, grouped, ranks):
 
 
 @pytest.mark.mpi
-def test_cache_smaller_than_the_tensor_count_evicts_consistently():
-    res = results(run_ranks(2, rank_adhoc, "bitvector", 0, 5, timeout=120))
+def test_cache_smaller_than_the_tensor_count_evicts_consistently(two_ranks):
+    res = case_results(two_ranks, "adhoc-small-cache")
     assert all(r["ok"] for r in res)
     assert all(r["evictions"] > 0 for r in res)
     assert res[0]["evictions"] == res[1]["evictions"]
@@ -228,8 +282,9 @@ def rank_train(mode: str, groups_json: str) -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode,groups", [("bitvector", "null"), ("bitvector", "2"),
                                           ("bitvector", '"lists"'), ("master", '"lists"')])
-def test_optimizer_matches_reference_with_reordered_and_unused_gradients(mode, groups):
-    res = results(run_ranks(2, rank_train, mode, groups, timeout=120))
+def test_optimizer_matches_reference_with_reordered_and_unused_gradients(mode, groups,
+                                                                         two_ranks):
+    res = case_results(two_ranks, f"train-{mode}-{groups}")
     assert len(res) == 2 and all(r["ok"] for r in res), res
     assert all(r["steps"] == 5 for r in res)
     assert res[0]["last"]["fused_sizes"] == res[1]["last"]["fused_sizes"]
@@ -273,8 +328,8 @@ def rank_ddp(mode: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["bitvector", "master"])
-def test_training_curve_equals_ddp(mode):
-    res = results(run_ranks(2, rank_ddp, mode, timeout=120))
+def test_training_curve_equals_ddp(mode, two_ranks):
+    res = case_results(two_ranks, f"ddp-{mode}")
     assert len(res) == 2
     for r in res:
         assert r["sgd"]
@@ -304,8 +359,8 @@ def rank_reshape() -> None:
 
 
 @pytest.mark.mpi
-def test_tensor_reregistered_with_a_new_shape_invalidates_the_entry():
-    res = results(run_ranks(2, rank_reshape, timeout=120))
+def test_tensor_reregistered_with_a_new_shape_invalidates_the_entry(two_ranks):
+    res = case_results(two_ranks, "reshape")
     assert len(res) == 2
     for r in res:
         assert r["first"] == [0.5] * 3
@@ -322,8 +377,8 @@ def rank_mismatch() -> None:
 
 
 @pytest.mark.mpi
-def test_ranks_disagreeing_on_a_shape_get_a_clear_error_and_go_on():
-    res = results(run_ranks(2, rank_mismatch, timeout=120))
+def test_ranks_disagreeing_on_a_shape_get_a_clear_error_and_go_on(two_ranks):
+    res = case_results(two_ranks, "mismatch")
     errs = [r for r in res if "err" in r]
     assert len(errs) == 2
     for r in errs:
@@ -417,8 +472,8 @@ def rank_params() -> None:
 
 
 @pytest.mark.mpi
-def test_different_parameter_lists_are_refused_at_construction():
-    res = results(run_ranks(2, rank_params, timeout=120))
+def test_different_parameter_lists_are_refused_at_construction(two_ranks):
+    res = case_results(two_ranks, "params")
     assert len(res) == 2
     for r in res:
         assert r["err"] == "ReduceError" and "different parameter lists" in r["msg"]
@@ -470,8 +525,8 @@ def rank_misuse() -> None:
 
 
 @pytest.mark.mpi
-def test_zero_grad_or_a_second_backward_before_step_are_refused():
-    res = results(run_ranks(2, rank_misuse, timeout=120))
+def test_zero_grad_or_a_second_backward_before_step_are_refused(two_ranks):
+    res = case_results(two_ranks, "misuse")
     assert len(res) == 2
     for r in res:
         assert len(r["errs"]) == 2

@@ -1,6 +1,8 @@
 """Ranks that disagree on what shapes the plan or the store fail together, naming the
 parameter and every rank's value (issue M.1); a damaged sample fails a preload on
-every rank (M.0d).  Each ``rank_*`` function runs on every rank of real mpiexec."""
+every rank (M.0d).  Each ``rank_*`` function runs on every rank of real mpiexec, all of
+them one after the other in one job (``mpiexec_steps``): each launch costs seconds of
+imports, and a mismatch leaves nothing behind that the next step could trip on."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 import forebay
 from forebay.errors import ChecksumError, RankMismatchError
-from conftest import assert_ranks_ok, damaged_copy, run_ranks
+from conftest import assert_step_ok, damaged_copy, run_steps
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -93,20 +95,36 @@ def dataset(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["preload", "clairvoyant", "direct"])
-def test_loader_ranks_that_disagree_fail_together(dataset, mode):
-    for func in (rank_loader_seed_differs, rank_loader_batch_and_drop_last_differ):
-        assert_ranks_ok(run_ranks(2, func, dataset, mode), 2)
+MODES = ("preload", "clairvoyant", "direct")
 
 
-def test_loader_mode_that_differs_fails_together(dataset):
-    assert_ranks_ok(run_ranks(2, rank_loader_mode_differs, dataset), 2)
+@pytest.fixture(scope="module")
+def mpiexec_steps(dataset, tmp_path_factory):
+    """Every case of this module, in turn, in one real ``mpiexec -n 2`` job."""
+    damaged = damaged_copy(dataset, tmp_path_factory.mktemp("agree-damaged") / "ds", 57)
+    steps: dict = {}
+    for mode in MODES:
+        steps[f"seed-{mode}"] = (rank_loader_seed_differs, dataset, mode)
+        steps[f"batch-{mode}"] = (rank_loader_batch_and_drop_last_differ, dataset, mode)
+    steps["mode"] = (rank_loader_mode_differs, dataset)
+    steps["stores"] = (rank_stores_arguments_differ, dataset)
+    steps["damaged"] = (rank_preload_finds_damage_on_every_rank, damaged)
+    return run_steps(2, steps, launcher="mpiexec")
 
 
-def test_store_arguments_that_differ_fail_together(dataset):
-    assert_ranks_ok(run_ranks(2, rank_stores_arguments_differ, dataset), 2)
+@pytest.mark.parametrize("mode", MODES)
+def test_loader_ranks_that_disagree_fail_together(mpiexec_steps, mode):
+    assert_step_ok(mpiexec_steps, f"seed-{mode}", 2)
+    assert_step_ok(mpiexec_steps, f"batch-{mode}", 2)
 
 
-def test_damaged_sample_fails_a_verified_preload_on_every_rank(dataset, tmp_path):
-    path = damaged_copy(dataset, tmp_path / "ds", 57)
-    assert_ranks_ok(run_ranks(2, rank_preload_finds_damage_on_every_rank, path), 2)
+def test_loader_mode_that_differs_fails_together(mpiexec_steps):
+    assert_step_ok(mpiexec_steps, "mode", 2)
+
+
+def test_store_arguments_that_differ_fail_together(mpiexec_steps):
+    assert_step_ok(mpiexec_steps, "stores", 2)
+
+
+def test_damaged_sample_fails_a_verified_preload_on_every_rank(mpiexec_steps):
+    assert_step_ok(mpiexec_steps, "damaged", 2)

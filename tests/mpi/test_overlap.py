@@ -17,7 +17,7 @@ from forebay.errors import ChecksumError
 from forebay.store import DistributedStore, StoreError, StoreLayout
 from forebay.dataset import can_lock
 from forebay.world import LOCAL
-from conftest import assert_ranks_ok, damaged_copy, run_ranks, run_torchrun
+from conftest import assert_ranks_ok, assert_step_ok, damaged_copy, run_ranks, run_steps
 
 pytestmark = pytest.mark.mpi
 #: whether the chunks can be held in the page cache here (RLIMIT_MEMLOCK)
@@ -54,6 +54,32 @@ def large_run(tmp_path_factory):
     forebay.write_dataset(path, ({"b": rng.bytes(int(rng.integers(70_000, 95_000))),
                                   "y": np.int64(i)} for i in range(250)), shard_bytes=64 << 20)
     return path
+
+
+DAMAGED = 100      # the sample whose record the damaged copies break
+
+
+@pytest.fixture(scope="module")
+def torchrun_steps(dataset, large, tmp_path_factory):
+    """This module's torchrun cases, in turn, in one real ``torchrun --nproc-per-node 2``
+    job (its CompletedProcess; each test checks its step)."""
+    damaged = damaged_copy(dataset, tmp_path_factory.mktemp("overlap-damaged") / "ds",
+                           DAMAGED)
+    owner = int(StoreLayout(forebay.open_dataset(damaged), 2).member[DAMAGED])
+    steps: dict = {
+        "auto": (rank_auto_overlap_agrees, dataset),
+        "held-shm": (rank_held_member, dataset, 0),
+        "loader-exchange": (rank_loader_batches, dataset, "exchange"),
+        "exchange-dataset": (rank_exchange_held, dataset, 1),
+        "exchange-large": (rank_exchange_held, large, 1),
+        "damaged-exchange": (rank_damage_fails_every_rank, damaged, owner, DAMAGED,
+                             "exchange"),
+    }
+    if CAN_LOCK:
+        steps["held-pages-large"] = (rank_held_member, large, 1, "pages")
+        steps["damaged-pages"] = (rank_damage_fails_every_rank, damaged, owner, DAMAGED,
+                                  "pages")
+    return run_steps(2, steps)
 
 
 def _check_all(store, ds) -> None:
@@ -133,10 +159,12 @@ def rank_auto_overlap_agrees(path: str) -> None:
         _check_all(st, ds)
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_auto_overlap_is_one_decision_for_every_rank(dataset, launcher):
-    run = run_ranks if launcher == "mpiexec" else run_torchrun
-    assert_ranks_ok(run(2, rank_auto_overlap_agrees, dataset), 2)
+def test_auto_overlap_is_one_decision_for_every_rank(dataset):
+    assert_ranks_ok(run_ranks(2, rank_auto_overlap_agrees, dataset), 2)
+
+
+def test_auto_overlap_is_one_decision_for_every_rank_torchrun(torchrun_steps):
+    assert_step_ok(torchrun_steps, "auto", 2)
 
 
 @pytest.mark.parametrize("kind", ["dataset", "large", "large_run"])
@@ -276,8 +304,8 @@ def test_what_has_not_arrived_is_read_from_the_files_rma(request, kind):
     assert_ranks_ok(run_ranks(2, rank_held_member, path, 1, "rma"), 2)
 
 
-def test_what_has_not_arrived_is_read_from_the_files_torchrun(dataset):
-    assert_ranks_ok(run_torchrun(2, rank_held_member, dataset, 0), 2)
+def test_what_has_not_arrived_is_read_from_the_files_torchrun(torchrun_steps):
+    assert_step_ok(torchrun_steps, "held-shm", 2)
 
 
 @pytest.mark.skipif(not CAN_LOCK, reason="this process may not lock memory (RLIMIT_MEMLOCK)")
@@ -286,9 +314,11 @@ def test_what_has_not_arrived_is_read_from_the_files_torchrun(dataset):
 def test_what_has_not_arrived_is_read_from_the_files_pages(request, launcher, kind):
     """Over the files' pages (transport "pages"): every batch reads the files' maps;
     the members' headers, in a node segment, say what to count as loaded."""
+    if launcher == "torchrun":
+        assert_step_ok(request.getfixturevalue("torchrun_steps"), "held-pages-large", 2)
+        return
     path = request.getfixturevalue(kind)
-    run = run_ranks if launcher == "mpiexec" else run_torchrun
-    assert_ranks_ok(run(2, rank_held_member, path, 1, "pages"), 2)
+    assert_ranks_ok(run_ranks(2, rank_held_member, path, 1, "pages"), 2)
 
 
 def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str,
@@ -318,14 +348,15 @@ def rank_damage_fails_every_rank(path: str, owner_: str, sample_: str,
 @pytest.mark.parametrize("launcher,transport", [
     ("mpiexec", "shm"), ("mpiexec", "rma"), ("mpiexec", "exchange"), ("torchrun", "exchange")] +
     ([("mpiexec", "pages"), ("torchrun", "pages")] if CAN_LOCK else []))
-def test_a_damaged_record_fails_the_load_on_every_rank(dataset, tmp_path, launcher,
+def test_a_damaged_record_fails_the_load_on_every_rank(request, dataset, tmp_path, launcher,
                                                        transport):
-    sample = 100
-    path = damaged_copy(dataset, tmp_path / "ds", sample)
-    ds = forebay.open_dataset(path)
-    owner = int(StoreLayout(ds, 2).member[sample])
-    run = run_ranks if launcher == "mpiexec" else run_torchrun
-    assert_ranks_ok(run(2, rank_damage_fails_every_rank, path, owner, sample, transport), 2)
+    if launcher == "torchrun":
+        assert_step_ok(request.getfixturevalue("torchrun_steps"), f"damaged-{transport}", 2)
+        return
+    path = damaged_copy(dataset, tmp_path / "ds", DAMAGED)
+    owner = int(StoreLayout(forebay.open_dataset(path), 2).member[DAMAGED])
+    assert_ranks_ok(run_ranks(2, rank_damage_fails_every_rank, path, owner, DAMAGED,
+                              transport), 2)
 
 
 def rank_loader_batches(path: str, transport: str = "auto") -> None:
@@ -348,8 +379,8 @@ def test_loader_batches_are_the_same_with_overlap(dataset):
     assert_ranks_ok(run_ranks(2, rank_loader_batches, dataset), 2)
 
 
-def test_loader_batches_are_the_same_with_overlap_over_the_exchange(dataset):
-    assert_ranks_ok(run_torchrun(2, rank_loader_batches, dataset, "exchange"), 2)
+def test_loader_batches_are_the_same_with_overlap_over_the_exchange(torchrun_steps):
+    assert_step_ok(torchrun_steps, "loader-exchange", 2)
 
 
 # ------------------------------------------------------------------ the exchange transport
@@ -386,5 +417,7 @@ def rank_exchange_held(path: str, held_: str) -> None:
 @pytest.mark.parametrize("launcher,kind", [("mpiexec", "dataset"), ("torchrun", "dataset"),
                                            ("torchrun", "large")])
 def test_over_the_exchange_the_owner_serves_what_has_not_arrived(request, launcher, kind):
-    run = run_ranks if launcher == "mpiexec" else run_torchrun
-    assert_ranks_ok(run(2, rank_exchange_held, request.getfixturevalue(kind), 1), 2)
+    if launcher == "torchrun":
+        assert_step_ok(request.getfixturevalue("torchrun_steps"), f"exchange-{kind}", 2)
+        return
+    assert_ranks_ok(run_ranks(2, rank_exchange_held, request.getfixturevalue(kind), 1), 2)
