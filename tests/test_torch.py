@@ -159,6 +159,30 @@ def test_map_style_dataset_with_plan_sampler(molecules):
     assert got[3] == [float(samples[i]["y"][0]) for i in plan.batches(0, 0)[3]]
 
 
+def test_dataset_over_a_store_reads_the_store_and_refuses_workers(molecules):
+    from forebay.store import DirectStore, DistributedStore
+
+    path, samples = molecules
+    with DistributedStore(path, None, progress=False) as st:
+        data = Dataset(st)
+        assert len(data) == len(samples)
+        for i in (0, 5, -1):
+            got = data[i]
+            for k, v in samples[i].items():
+                assert got[k].numpy().tobytes() == np.asarray(v).tobytes(), (i, k)
+        assert st.stats()["fetches_by_source"]["local"] == 3
+        # torch's worker processes would read a shared store outside the process that
+        # made it: refused by name instead
+        loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1,
+                                             collate_fn=lambda xs: xs)
+        with pytest.raises(UsageError, match="num_workers=0"):
+            next(iter(loader))
+    with DirectStore(path) as direct:              # files: workers may read them
+        loader = torch.utils.data.DataLoader(Dataset(direct), batch_size=4, num_workers=1,
+                                             collate_fn=lambda xs: [int(x["y"][0]) for x in xs])
+        assert next(iter(loader)) == [int(np.asarray(samples[i]["y"])[0]) for i in range(4)]
+
+
 def test_pin_memory_without_cuda_warns_and_falls_back(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -45,6 +45,40 @@ def rank_bit_exact(*args: str) -> None:
         say(f"rank {comm.rank} width {w} {transport} ok held {held}")
 
 
+def rank_torch_dataset_over_the_store(path: str) -> None:
+    """torch's DataLoader over ``forebay.torch.Dataset(store)`` (DDStore's DistDataset):
+    the plan's batches, every sample bit-exact, half of them served by the peer."""
+    import torch
+
+    from forebay.torch import Dataset, PlanSampler
+    from forebay.world import resolve_comm
+
+    comm = resolve_comm()
+    ds = forebay.open_dataset(path)
+    plan = forebay.AccessPlan(len(ds), comm.Get_size(), 6, 1, seed=3)
+    with DistributedStore(ds, comm, progress=False) as st:
+        loader = torch.utils.data.DataLoader(Dataset(st), batch_size=6,
+                                             sampler=PlanSampler(plan, comm.Get_rank()),
+                                             collate_fn=lambda xs: xs)
+        seen = []
+        for batch, want in zip(loader, plan.batches(comm.Get_rank(), 0)):
+            assert len(batch) == len(want)
+            for sample, i in zip(batch, want.tolist()):
+                assert list(sample) == list(ds.schema.names)
+                for k, v in ds[i].items():
+                    assert sample[k].numpy().tobytes() == v.tobytes() and \
+                        tuple(sample[k].shape) == v.shape, (i, k)
+                seen.append(i)
+        assert seen == plan.stream(comm.Get_rank(), 0).tolist()
+        fetched = st.stats()["fetches_by_source"]
+        assert fetched.get("peer", 0) > 0 and sum(fetched.values()) == len(seen), fetched
+
+
+def test_torch_dataloader_over_the_store(packed):
+    path, _ = packed
+    assert_ranks_ok(run_ranks(2, rank_torch_dataset_over_the_store, path), 2)
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_bit_exact_for_every_width(packed, ranks):
     path, _ = packed

@@ -589,19 +589,38 @@ class DataLoader:
 
 
 class Dataset(torch.utils.data.Dataset):
-    """Map-style dataset over a packed dataset: ``ds[i]`` is a dict of tensors (copies,
-    so they are writable), for code that must keep ``torch.utils.data.DataLoader``."""
+    """Map-style dataset over a packed dataset or a store: ``ds[i]`` is a dict of
+    tensors (one writable copy of the sample's record), for code that must keep
+    ``torch.utils.data.DataLoader``.  Over a store (``Dataset(DistributedStore(...))``,
+    as DDStore's ``DistDataset``) each sample is the store's ``store[i]``: from the
+    group's memory, not the files.  A store that shares samples between ranks serves
+    them in the process that made it: use ``num_workers=0`` with it (forebay's own
+    DataLoader has transform workers that read from the store's memory)."""
 
-    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]",
+    def __init__(self, dataset: "PackedDataset | SampleStore | str | os.PathLike[str]",
                  transform: Optional[Callable] = None) -> None:
-        self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        self.store: Optional[SampleStore] = None
+        if isinstance(dataset, SampleStore):
+            self.store, self.ds = dataset, dataset.ds
+        else:
+            self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.transform = transform
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, i: int) -> Any:
-        sample = {k: torch.from_numpy(v) for k, v in self.ds.sample(i, copy=True).items()}
+        if self.store is None:
+            arrays = self.ds.sample(i, copy=True)
+        else:
+            if "shared" in self.store.capabilities and \
+                    torch.utils.data.get_worker_info() is not None:
+                raise UsageError(
+                    f"{type(self.store).__name__} serves samples in the process that made "
+                    "it, not in a DataLoader worker: use num_workers=0 with it (or "
+                    "forebay.torch.DataLoader, whose transform workers read its memory)")
+            arrays = self.store[i]
+        sample = {k: torch.from_numpy(v) for k, v in arrays.items()}
         return self.transform(sample) if self.transform is not None else sample
 
 
