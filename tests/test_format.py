@@ -103,6 +103,11 @@ def test_a_sample_copied_or_read_from_another_buffer(packed):
     assert_sample_equal(ds[3], samples[3])
     with pytest.raises(ArgumentTypeError, match="uint8"):
         ds.sample_from(0, np.zeros(4096, dtype=np.int64))
+    for start in (1.5, True, "8"):
+        with pytest.raises(ArgumentTypeError, match="start must be an integer"):
+            ds.sample_from(0, np.zeros(1 << 16, dtype=np.uint8), start)
+    assert_sample_equal(ds.sample_from(0, ds.shard_buffer(int(ds.shard_of[0])),
+                                       np.int64(ds.rows(np.array([0]))[0, 0])), samples[0])
     with pytest.raises(SampleIndexError):
         ds.sample(len(ds), copy=True)
 

@@ -688,6 +688,10 @@ class PackedDataset:
         rec_len = row[IndexLayout.REC_LEN]
         if not (isinstance(src, np.ndarray) and src.dtype == np.uint8 and src.ndim == 1):
             raise ArgumentTypeError("src must be a 1-D uint8 array")
+        if type(start) is not int:
+            if isinstance(start, (bool, np.bool_)) or not isinstance(start, np.integer):
+                raise ArgumentTypeError(f"start must be an integer, got {type(start).__name__}")
+            start = int(start)
         if start < 0 or start > len(src) - rec_len:
             raise InvalidArgumentError(
                 f"sample {i}'s record ({rec_len} bytes at {start}) is not inside the "
