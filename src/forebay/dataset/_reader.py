@@ -713,9 +713,9 @@ class PackedDataset:
                     writable = bool(buf.flags.writeable)
                 if not writable:
                     a.setflags(write=False)
-            else:
-                a = np.ndarray(row[c_shape:c_end], dtype=dtype, buffer=buf,
-                               offset=base + row[c_off])
+            else:           # a slice's view: half the cost of np.ndarray(buffer=...)
+                at = base + row[c_off]
+                a = buf[at:at + row[c_nb]].view(dtype).reshape(row[c_shape:c_end])
             out[name] = a
         return out
 
