@@ -107,6 +107,11 @@ def run_torchrun(ranks: int, func, *args, timeout: int = 120, env: dict | None =
                           timeout=timeout, env=full_env)
 
 
+#: the step :func:`rank_steps` is running in this process ("" outside such a job), for
+#: rank functions that tag what they report with it
+STEP = [""]
+
+
 def rank_steps(steps: str) -> None:
     """Several rank functions in turn, in one process per rank: ``steps`` is JSON
     ``[[name, module, function, [args...]], ...]``; after each, the rank says
@@ -115,6 +120,7 @@ def rank_steps(steps: str) -> None:
     import json
 
     for name, module, func, args in json.loads(steps):
+        STEP[0] = name
         getattr(importlib.import_module(module), func)(*args)
         say(f"step {name} done")
 

@@ -4,7 +4,8 @@ Multi-rank tests are ``rank_*`` functions run on every rank of a real gloo proce
 on 127.0.0.1 under ``mpiexec`` (the port is agreed through mpi4py by
 ``init_process_group``), or as plain processes with torchrun's variables where a rank
 must die; each with a timeout.  The two-rank cases run one after the other in one
-``mpiexec`` job (``TWO_RANK_CASES``), whose output each of their tests reads."""
+``mpiexec`` job (the ``two_ranks`` fixture, conftest's ``run_steps``), whose output each
+of their tests reads."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import rank_command, run_ranks, say
+from conftest import STEP, assert_step_ok, rank_command, run_ranks, run_steps, say
 
 torch = pytest.importorskip("torch")
 
@@ -102,56 +103,35 @@ def _init() -> tuple[int, int]:
     return fr.init_process_group("gloo")
 
 
-#: the case rank_cases is running (its results carry it)
-_CASE = [""]
-
-
 def _out(rank: int, **kw) -> None:
-    say("RES " + json.dumps(dict(rank=rank, case=_CASE[0], **kw)))
-
-
-# The two-rank cases share one mpiexec job (each launch costs seconds of imports on
-# every rank): case name -> (rank function, its arguments).  Each case makes and closes
-# its own coordinators (each with its own process groups); fr.shutdown() between cases
-# leaves no default coordinator behind.
-TWO_RANK_CASES = {
-    "adhoc-bitvector": ("rank_adhoc", ("bitvector", "0", "1024")),
-    "adhoc-small-cache": ("rank_adhoc", ("bitvector", "0", "5")),
-    "train-bitvector-null": ("rank_train", ("bitvector", "null")),
-    "train-bitvector-2": ("rank_train", ("bitvector", "2")),
-    'train-bitvector-"lists"': ("rank_train", ("bitvector", '"lists"')),
-    'train-master-"lists"': ("rank_train", ("master", '"lists"')),
-    "ddp-bitvector": ("rank_ddp", ("bitvector",)),
-    "ddp-master": ("rank_ddp", ("master",)),
-    "params": ("rank_params", ()),
-    "misuse": ("rank_misuse", ()),
-    "mismatch": ("rank_mismatch", ()),
-    "reshape": ("rank_reshape", ()),
-}
-
-
-def rank_cases() -> None:
-    """Every two-rank case in turn, in one process per rank."""
-    import forebay.reduce as fr
-    for case, (func, args) in TWO_RANK_CASES.items():
-        _CASE[0] = case
-        globals()[func](*args)
-        fr.shutdown()
-        say(f"case {case} done")
+    """One result, tagged with the step of a shared job it belongs to."""
+    say("RES " + json.dumps(dict(rank=rank, case=STEP[0], **kw)))
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """The CompletedProcess of the job that ran every two-rank case."""
-    return run_ranks(2, rank_cases, timeout=300)
+    """The two-rank cases in turn in one mpiexec job (each launch costs seconds of
+    imports on every rank); each case makes and closes its own coordinators (each with
+    its own process groups), and those that use the default one shut it down."""
+    steps = {"adhoc-bitvector": (rank_adhoc, "bitvector", 0, 1024),
+             "adhoc-small-cache": (rank_adhoc, "bitvector", 0, 5)}
+    for mode, groups in TRAIN_CASES:
+        steps[f"train-{mode}-{groups}"] = (rank_train, mode, groups)
+    for mode in ("bitvector", "master"):
+        steps[f"ddp-{mode}"] = (rank_ddp, mode)
+    steps.update({"params": (rank_params,), "misuse": (rank_misuse,),
+                  "mismatch": (rank_mismatch,), "reshape": (rank_reshape,)})
+    return run_steps(2, steps, launcher="mpiexec")
 
 
 def case_results(p, case: str) -> list[dict]:
-    """The results of ``case``, which both ranks finished (a case that failed ends the
-    job: its error is in the output shown)."""
-    assert p.stdout.count(f"case {case} done\n") == 2, \
-        f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    """The results of ``case``, which both ranks finished."""
+    assert_step_ok(p, case, 2)
     return [r for r in results_of(p) if r["case"] == case]
+
+
+TRAIN_CASES = [("bitvector", "null"), ("bitvector", "2"), ("bitvector", '"lists"'),
+               ("master", '"lists"')]
 
 
 def rank_adhoc(mode: str, grouped: str, capacity: str) -> None:
@@ -280,8 +260,7 @@ def rank_train(mode: str, groups_json: str) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode,groups", [("bitvector", "null"), ("bitvector", "2"),
-                                          ("bitvector", '"lists"'), ("master", '"lists"')])
+@pytest.mark.parametrize("mode,groups", TRAIN_CASES)
 def test_optimizer_matches_reference_with_reordered_and_unused_gradients(mode, groups,
                                                                          two_ranks):
     res = case_results(two_ranks, f"train-{mode}-{groups}")
