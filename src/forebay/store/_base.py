@@ -253,18 +253,17 @@ class DirectStore(SampleStore):
             self._warm.check()
         j = self.ds.normalize_index(i)
         sample = self.ds.sample(j, copy=True)
-        nbytes = int(self.ds.record_nbytes[j])
-        with self._lock:
-            self._reads += 1
-            self._bytes += nbytes
+        self._count(1, int(self.ds.record_nbytes[j]))
         return sample
 
     def account(self, ids: np.ndarray) -> None:
         """Count reads of ``ids`` done on this store's behalf by another process that
         opened the same dataset (the loader's transform workers in direct mode)."""
-        nbytes = int(self.ds.record_nbytes[ids].sum())
+        self._count(len(ids), int(self.ds.record_nbytes[ids].sum()))
+
+    def _count(self, reads: int, nbytes: int) -> None:
         with self._lock:
-            self._reads += len(ids)
+            self._reads += reads
             self._bytes += nbytes
 
     def stats(self) -> dict[str, Any]:
