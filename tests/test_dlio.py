@@ -85,6 +85,117 @@ def test_a_file_that_is_not_dlios_layout_is_named(tmp_path):
         DlioSource(tmp_path / "t").read_unit(tmp_path / "t" / "a.npz")
 
 
+def test_float_labels_are_kept_and_labels_that_are_not_numbers_are_refused(tmp_path, cli):
+    (tmp_path / "f").mkdir()
+    x = np.arange(2 * 2 * 3, dtype=np.uint8).reshape(2, 2, 3)
+    np.savez(tmp_path / "f" / "img_0_of_1.npz", x=x, y=np.array([0.2, 1.7, 2.9]))
+    code, _, err = cli("ingest", tmp_path / "f", tmp_path / "ds", "--from", "dlio")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert [ds[i]["y"].item() for i in range(3)] == [0.2, 1.7, 2.9]
+    assert ds[0]["y"].dtype == np.float64
+    big = np.array([np.iinfo(np.uint64).max] * 3, dtype=np.uint64)   # beyond int64
+    np.savez(tmp_path / "f" / "img_0_of_1.npz", x=x, y=big)
+    got = DlioSource(tmp_path / "f").read_unit(tmp_path / "f" / "img_0_of_1.npz")
+    assert [int(s["y"]) for s in got] == [int(v) for v in big]
+    np.savez(tmp_path / "f" / "img_0_of_1.npz", x=x, y=np.array(["a", "b", "c"]))
+    with pytest.raises(SourceError, match="img_0_of_1.npz: labels of dtype <U1 are not"):
+        DlioSource(tmp_path / "f").read_unit(tmp_path / "f" / "img_0_of_1.npz")
+
+
+def test_hdf5_records_that_are_not_an_array_of_samples_are_named(tmp_path):
+    import h5py
+
+    (tmp_path / "h").mkdir()
+    f0 = tmp_path / "h" / "img_0_of_1.hdf5"
+    with h5py.File(f0, "w") as f:
+        f["records"] = 3
+    with pytest.raises(SourceError, match="'records' is 0-d"):
+        DlioSource(tmp_path / "h").read_unit(f0)
+    with h5py.File(f0, "w") as f:
+        f.create_group("records")
+    with pytest.raises(SourceError, match="'records' is a group"):
+        DlioSource(tmp_path / "h").read_unit(f0)
+
+
+def test_the_fingerprint_is_the_files_not_how_their_path_is_spelled(tmp_path, monkeypatch,
+                                                                    cli):
+    from forebay.dataset.sources import source_fingerprint
+
+    _dlio_npz(tmp_path / "data" / "train", files=2, per_file=3)
+    monkeypatch.chdir(tmp_path)
+    rel = dlio_files(Path("data/train"))
+    absolute = dlio_files(tmp_path / "data" / "train")
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    linked = dlio_files(tmp_path / "link" / "train")
+    assert source_fingerprint(rel) == source_fingerprint(absolute) == \
+        source_fingerprint(linked)
+    assert source_fingerprint(rel, content=True) == source_fingerprint(absolute, content=True)
+    # packed once from the absolute spelling, not again from the relative one
+    out = prepare_dataset(absolute, tmp_path / "train.forebay", None)
+    first = (out / "manifest.json").stat().st_mtime_ns
+    prepare_dataset(rel, Path("train.forebay"), None)
+    assert (out / "manifest.json").stat().st_mtime_ns == first
+    # a dataset packed by hand with `forebay ingest --from dlio` is the plug-in's too
+    assert cli("ingest", "data/train", "hand.forebay", "--from", "dlio")[0] == 0
+    hand = (tmp_path / "hand.forebay" / "manifest.json").stat().st_mtime_ns
+    prepare_dataset(absolute, tmp_path / "hand.forebay", None)
+    assert (tmp_path / "hand.forebay" / "manifest.json").stat().st_mtime_ns == hand
+
+
+def test_an_edit_that_keeps_size_and_time_is_caught_by_the_content_check(tmp_path):
+    _dlio_npz(tmp_path / "train", files=2, per_file=3)
+    files = dlio_files(tmp_path / "train")
+    out = prepare_dataset(files, tmp_path / "train.forebay", None, check_content=True)
+    assert forebay.open_dataset(out)[0]["x"][0, 0] != 77
+    st = files[0].stat()
+    with np.load(files[0]) as z:
+        x, y = z["x"].copy(), z["y"]
+    x[0, 0, 0] = 77 if x[0, 0, 0] != 77 else 78
+    np.savez(files[0], x=x, y=y)                          # same size, time put back
+    os.utime(files[0], ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert files[0].stat().st_size == st.st_size
+    prepare_dataset(files, out, None)                     # names, sizes, times: stale
+    assert forebay.open_dataset(out)[0]["x"][0, 0] != x[0, 0, 0]
+    prepare_dataset(files, out, None, check_content=True)
+    assert forebay.open_dataset(out)[0]["x"][0, 0] == x[0, 0, 0]
+    assert settings({"FOREBAY_DLIO_CHECK_CONTENT": "1"}) == {"check_content": True}
+
+
+def test_a_dataset_not_packed_from_dlio_files_is_never_overwritten(tmp_path, cli):
+    _dlio_npz(tmp_path / "train", files=1, per_file=3)
+    np.save(tmp_path / "mine.npy", np.zeros((4, 2), np.float32))
+    assert cli("ingest", tmp_path / "mine.npy", tmp_path / "train.forebay",
+               "--from", "npy")[0] == 0
+    with pytest.raises(SourceError, match="not packed from DLIO files .source npy.*"
+                       "FOREBAY_DLIO_DATASET"):
+        prepare_dataset(dlio_files(tmp_path / "train"), tmp_path / "train.forebay", None)
+    kept = forebay.open_dataset(tmp_path / "train.forebay")
+    assert len(kept) == 1 and kept[0]["data"].shape == (4, 2)
+
+
+def test_the_last_step_of_an_epoch_left_early_is_recorded(tmp_path):
+    """DLIO breaks out of its loop after an epoch's last step: that step's compute span
+    is recorded all the same, so AU is not under-reported."""
+    from forebay import trace
+    from forebay.dlio import steps
+    from forebay.trace._read import read_traces
+
+    trace.enable(tmp_path / "t", rank=0)
+    try:
+        for _epoch in range(2):
+            for i, batch in enumerate(steps(iter(range(4)))):
+                assert batch == i
+                if i == 3:          # DLIO: the epoch's last step done, leave the loop
+                    break
+        for _ in steps(range(3)):     # and a loop that runs to the end
+            pass
+    finally:
+        trace.disable()
+    ev = read_traces(tmp_path / "t")
+    assert int(((ev.cat == "compute") & (ev.name == "dlio.step")).sum()) == 2 * 4 + 3
+
+
 def test_prepare_dataset_packs_once_and_again_only_when_the_files_change(tmp_path):
     _dlio_npz(tmp_path / "train", files=2, per_file=3)
     files = dlio_files(tmp_path / "train")

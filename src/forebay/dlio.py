@@ -9,13 +9,16 @@ Name one class in a DLIO workload config and run DLIO as usual::
 
 On its first epoch rank 0 packs the files DLIO would read (its ``file_list_train`` /
 ``file_list_eval``, in DLIO's order) into a forebay dataset, when it is missing or the
-files changed since (names, sizes, times); the other ranks wait, and a failure is
-raised on every rank.  Batches then come from forebay's loader on DLIO's MPI
-communicator, with DLIO's batch size, seed, epochs and shuffle, ``drop_last`` as DLIO's
-own torch loader.  An epoch DLIO leaves early (``total_training_steps``) still counts;
-the store is closed after the last epoch.  With forebay's tracing on
-(``FOREBAY_TRACE=DIR``) the time DLIO spends between batches is recorded as
-``compute``, so ``forebay analyze`` splits overlapped and unoverlapped I/O for DLIO runs.
+files changed since (names, sizes, times; ``check_content`` adds their bytes); the
+other ranks wait, and a failure is raised on every rank.  Batches then come from
+forebay's loader on DLIO's MPI communicator, with DLIO's batch size, seed, epochs and
+shuffle, ``drop_last`` as DLIO's own torch loader.  An epoch DLIO leaves early
+(``total_training_steps``) still counts; the store is closed after the last epoch.
+With forebay's tracing on (``FOREBAY_TRACE=DIR``) the time DLIO spends between batches
+is recorded as ``compute`` (an epoch's last step too, which DLIO leaves by breaking
+out of its loop), so ``forebay analyze`` splits overlapped and unoverlapped I/O for
+DLIO runs.  A dataset at the target path that was not packed from DLIO files is never
+overwritten.
 
 Settings (all optional), from a TOML file named by ``FOREBAY_DLIO_CONFIG`` (a
 ``[dlio]`` table) and then ``FOREBAY_DLIO_<NAME>`` environment variables:
@@ -33,6 +36,10 @@ transport       auto, pages, shm, rma or exchange
 verify_on_read  check every sample's checksum (true/false)
 overlap_preload preload: train while the store loads (true, false or auto, the
                 default: on a network file system; the loader's ``overlap_preload``)
+check_content   judge the packed dataset stale by the files' bytes too (a full read
+                of DLIO's files each run; default false: names, sizes and
+                modification times only, which miss an edit that keeps both, as
+                ``cp -p``, ``rsync -t`` or a restored backup make)
 =============== ==================================================================
 """
 
@@ -42,7 +49,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from . import trace as _trace
 from .errors import InvalidArgumentError, MissingDependencyError, SourceError
@@ -56,12 +63,13 @@ except ImportError as e:   # settings() and prepare_dataset() work without DLIO
     _DLIO_MISSING = str(e)
 
 __all__ = ["ForebayLoader", "ForebayPreload", "ForebayClairvoyant", "ForebayDirect",
-           "settings", "prepare_dataset", "SETTINGS"]
+           "settings", "prepare_dataset", "steps", "SETTINGS"]
 
 #: setting name -> kind
 SETTINGS = {"dataset": "str", "mode": "str", "ram_bytes": "size", "ssd_dir": "str",
             "ssd_bytes": "size", "prefetch": "int", "width": "int", "transport": "str",
-            "verify_on_read": "bool", "overlap_preload": "bool or auto"}
+            "verify_on_read": "bool", "overlap_preload": "bool or auto",
+            "check_content": "bool"}
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -119,10 +127,18 @@ def settings(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
 
 
 def prepare_dataset(files: Sequence["str | os.PathLike[str]"],
-                    out: "str | os.PathLike[str]", comm: Any) -> Path:
+                    out: "str | os.PathLike[str]", comm: Any, *,
+                    check_content: bool = False) -> Path:
     """Rank 0 packs ``files`` into ``out`` when it is missing or stale (its recorded
     source fingerprint differs); every rank waits and raises if rank 0 failed.
-    Collective."""
+    Collective.
+
+    Staleness is judged by the files' names, sizes and modification times
+    (:func:`~forebay.dataset.sources.source_fingerprint`); ``check_content=True`` also
+    hashes every byte of the files (a full read each run) and repacks when the
+    contents differ from those recorded, which catches an edit that kept the size and
+    the time.  A dataset at ``out`` that was not packed from DLIO files (its
+    ``source_kind`` is not ``dlio``) is never overwritten: the error names it."""
     from .dataset import open_dataset
     from .dataset.sources import DlioSource, ingest, source_fingerprint
     from .errors import ForebayError
@@ -132,15 +148,24 @@ def prepare_dataset(files: Sequence["str | os.PathLike[str]"],
     if comm is None or comm.Get_rank() == 0:
         try:
             want = source_fingerprint(files)
+            content = source_fingerprint(files, content=True) if check_content else None
             fresh = False
             if out.exists():
                 try:
                     meta = open_dataset(out).manifest.metadata
-                    fresh = meta.get("source_fingerprint") == want
                 except ForebayError:
-                    fresh = False           # damaged or not a dataset: packed again
+                    meta = None             # damaged or not a dataset: packed again
+                if meta is not None and meta.get("source_kind") != "dlio":
+                    raise SourceError(
+                        f"{out} holds a forebay dataset not packed from DLIO files (source "
+                        f"{meta.get('source_kind', 'unknown')}); it is not overwritten: "
+                        "name another path with the plug-in's 'dataset' setting "
+                        "(FOREBAY_DLIO_DATASET)")
+                fresh = meta is not None and meta.get("source_fingerprint") == want and (
+                    content is None or meta.get("source_content_fingerprint") == content)
             if not fresh:
-                ingest(DlioSource(None, files=files), out, overwrite=True, progress=True)
+                ingest(DlioSource(None, files=files, content_fingerprint=content), out,
+                       overwrite=True, progress=True)
         except Exception as e:   # noqa: BLE001 - reported on every rank below
             msg = f"forebay could not pack DLIO's files into {out}: {type(e).__name__}: {e}"
     if comm is not None:
@@ -148,6 +173,22 @@ def prepare_dataset(files: Sequence["str | os.PathLike[str]"],
     if msg:
         raise SourceError(msg)
     return out
+
+
+def steps(batches: Iterable[Any]) -> Iterator[Any]:
+    """``batches``, with the time the consumer spends on each (DLIO's step: compute, its
+    barrier, its bookkeeping) recorded as a ``compute`` span when tracing is on.  The
+    last step's span is recorded too when the consumer leaves the loop after it without
+    asking for another batch (DLIO breaks out after an epoch's last step): the span ends
+    when the generator is closed, which is when the consumer's loop lets it go."""
+    rec = _trace.active()
+    for batch in batches:
+        t0 = time.perf_counter()
+        try:
+            yield batch
+        finally:            # resumed for the next batch, or closed by a loop left early
+            if rec is not None:
+                rec.span("compute", "dlio.step", t0, time.perf_counter())
 
 
 class ForebayLoader(BaseDataLoader):
@@ -183,7 +224,7 @@ class ForebayLoader(BaseDataLoader):
         template = cfg.get("dataset", "{data_folder}/{split}.forebay")
         path = Path(template.format(data_folder=a.data_folder, split=self.split))
         comm = MPI.COMM_WORLD
-        prepare_dataset(files, path, comm)
+        prepare_dataset(files, path, comm, check_content=cfg.get("check_content", False))
         prefetch = cfg.get("prefetch", max(2, int(getattr(a, "prefetch_size", 0) or 0)))
         self._dl = DataLoader(
             path, self.batch_size, comm=comm, seed=int(a.seed or 0),
@@ -202,12 +243,7 @@ class ForebayLoader(BaseDataLoader):
         dl = self._dl
         dl.set_epoch(min(self._epoch, dl.plan.epochs - 1))
         self._epoch += 1
-        rec = _trace.active()
-        for batch in dl:
-            t0 = time.perf_counter()
-            yield batch
-            if rec is not None:     # DLIO's step: compute, its barrier, its bookkeeping
-                rec.span("compute", "dlio.step", t0, time.perf_counter())
+        yield from steps(dl)
 
     def finalize(self) -> None:
         """End of an epoch (DLIO calls it after each): the store is closed after the

@@ -48,16 +48,33 @@ def dlio_files(split_dir: "str | os.PathLike[str]", fmt: Optional[str] = None) -
     return [p for p in entries if p.is_file() and p.name.endswith(fmt)]
 
 
-def source_fingerprint(files: Sequence["str | os.PathLike[str]"]) -> str:
-    """Names, sizes and modification times of ``files``, hashed: a dataset packed from
-    them is stale when this changes."""
+def source_fingerprint(files: Sequence["str | os.PathLike[str]"], *,
+                       content: bool = False) -> str:
+    """The files' names (relative to the folder that holds them all), sizes and
+    modification times, hashed: a dataset packed from them is stale when this changes.
+    The same files spelled relative or absolute, or through a symbolic link, give the
+    same fingerprint.  An edit that keeps a file's size and modification time (``cp -p``,
+    ``rsync -t``, a restored backup) is not seen: ``content=True`` hashes every byte
+    instead (a full read of the files), and the fingerprint then starts ``content:``."""
     import xxhash
 
+    paths = [os.path.realpath(f) for f in files]
+    if not paths:
+        return xxhash.xxh3_128().hexdigest()
+    root = os.path.commonpath([os.path.dirname(p) for p in paths])
     h = xxhash.xxh3_128()
-    for f in files:
-        st = os.stat(f)
-        h.update(f"{os.fspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
+    for p in paths:
+        st = os.stat(p)
+        name = os.path.relpath(p, root)
+        if content:
+            h.update(f"{name}\0{st.st_size}\0".encode())
+            with open(p, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+            h.update(b"\n")
+        else:
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return ("content:" if content else "") + h.hexdigest()
 
 
 def _last_axis(x: np.ndarray, where: str) -> list[np.ndarray]:
@@ -72,14 +89,18 @@ class DlioSource(Source):
     split directory such as ``<data_folder>/train``, or the exact ``files`` DLIO
     reads (its ``file_list_train``), in DLIO's order, so sample ``i`` of the packed
     dataset is DLIO's sample ``i`` (file ``i // samples_per_file``, position
-    ``i % samples_per_file``).  Fields ``x`` (the record) and ``y`` (its label).
-    Formats: :data:`DLIO_FORMATS`."""
+    ``i % samples_per_file``).  Fields ``x`` (the record) and ``y`` (its label: an
+    integer label as int64, a float label as it is).  Formats: :data:`DLIO_FORMATS`.
+    ``content_fingerprint`` (``source_fingerprint(files, content=True)``), when given, is
+    recorded in the dataset's metadata beside the size-and-time fingerprint."""
 
     kind = "dlio"
 
     def __init__(self, root: "str | os.PathLike[str] | None", *,
                  files: Optional[Sequence["str | os.PathLike[str]"]] = None,
-                 fmt: Optional[str] = None, **unused: Any) -> None:
+                 fmt: Optional[str] = None, content_fingerprint: Optional[str] = None,
+                 **unused: Any) -> None:
+        self.content_fingerprint = content_fingerprint
         if files is not None:
             self.files = [Path(f) for f in files]
             if not self.files:
@@ -97,8 +118,11 @@ class DlioSource(Source):
         return self.files
 
     def metadata(self) -> dict[str, Any]:
-        return {"source_kind": self.kind, "dlio_format": self.fmt,
+        meta = {"source_kind": self.kind, "dlio_format": self.fmt,
                 "source_fingerprint": source_fingerprint(self.files)}
+        if self.content_fingerprint is not None:
+            meta["source_content_fingerprint"] = self.content_fingerprint
+        return meta
 
     def read_unit(self, path: Path) -> list[dict[str, Any]]:
         where = str(path)
@@ -119,7 +143,13 @@ class DlioSource(Source):
                 with h5py.File(path, "r") as f:
                     if "records" not in f:
                         raise SourceError(f"{where}: no dataset 'records' (DLIO's hdf5 layout)")
+                    if not isinstance(f["records"], h5py.Dataset):
+                        raise SourceError(f"{where}: 'records' is a group, not a dataset "
+                                          "(DLIO's hdf5 layout)")
                     rec = f["records"][()]
+                    if np.ndim(rec) == 0:
+                        raise SourceError(f"{where}: 'records' is 0-d; DLIO's records lie "
+                                          "along its axis 0")
                     y = f["labels"][()] if "labels" in f else np.zeros(len(rec), np.int64)
                 xs = list(rec)
             else:
@@ -130,7 +160,21 @@ class DlioSource(Source):
         except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
             raise SourceError(f"{where}: cannot read as DLIO {self.fmt} data "
                               f"({type(e).__name__}: {e})") from None
-        y = np.asarray(y).reshape(-1)
-        if len(y) != len(xs):
-            raise SourceError(f"{where}: {len(xs)} records but {len(y)} labels")
-        return [{"x": x, "y": np.int64(label)} for x, label in zip(xs, y.tolist())]
+        y = _labels(y, len(xs), where)
+        return [{"x": x, "y": label} for x, label in zip(xs, y)]
+
+
+def _labels(y: Any, n: int, where: str) -> np.ndarray:
+    """``n`` labels as a 1-d array of their own dtype: integers as int64 (DLIO's), other
+    numbers as they are (a float label is never truncated); anything else refused."""
+    y = np.asarray(y).reshape(-1)
+    if len(y) != n:
+        raise SourceError(f"{where}: {n} records but {len(y)} labels")
+    if y.dtype.kind in "biu":
+        if y.dtype == np.uint64 and n and int(y.max()) > np.iinfo(np.int64).max:
+            return y                    # kept as uint64: int64 cannot hold it
+        return y.astype(np.int64)
+    if y.dtype.kind in "fc":
+        return y
+    raise SourceError(f"{where}: labels of dtype {y.dtype} are not numbers; DLIO's labels "
+                      "are numbers")
