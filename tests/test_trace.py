@@ -412,7 +412,7 @@ def test_cli_analyze_json_plots_and_html(tmp_path, small, cli):
 
 def test_batch_parts_share_their_time_by_bytes_back_to_back(tmp_path):
     from forebay.store import _tracing as _hooks
-    from forebay.trace._recorder import A, K_ITEM
+    from forebay.trace._events import A, K_ITEM
 
     rec = trace.Recorder(tmp_path)
     ids = np.arange(6) + 100

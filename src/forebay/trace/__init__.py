@@ -24,7 +24,8 @@ from ._analyze import analyze, format_summary
 from ._export import export_chrome
 from ._plots import plot_all, write_html
 from ._read import read_traces
-from ._recorder import SOURCES, TIERS, Recorder, Region
+from ._events import SOURCES, TIERS
+from ._recorder import Recorder, Region
 
 __all__ = ["enable", "disable", "active", "region", "Recorder", "SOURCES", "TIERS", "analyze",
            "format_summary", "export_chrome", "plot_all", "write_html", "read_traces"]

@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from .._fs import create_private
-from ._recorder import EVENT, K_FILE, K_ITEM, K_META, K_SPAN, SOURCES, TIERS
+from ._events import EVENT, K_FILE, K_ITEM, K_META, K_SPAN, SOURCES, TIERS
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
