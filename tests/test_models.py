@@ -518,7 +518,7 @@ def test_located_reads_coalesce_neighbours_and_flag_bad_ones(tmp_path):
     import os as _os
 
     import xxhash
-    from forebay.models import _repo
+    from forebay.models import _tensors
 
     rng = np.random.default_rng(3)
     data = rng.integers(0, 256, 6 << 20, dtype=np.uint8)
@@ -530,7 +530,7 @@ def test_located_reads_coalesce_neighbours_and_flag_bad_ones(tmp_path):
     jobs = [(np.zeros(n, dtype=np.uint8), off, b"h|") for off, n in spans]
     fd = _os.open(path, _os.O_RDONLY)
     try:
-        got = _repo._pread_and_hash(fd, jobs)
+        got = _tensors._pread_and_hash(fd, jobs)
     finally:
         _os.close(fd)
     for (off, n), (dst, _, _), h in zip(spans, jobs, got):
@@ -540,7 +540,7 @@ def test_located_reads_coalesce_neighbours_and_flag_bad_ones(tmp_path):
         assert np.array_equal(dst, data[off:off + n])
         want = xxhash.xxh3_128(b"h|" + data[off:off + n].tobytes()).hexdigest()
         assert h == want
-    halves = _repo._file_halves([off for off, _ in spans[:6]], [n for _, n in spans[:6]])
+    halves = _tensors._file_halves([off for off, _ in spans[:6]], [n for _, n in spans[:6]])
     assert sorted(halves[0] + halves[1]) == list(range(6))
     assert halves[1] == [4, 5] and halves[0] == [0, 1, 2, 3]   # file order, cut by bytes
 

@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 
 import forebay.models as fm  # noqa: E402
 from forebay.errors import ModelNotFoundError, ModelRepositoryError  # noqa: E402
-from forebay.models._remote import HEADER, MAGIC, OP, _packb  # noqa: E402
+from forebay.models._wire import HEADER, MAGIC, OP, _packb  # noqa: E402
 
 TOKEN = "s3cret-token"
 
@@ -287,7 +287,7 @@ def test_corrupt_tensor_over_a_provider_is_named_and_the_connection_goes_on(tmp_
 
     from conftest import corrupt_stored_tensor
     from forebay.errors import CorruptModelError
-    from forebay.models._remote import Provider
+    from forebay.models._provider import Provider
 
     sd = {"a": torch.randn(64, 64), "w": torch.randn(256, 256), "z": torch.randn(100)}
     with fm.open_repository(str(tmp_path / "store")) as r:

@@ -39,7 +39,7 @@ import numpy as np
 import forebay
 from forebay import errors
 from forebay.dataset import checksum, seal_manifest
-from forebay.models._remote import HEADER, MAGIC, OP
+from forebay.models._wire import HEADER, MAGIC, OP
 
 TOKEN = "attack-rerun-token"
 

@@ -212,7 +212,7 @@ def test_parallel_preload_reads_every_byte_and_names_a_short_file(tmp_path):
     import os
 
     from forebay.progress import as_progress
-    from forebay.store._distributed import read_parallel
+    from forebay.store._pread import read_parallel
 
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, size=(40 << 20) + 12345, dtype=np.uint8)

@@ -13,8 +13,13 @@ those bytes; a version is visible only after all its tensors are durable.
 """
 
 from ._arch import Architecture, IdCache, Leaf, capture, stable_ids
-from ._remote import RemoteRepository, serve, token_from_file
-from ._repo import ModelStore, Repository, open_repository, tensor_hash
+from ._provider import serve
+from ._remote import RemoteRepository
+from ._wire import token_from_file
+from ._open import open_repository
+from ._repo import Repository
+from ._store import ModelStore
+from ._tensors import tensor_hash
 from ._safetensors import export_safetensors, import_safetensors
 
 __all__ = ["open_repository", "ModelStore", "Repository", "capture", "Architecture", "Leaf",

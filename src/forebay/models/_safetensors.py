@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import MissingDependencyError, ModelRepositoryError
-from ._repo import ModelStore
+from ._store import ModelStore
 
 __all__ = ["import_safetensors", "export_safetensors"]
 

@@ -34,7 +34,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import ModelNotFoundError, ModelRepositoryError
-from ._repo import ModelStore, Repository, _as_bytes, _dtype_name, open_repository, tensor_hash
+from ._open import open_repository
+from ._repo import Repository
+from ._store import ModelStore
+from ._tensors import _as_bytes, _dtype_name, tensor_hash
 
 try:
     import torch

@@ -6,7 +6,7 @@ forebay's own policies call the runtime's code: ``forebay-clairvoyant`` takes it
 owners, tiers and extra copies from :func:`forebay.store._placement.compute_placement`
 and decides peer-or-PFS with the same per-byte comparison as the loader's FetchModel;
 ``forebay-preload`` stripes the dataset with the store's
-:func:`~forebay.store._distributed.chunk_members`.
+:func:`~forebay.store.chunk_members`.
 """
 
 from __future__ import annotations

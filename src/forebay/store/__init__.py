@@ -4,12 +4,13 @@ clairvoyant store (NoPFS), and named arrays shared by ranks (``ArrayStore``)."""
 from ._arrays import ArrayStore
 from ._base import STATS_KEYS, DirectStore, SampleStore, warm_enabled
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
-from ._distributed import (DistributedStore, StoreError, StoreLayout, check_agreement,
-                           chunk_members, default_comm, node_size)
+from ._agreement import check_agreement, node_size
+from ._base import StoreError
+from ._distributed import DistributedStore, default_comm
+from ._layout import StoreLayout, chunk_members
 from ._memory import MEMORY_HEADROOM, available_memory
 from ._model import FetchModel, interpolate
-from ._placement import (NONE, RAM, SSD, Placement, compute_coverage, compute_placement,
-                         fill_tiers)
+from ._placement import NONE, RAM, SSD, Placement, compute_coverage, compute_placement, fill_tiers
 from ._profile import ProfileError, calibrate, dump_profile, load_profile
 
 __all__ = ["ArrayStore", "SampleStore", "DirectStore", "STATS_KEYS", "ClairvoyantStore",

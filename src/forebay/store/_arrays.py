@@ -24,7 +24,8 @@ from ..dataset import ALIGNMENT, gather_ranges
 from ..errors import InvalidArgumentError, NameNotFoundError, SampleIndexError
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import Releasable, StoreError
-from ._distributed import raise_mismatches, rma_get
+from ._agreement import raise_mismatches
+from ._windows import rma_get
 
 __all__ = ["ArrayStore", "ARRAY_TRANSPORTS"]
 

@@ -37,8 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._fs import LiveLock, abandoned, create_private, network_fs
-from ..dataset import (PackedDataset, PinnedPages, SampleBatch, SampleViews, can_lock,
-                       open_dataset)
+from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, can_lock, open_dataset
 from ..dataset import ALIGNMENT, IndexLayout, assemble_batch, assemble_views, gather_ranges
 from ..vocab import Backoff, FillState
 from ..comm import (NodeSegment, all_true, allgather_array, alltoall_bytes, fence, is_mpi,
@@ -47,11 +46,11 @@ from ..world import abort_on_uncaught, resolve_comm
 from .._intervals import positions_in_runs
 from ..errors import InvalidArgumentError
 from ..plan import AccessPlan
-from ._distributed import (StoreError, agree, check_agreement, free_window,
-                           node_size, rma_get, shared_segment)
-from ._base import Lender, SampleStore, WarmUp, raise_background_error, warm_enabled
+from ._agreement import agree, check_agreement, node_size
+from ._base import Lender, SampleStore, StoreError, WarmUp, raise_background_error, warm_enabled
 from ._memory import MEMORY_HEADROOM, available_memory
 from ._placement import RAM, compute_placement
+from ._windows import free_window, rma_get, shared_segment
 from .. import trace as _trace
 from . import _tracing as _hooks
 

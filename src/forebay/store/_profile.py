@@ -228,11 +228,11 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
 
 def _rma(comm: Any, nbytes: int, chunk: int = 64 << 10) -> float:
     """MB/s of rank 0 reading rank 1's window the way the stores read peers
-    (:func:`~forebay.store._distributed.rma_get`: ``chunk``-sized ranges, one MPI_Get of
+    (:func:`~forebay.store._windows.rma_get`: ``chunk``-sized ranges, one MPI_Get of
     an hindexed type and one flush). Collective over ``comm``."""
     from mpi4py import MPI
 
-    from ._distributed import rma_get
+    from ._windows import rma_get
 
     win = MPI.Win.Allocate(nbytes if comm.Get_rank() == 1 else 0, comm=comm)
     try:

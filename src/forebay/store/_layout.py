@@ -1,0 +1,70 @@
+"""Where every record of a distributed store lives: the replica group's chunks, balanced
+by bytes, and each record's offset in its owner's memory.  A pure function of the
+dataset index and the width, computed alike on every rank (and by the simulator)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..dataset import ALIGNMENT, IndexLayout, PackedDataset
+
+__all__ = ["StoreLayout", "chunk_members", "align_up"]
+
+
+def align_up(n: np.ndarray | int) -> Any:
+    return n + (-n) % ALIGNMENT
+
+
+def chunk_members(span: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Contiguous chunks of samples balanced by bytes: member p of a replica group holds
+    samples ``[bounds[p], bounds[p+1])``.  Returns ``(bounds, member of each sample)``.
+    Shared by the store and the simulator (forebay-preload)."""
+    n = len(span)
+    cum = np.concatenate([[0], np.cumsum(span)])
+    targets = cum[-1] * np.arange(width + 1) / width
+    bounds = np.searchsorted(cum, targets, side="left").astype(np.int64)
+    bounds[0], bounds[-1] = 0, n
+    bounds = np.maximum.accumulate(bounds)
+    member = (np.searchsorted(bounds, np.arange(n), side="right") - 1).astype(np.int64)
+    return bounds, member
+
+
+class StoreLayout:
+    """Where every record lives: chunk (group member) and byte offset in its buffer.
+
+    Computed identically on every rank from the dataset index and ``width``.  Records
+    keep their 64-byte alignment: the bytes of each run of consecutive samples of one
+    shard are copied verbatim (padding included), runs placed at aligned offsets.
+    """
+
+    def __init__(self, ds: PackedDataset, width: int) -> None:
+        idx = ds.index
+        n = len(ds)
+        rec_off = idx[:, IndexLayout.REC_OFF]
+        rec_len = idx[:, IndexLayout.REC_LEN]
+        shard = ds.shard_of.astype(np.int64)
+        span = align_up(rec_len)
+        self.width = width
+        self.bounds, self.member = chunk_members(span, width)
+        # runs: consecutive samples with the same (member, shard)
+        change = np.ones(n, dtype=bool)
+        if n > 1:
+            change[1:] = (self.member[1:] != self.member[:-1]) | (shard[1:] != shard[:-1])
+        run_first = np.flatnonzero(change)
+        run_last = np.append(run_first[1:], n) - 1
+        run_of = np.cumsum(change) - 1
+        run_start = rec_off[run_first]
+        run_len = rec_off[run_last] + rec_len[run_last] - run_start
+        run_member = self.member[run_first]
+        run_span = align_up(run_len)
+        # base of each run within its member's buffer: exclusive cumsum per member
+        base = np.cumsum(run_span) - run_span
+        first_run_of_member = np.searchsorted(run_member, run_member, side="left")
+        run_base = base - base[first_run_of_member]
+        #: byte offset of each record in its owner's buffer
+        self.offset = run_base[run_of] + rec_off - run_start[run_of]
+        self.nbytes = np.bincount(run_member, weights=run_span, minlength=width).astype(np.int64)
+        self.runs = {"member": run_member, "shard": shard[run_first], "start": run_start,
+                     "len": run_len, "base": run_base, "count": run_last - run_first + 1}
