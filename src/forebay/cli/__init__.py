@@ -1,0 +1,86 @@
+"""The ``forebay`` command: one module per group of commands (``data``: synth, ingest,
+info, verify, dlio-configs; ``sim``: plan, simulate, calibrate; ``trace``: analyze, trace
+export; ``models``: the model repository), each adding its parsers with ``register``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .._units import parse_size
+from .._version import __version__
+from ..errors import ChecksumError, ForebayError
+from . import data, models, sim, trace
+
+__all__ = ["main", "build_parser", "parse_size"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forebay", description="Keep accelerators fed on HPC systems: "
+                                "packed datasets, distributed in-memory stores, clairvoyant "
+                                "caching.")
+    p.add_argument("--version", action="version", version=f"forebay {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for group in (data, sim, trace, models):
+        group.register(sub)
+    return p
+
+
+#: optional dependencies -> the pip extra that brings them (pyproject.toml)
+_EXTRAS = {"lmdb": "models", "msgpack": "models", "safetensors": "models",
+           "matplotlib": "plots", "torch": "torch", "mpi4py": "mpi"}
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Output files (``--json``, ``--plot``, ``--html``) go into directories that exist
+    and can be written: checked before any work, not after it."""
+    import os
+
+    from ..errors import InvalidArgumentError
+
+    for attr in ("json", "plot", "html"):
+        v = getattr(args, attr, None)
+        if not v or not isinstance(v, (str, os.PathLike)):
+            continue
+        parent = Path(v).resolve().parent
+        if not parent.is_dir():
+            raise InvalidArgumentError(f"--{attr} {v}: no directory {parent} to write it in")
+        if not os.access(parent, os.W_OK):
+            raise InvalidArgumentError(f"--{attr} {v}: {parent} is not writable")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_outputs(args)
+        return args.func(args)
+    except ChecksumError as e:
+        print(f"forebay: CORRUPT: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # the reader went away (`forebay info x | head`): not an error; keep Python's
+        # own flush at exit from complaining about the closed pipe
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except (ForebayError, OSError) as e:
+        # what the user can fix (a bad argument, a missing file, a refused path): one
+        # line; anything else is a bug in forebay and shows its traceback
+        print(f"forebay {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in _EXTRAS:
+            raise
+        print(f"forebay {args.command}: error: this needs the {top!r} package, not "
+              f"installed here: pip install 'forebay[{_EXTRAS[top]}]'", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("forebay: interrupted", file=sys.stderr)
+        return 130
+

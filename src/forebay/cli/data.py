@@ -1,0 +1,197 @@
+"""``forebay synth``, ``ingest``, ``info``, ``verify`` and ``dlio-configs``: packed datasets
+made, described and checked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._units import human_bytes, parse_size
+from ..errors import InvalidArgumentError
+from ._args import positive_int, progress
+
+__all__ = ["register"]
+
+
+def cmd_synth(a: argparse.Namespace) -> int:
+    from ..synth import KINDS, synthesize
+
+    t0 = time.perf_counter()
+    out = synthesize(a.kind, a.out, a.samples, a.seed, overwrite=a.overwrite, progress=progress(),
+                     format=a.format, per_file=a.per_file, classes=a.classes, size=a.size,
+                     encode=a.encode)
+    how = KINDS[a.kind][1]
+    if "|" in how:  # pff | cff: the hint for the format just written
+        how = [h.split(" (")[0].strip() for h in how.split("|")][a.format == "cff"]
+    print(f"wrote {a.samples} {a.kind} samples to {out} in {time.perf_counter() - t0:.1f} s "
+          f"(ingest with: forebay ingest {out} OUT {how})")
+    return 0
+
+def cmd_ingest(a: argparse.Namespace) -> int:
+    from ..dataset.sources import get_source, ingest
+
+    ragged = {}
+    for spec in a.ragged or []:
+        name, sep, off = spec.partition("=")
+        if not sep or not name or not off:
+            raise InvalidArgumentError(f"--ragged takes NAME=OFFSETS_DATASET, got {spec!r}")
+        ragged[name] = off
+    keys = [k for k in a.keys.split(",") if k] if a.keys else None
+    source = get_source(a.from_, a.src, keys=keys, layout=a.layout, trust_pickle=a.trust_pickle,
+                        ragged=ragged)
+    t0 = time.perf_counter()
+    m = ingest(source, a.out, shard_bytes=a.shard_size, workers=a.workers,
+               overwrite=a.overwrite, progress=progress())
+    dt = time.perf_counter() - t0
+    print(f"ingested {m.num_samples} samples ({human_bytes(m.payload_nbytes)}) into {a.out} "
+          f"in {dt:.1f} s: {m.num_samples / dt:,.0f} samples/s, "
+          f"{m.payload_nbytes / dt / 2**20:,.1f} MiB/s, {len(m.shards)} shard(s)")
+    return 0
+
+def dataset_info(path: str) -> dict:
+    from ..dataset import open_dataset
+
+    ds = open_dataset(path)
+    lay = ds.layout
+    fields = []
+    for f in ds.schema.fields:
+        shapes = ds.index[:, lay.shape[f.name]]
+        fields.append({**f.to_dict(),
+                       "shape_min": shapes.min(axis=0).tolist() if len(ds) else [],
+                       "shape_max": shapes.max(axis=0).tolist() if len(ds) else []})
+    sn = ds.sample_nbytes
+    return {"path": str(ds.path), "samples": len(ds), "shards": len(ds.manifest.shards),
+            "payload_bytes": ds.nbytes, "disk_bytes": ds.disk_nbytes,
+            "sample_bytes": {"min": int(sn.min()), "mean": float(sn.mean()),
+                             "max": int(sn.max())},
+            "fields": fields, "metadata": ds.metadata, "fingerprint": ds.fingerprint,
+            "created_by": ds.manifest.created_by}
+
+def cmd_dlio_configs(a: argparse.Namespace) -> int:
+    """The directory of forebay's DLIO workload configs (for ``--config-dir``)."""
+    d = Path(__file__).parents[1] / "dlio_workloads"
+    if a.list:
+        for f in sorted((d / "workload").glob("*.yaml")):
+            print(f.stem)
+    else:
+        print(d)
+    return 0
+
+def cmd_info(a: argparse.Namespace) -> int:
+    info = dataset_info(a.path)
+    if a.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    sb = info["sample_bytes"]
+    print(f"{info['path']}\n  samples      {info['samples']:,}\n  shards       {info['shards']}\n"
+          f"  payload      {human_bytes(info['payload_bytes'])}  (on disk "
+          f"{human_bytes(info['disk_bytes'])})\n  sample size  min {human_bytes(sb['min'])}, "
+          f"mean {human_bytes(sb['mean'])}, max {human_bytes(sb['max'])}\n"
+          f"  fingerprint  {info['fingerprint']}   ({info['created_by']})\n  fields")
+    for f in info["fields"]:
+        if f["kind"] == "bytes":
+            desc = f"bytes, {f['shape_min'][0]}..{f['shape_max'][0]} B"
+        else:
+            dims = [str(lo) if lo == hi else f"{lo}..{hi}"
+                    for lo, hi in zip(f["shape_min"], f["shape_max"])]
+            desc = f"{np.dtype(f['dtype']).name} ({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+        print(f"    {f['name']:<16} {desc}")
+    meta = {k: v for k, v in info["metadata"].items()}
+    if meta:
+        text = json.dumps(meta)
+        print(f"  metadata     {text if len(text) < 200 else text[:197] + '...'}")
+    return 0
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from ..dataset import open_dataset
+    from ..errors import CorruptDatasetError, DatasetNotFoundError
+
+    try:
+        ds = open_dataset(a.path)
+    except CorruptDatasetError as e:   # damaged manifest, index or sizes: corrupt, exit 1
+        print(f"CORRUPT {e}", file=sys.stderr)
+        return 1
+    except DatasetNotFoundError as e:
+        if not (Path(a.path) / "manifest.json").is_file():
+            raise                      # no dataset at all: exit 2
+        print(f"CORRUPT {e}", file=sys.stderr)   # a part of one is missing: damage
+        return 1
+    t0 = time.perf_counter()
+    report = ds.verify(progress=progress(), raise_on_error=False)
+    dt = time.perf_counter() - t0
+    if report.ok:
+        print(f"ok: {len(ds):,} samples, {human_bytes(report.bytes_checked)} checked in {dt:.1f} s")
+        return 0
+    for p in report.problems:
+        print(f"CORRUPT {p}", file=sys.stderr)
+    return 1
+
+
+def register(sub: Any) -> None:
+    """Add this group's commands to the ``forebay`` parser."""
+    from ..dataset.sources import SOURCES
+    from ..synth import KINDS
+
+    s = sub.add_parser("synth", help="write synthetic source files shaped like the datasets of "
+                       "DDStore, NoPFS and MuMMI (Ising graphs, molecules, ImageNet, CosmoFlow)",
+                       description="Write synthetic source files: " + "; ".join(
+                           f"{k}: {v[2]}" for k, v in KINDS.items()))
+    s.add_argument("kind", choices=sorted(KINDS))
+    s.add_argument("out")
+    s.add_argument("--samples", "-n", type=positive_int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--format", choices=["pff", "cff"], help="ising/molecules: one pickle per "
+                   "sample (pff, default) or one HDF5 file (cff)")
+    s.add_argument("--per-file", type=positive_int,
+                   help="mummi: samples per NPZ file (default 256)")
+    s.add_argument("--classes", type=positive_int,
+                   help="imagenet: number of classes (default 10)")
+    s.add_argument("--encode", choices=["blob", "jpeg"],
+                   help="imagenet: random bytes of JPEG sizes (blob, default, fast) or real "
+                        "JPEG images to decode (jpeg, via Pillow)")
+    s.add_argument("--size", type=positive_int, help="cosmoflow: volume side S (default 32)")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(func=cmd_synth)
+
+    g = sub.add_parser("ingest", help="pack source files into a forebay dataset")
+    g.add_argument("src")
+    g.add_argument("out")
+    g.add_argument("--from", dest="from_", required=True, choices=sorted(SOURCES),
+                   help="kind of source")
+    g.add_argument("--keys", help="comma-separated arrays/datasets to keep (npz, hdf5, pickle), "
+                   "or the field name (npy)")
+    g.add_argument("--layout", choices=["stacked", "per-file"],
+                   help="npz, hdf5: samples stacked along axis 0 (default) or one per file; "
+                   "npy: one per file (default) or stacked")
+    g.add_argument("--ragged", action="append", metavar="NAME=OFFSETS",
+                   help="hdf5: NAME is flat data split by the OFFSETS dataset (NAME_offsets "
+                   "is found automatically)")
+    g.add_argument("--shard-size", type=parse_size, default="256MiB",
+                   help="bytes per shard (default 256MiB)")
+    g.add_argument("--workers", type=positive_int, default=1,
+                   help="reader processes (default 1; more help only when decoding a unit "
+                        "costs more than writing it, on spare cores)")
+    g.add_argument("--trust-pickle", action="store_true",
+                   help="allow unpickling the source (runs code stored in it)")
+    g.add_argument("--overwrite", action="store_true")
+    g.set_defaults(func=cmd_ingest)
+
+    i = sub.add_parser("info", help="describe a packed dataset")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
+    v.add_argument("path")
+    v.set_defaults(func=cmd_verify)
+    dc = sub.add_parser("dlio-configs", help="print the directory of forebay's DLIO workload "
+                        "configs: dlio_benchmark --config-dir=$(forebay dlio-configs) "
+                        "workload=forebay_unet3d")
+    dc.add_argument("--list", action="store_true", help="list the workloads instead")
+    dc.set_defaults(func=cmd_dlio_configs)
