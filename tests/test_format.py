@@ -423,7 +423,7 @@ def test_read_records_copies_records_with_pread_and_names_a_shard_cut_short(tmp_
     with the C kernel and with its pure-Python fallback; a copied dataset has no open
     files; a shard cut short after it was opened raises TruncatedShardError naming the
     file and the sample, never a short copy."""
-    import forebay.dataset._reader as R
+    import forebay.dataset._files as R
     from forebay.dataset import IndexLayout
 
     rng = np.random.default_rng(3)

@@ -4,7 +4,9 @@ from ._batch import (BufferPool, FieldBatch, ReadOnly, SampleBatch, SampleViews,
                      assemble_views, gather_ranges)
 from ._format import (ALIGNMENT, FORMAT_VERSION, IndexLayout, Manifest, checksum,
                       seal_manifest)
-from ._reader import PackedDataset, PinnedPages, VerifyReport, can_lock, open_dataset
+from ._pinned import PinnedPages, can_lock
+from ._reader import PackedDataset, open_dataset
+from ._verify import VerifyReport
 from ._schema import KIND_BYTES, Field, Schema
 from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 

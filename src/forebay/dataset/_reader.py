@@ -1,10 +1,9 @@
-"""Memory-mapped, fork- and thread-safe reader of packed datasets."""
+"""Memory-mapped, fork- and thread-safe reader of packed datasets: the index, sample and
+record access.  System calls on the files are in ``_files.py``, locked pages in
+``_pinned.py``, whole-dataset verification in ``_verify.py``."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
 import io
 import mmap
 import os
@@ -12,20 +11,21 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import xxhash
 
 from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, DatasetNotFoundError,
-                      InvalidArgumentError, SampleIndexError, TruncatedShardError,
-                      UsageError)
+                      InvalidArgumentError, SampleIndexError, TruncatedShardError)
 from .._intervals import merge_intervals
-from ..progress import Progress, as_progress
+from ..progress import Progress
 from ._batch import SampleBatch, SampleViews, _native, assemble_batch, assemble_views
 from ._format import ALIGNMENT, IndexLayout, Manifest, checksum
+from ._files import close_all, map_file, open_checked, populate_ranges, pread_ranges, resident
+from ._verify import VerifyReport, verify_files
 
-__all__ = ["PackedDataset", "PinnedPages", "can_lock", "open_dataset", "VerifyReport"]
+__all__ = ["PackedDataset", "open_dataset"]
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
 _EMPTY.flags.writeable = False       # as the shards' maps: views of it are read-only
@@ -43,30 +43,6 @@ WARM_RECORD_MAX = 64 << 10
 _live: "weakref.WeakSet[PackedDataset]" = weakref.WeakSet()
 
 
-def _load_mincore() -> Any:
-    try:
-        f = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    f.restype = ctypes.c_int
-    return f
-
-
-_mincore = _load_mincore()
-
-
-def _cached(buf: np.ndarray, start: int, length: int) -> bool:
-    """Whether every page of ``buf[start:start + length]`` (a read-only file map,
-    ``start`` page-aligned) is in the page cache (mincore); False where unknown."""
-    if _mincore is None or length <= 0:
-        return False
-    vec = np.zeros(-(-length // _PAGE), dtype=np.uint8)
-    if _mincore(buf.ctypes.data + start, length, vec.ctypes.data) != 0:
-        return False
-    return bool((vec & 1).all())
-
-
 def _reset_after_fork() -> None:
     # A lock held by another thread at fork time would stay held in the child.
     for ds in list(_live):
@@ -75,112 +51,6 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-@contextlib.contextmanager
-def _named_fd_limit(path: str) -> Iterator[None]:
-    """EMFILE (this process at its RLIMIT_NOFILE) as an error that says what to do."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.EMFILE:
-            raise
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        raise UsageError(f"{path}: this process has as many files open as it may "
-                         f"(RLIMIT_NOFILE {soft}): a dataset keeps each shard it reads "
-                         f"open (a descriptor for its map; another for read_records); "
-                         f"raise `ulimit -n`, or write fewer, larger shards "
-                         f"(shard_bytes)") from e
-
-
-def _open_checked(path: str, want: int) -> int:
-    """Shard file ``path`` opened for reading (a descriptor), after checking its size is
-    the manifest's ``want`` bytes."""
-    with _named_fd_limit(path):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    size = os.fstat(fd).st_size
-    if size != want:
-        os.close(fd)
-        raise TruncatedShardError(f"{path}: {size} bytes on disk, the manifest records "
-                                  f"{want}")
-    return fd
-
-
-def _close_all(fds: dict[int, int]) -> None:
-    for fd in fds.values():
-        os.close(fd)
-    fds.clear()
-
-
-def _map_file(path: str, want: int) -> mmap.mmap:
-    """Shard file ``path`` mapped read-only, after checking its size is the manifest's
-    ``want`` bytes (a shorter file would fault the reader with SIGBUS)."""
-    fd = _open_checked(path, want)
-    try:
-        with _named_fd_limit(path):     # (mmap keeps a descriptor of its own)
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-
-
-def _pread_ranges(fd: int, offsets: np.ndarray, lens: np.ndarray, out: np.ndarray,
-                  dst: np.ndarray) -> int:
-    """``out[dst[k]:+lens[k]]`` = bytes ``[offsets[k], +lens[k])`` of file ``fd`` for
-    every k (int64 arrays), with pread; how many ranges were read whole (fewer: the
-    file ended inside the next one).  forebay's C kernel reads them all without the
-    GIL; without it, one ``os.preadv`` per range."""
-    if _native is not None and hasattr(_native, "pread_ranges"):
-        return int(_native.pread_ranges(fd, offsets, lens, out, dst))
-    view = out.data.cast("B")
-    for k, (o, n, d) in enumerate(zip(offsets.tolist(), lens.tolist(), dst.tolist())):
-        if d < 0 or n < 0 or o < 0 or d + n > len(view):
-            raise InvalidArgumentError(f"range {k} out of bounds: out[{d}:+{n}] of {len(view)}")
-        got = 0
-        while got < n:
-            r = os.preadv(fd, [view[d + got:d + n]], o + got)
-            if r == 0:
-                return k
-            got += r
-    return len(offsets)
-
-
-def _populate(m: np.ndarray, path: str, starts: np.ndarray, ends: np.ndarray) -> None:
-    """Map byte ranges [starts, ends) of shard map ``m`` (file ``path``) in now
-    (MADV_POPULATE_READ; forebay's C kernel); a range the file cannot give (an I/O
-    error, a file that shrank after it was mapped) raises :class:`TruncatedShardError`
-    instead of SIGBUS at its first read."""
-    # whole pages, ranges that touch one call (a call per record cost a system call
-    # each: millions for a dataset of small records)
-    a, b = merge_intervals((np.asarray(starts, dtype=np.int64) // _PAGE) * _PAGE,
-                           np.minimum(-(-np.asarray(ends, dtype=np.int64) // _PAGE) * _PAGE,
-                                      len(m)))
-    failed = _native.populate(m, a, b)
-    if failed:
-        size = os.stat(path).st_size
-        raise TruncatedShardError(
-            f"{path}: {failed} record range(s) could not be read (the file has {size} "
-            f"bytes, its map {len(m)}: it changed after it was opened, or the device "
-            f"failed)")
-
-
-class VerifyReport:
-    """What :meth:`PackedDataset.verify` found: ``ok``, ``problems``, ``bad_samples``."""
-
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-        self.bad_samples: list[int] = []
-        self.bytes_checked = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def __repr__(self) -> str:
-        return (f"VerifyReport(ok={self.ok}, problems={len(self.problems)}, "
-                f"bad_samples={self.bad_samples[:10]}"
-                f"{'...' if len(self.bad_samples) > 10 else ''})")
 
 
 class PackedDataset:
@@ -223,7 +93,7 @@ class PackedDataset:
         self._mmaps: list[Optional[mmap.mmap]] = [None] * len(self.manifest.shards)
         #: shards opened for read_records (descriptors, closed with this object)
         self._files: dict[int, int] = {}
-        weakref.finalize(self, _close_all, self._files)
+        weakref.finalize(self, close_all, self._files)
         self._lock = threading.Lock()
         self._mapped_in: Optional[np.ndarray] = None    # samples get_views mapped in
         _live.add(self)
@@ -303,7 +173,7 @@ class PackedDataset:
         cache (mincore; False where that cannot be known)."""
         at = start - start % _PAGE
         end = min(start + length, int(self.manifest.shards[k].data_nbytes))
-        return _cached(self._map(k), at, end - at)
+        return resident(self._map(k), at, end - at)
 
     def advise(self, k: int, starts: np.ndarray, ends: np.ndarray) -> None:
         """Ask the kernel to read byte ranges ``[starts, ends)`` of shard ``k`` now, in
@@ -372,7 +242,7 @@ class PackedDataset:
             for k, at, n in todo:
                 if stop is not None and stop.is_set():
                     break
-                if _cached(self._map(k), at, n):
+                if resident(self._map(k), at, n):
                     cached += 1
                     continue
                 if k not in fds:
@@ -444,7 +314,7 @@ class PackedDataset:
             fd = self._file(s)
             o, n, d = (np.ascontiguousarray(x[sel], dtype=np.int64) for x in (rec, ln, dst))
             try:
-                done = _pread_ranges(fd, o, n, out, d)
+                done = pread_ranges(fd, o, n, out, d)
             except OSError as e:
                 raise TruncatedShardError(f"{self.shard_path(s)}: its records could not be "
                                           f"read ({e})") from e
@@ -462,7 +332,7 @@ class PackedDataset:
                 fd = self._files.get(k)
                 if fd is None:
                     s = self.manifest.shards[k]
-                    fd = self._files[k] = _open_checked(str(self.path / s.data),
+                    fd = self._files[k] = open_checked(str(self.path / s.data),
                                                         s.data_nbytes)
         return fd
 
@@ -521,7 +391,7 @@ class PackedDataset:
         fresh = ~self._mapped_in[ids]
         if not fresh.any():
             return
-        _populate(m, self.shard_path(shard), starts[fresh], ends[fresh])
+        populate_ranges(m, self.shard_path(shard), starts[fresh], ends[fresh])
         self._mapped_in[ids[fresh]] = True
 
     def _check_rows(self) -> None:
@@ -578,7 +448,7 @@ class PackedDataset:
         s = self.manifest.shards[k]
         if s.data_nbytes == 0:
             return _EMPTY
-        mm = _map_file(str(self.path / s.data), s.data_nbytes)
+        mm = map_file(str(self.path / s.data), s.data_nbytes)
         self._mmaps[k] = mm
         return np.frombuffer(mm, dtype=np.uint8)
 
@@ -607,7 +477,7 @@ class PackedDataset:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._files = {}
-        weakref.finalize(self, _close_all, self._files)
+        weakref.finalize(self, close_all, self._files)
         self._lock = threading.Lock()
         _live.add(self)
 
@@ -817,161 +687,11 @@ class PackedDataset:
         Raises :class:`ChecksumError` listing what is damaged (or returns the report
         with ``raise_on_error=False``).
         """
-        report = VerifyReport()
-        prog = as_progress(progress)
-        prog.start(self.disk_nbytes, desc="verify", unit="B")
-        for k, s in enumerate(self.manifest.shards):
-            ipath, dpath = self.path / s.index, self.path / s.data
-            try:
-                if checksum(ipath.read_bytes()) != s.index_checksum:
-                    report.problems.append(f"{ipath}: index checksum mismatch")
-                prog.update(s.index_nbytes)
-                h = xxhash.xxh3_64()
-                size = 0
-                with open(dpath, "rb") as f:
-                    while chunk := f.read(16 << 20):
-                        h.update(chunk)
-                        size += len(chunk)
-                        prog.update(len(chunk))
-                report.bytes_checked += size + s.index_nbytes
-            except OSError as e:
-                report.problems.append(f"{dpath}: cannot read ({e})")
-                continue
-            if size != s.data_nbytes:
-                report.problems.append(f"{dpath}: {size} bytes, manifest records {s.data_nbytes}")
-            elif h.hexdigest() != s.data_checksum:
-                first = int(self._shard_start[k])
-                bad = self.bad_records(np.arange(first, first + s.num_samples))
-                report.bad_samples += bad
-                report.problems.append(
-                    f"{dpath}: shard checksum mismatch; damaged samples: "
-                    f"{bad[:20]}{'...' if len(bad) > 20 else ''}" if bad else
-                    f"{dpath}: shard checksum mismatch (in padding; every sample checks out)")
-        prog.close()
-        if report.problems and raise_on_error:
-            raise ChecksumError(f"{self.path}: " + "; ".join(report.problems[:10]) +
-                                (f" (+{len(report.problems) - 10} more)"
-                                 if len(report.problems) > 10 else ""))
-        return report
+        return verify_files(self, progress=progress, raise_on_error=raise_on_error)
 
     def __repr__(self) -> str:
         return (f"PackedDataset({str(self.path)!r}, samples={len(self)}, "
                 f"shards={len(self.manifest.shards)}, fields=[{self.schema.describe()}])")
-
-
-class PinnedPages:
-    """The pages of a packed dataset's records held in memory: read-only maps of its
-    shard files of its own, each locked as its pages are mapped in (``mlock2`` with
-    ``MLOCK_ONFAULT``, one call per map: an ``mlock`` per record would split a map into
-    a mapping per range); :meth:`pin` maps records in (``MADV_POPULATE_READ``).  The
-    page cache keeps one copy per node, shared by every process that maps the files,
-    as long as one process locks it.  What :class:`~forebay.store.ClairvoyantStore`
-    holds its RAM tier in with ``ram_tier="pages"``: these maps only lock; batches read
-    every sample through the dataset's own maps, straight into the batch, never copied
-    into a tier (reading a rank's own samples through these left the dataset's maps
-    unmapped, and the first warm epoch faulted on each of a peer's pages there).
-    :meth:`close` unmaps these maps, which unlocks them.  Needs forebay's C kernel and
-    the right to lock the shards' bytes (``RLIMIT_MEMLOCK`` counts each locked map
-    whole, or ``CAP_IPC_LOCK``; :func:`can_lock`)."""
-
-    def __init__(self, ds: "PackedDataset") -> None:
-        if _native is None or not hasattr(_native, "lock_on_fault"):
-            raise InvalidArgumentError("holding samples in the page cache needs forebay's C "
-                                       "kernel (forebay._native), which this install lacks")
-        self._ds = ds
-        self._maps: dict[int, mmap.mmap] = {}
-        self._arrays: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
-        #: bytes of the records pinned so far (a record pinned twice counts twice)
-        self.nbytes = 0
-        #: the errno of the first map that could not be locked (0: none)
-        self.error = 0
-
-    def _array(self, k: int) -> np.ndarray:
-        """Shard ``k``'s locked map as a read-only uint8 array (mapped once)."""
-        arr = self._arrays.get(k)
-        if arr is not None:
-            return arr
-        with self._lock:
-            arr = self._arrays.get(k)
-            if arr is None:
-                want = self._ds.manifest.shards[k].data_nbytes
-                if not want:
-                    arr = _EMPTY
-                else:
-                    mm = _map_file(self._ds.shard_path(k), want)
-                    self.error = self.error or _native.lock_on_fault(mm)
-                    self._maps[k] = mm
-                    arr = np.frombuffer(mm, dtype=np.uint8)
-                self._arrays[k] = arr
-            return arr
-
-    def lock(self, shards: np.ndarray) -> None:
-        """Map and lock these shards now (their pages as they are mapped in)."""
-        for k in shards.tolist():
-            self._array(k)
-
-    def _read_in(self, k: int, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Map byte ranges [starts, ends) of shard ``k`` in now, reading what is not
-        cached (and so lock them)."""
-        arr = self._array(k)
-        if len(arr):
-            _populate(arr, self._ds.shard_path(k), starts, ends)
-
-    def pin_range(self, k: int, start: int, end: int) -> None:
-        """Read bytes ``[start, end)`` of shard ``k`` into memory, if they are not there,
-        and lock their pages (whole pages); a range the file cannot give raises
-        :class:`~forebay.errors.TruncatedShardError`.  For a caller that holds a
-        contiguous run of records (a preload's chunk), read in pieces."""
-        self._read_in(k, np.zeros(0, dtype=np.int64), np.array([start], dtype=np.int64),
-                      np.array([end], dtype=np.int64))
-        with self._lock:
-            self.nbytes += max(0, end - start)
-
-    def pin(self, ids: np.ndarray, rows: np.ndarray, *,
-            advise: Optional[np.ndarray] = None) -> None:
-        """Read the records of samples ``ids`` (index rows ``rows``) into memory, if
-        they are not there, and lock their pages (whole pages: one a neighbour shares is
-        locked too).  A record that cannot be read (a shard shorter than its map, an I/O
-        error) raises :class:`~forebay.errors.TruncatedShardError`; where a map could
-        not be locked, :attr:`error` says why and its pages stay cached unlocked.
-        ``advise``: which of them to ask the kernel for first (WILLNEED; default all;
-        none for records just read)."""
-        self._ds._parts(ids, rows, advise, self._array, self._read_in)
-        with self._lock:
-            self.nbytes += int(rows[:, IndexLayout.REC_LEN].sum())
-
-    def close(self) -> None:
-        """Unmap, and so unlock, every map this object locked."""
-        with self._lock:
-            maps, self._maps, self._arrays = self._maps, {}, {}
-        for mm in maps.values():
-            try:
-                mm.close()
-            except BufferError:
-                pass
-
-
-def can_lock(nbytes: int) -> bool:
-    """Whether this process may lock ``nbytes`` more bytes of a dataset's pages in memory
-    (:class:`PinnedPages`): forebay's C kernel is built, and the process holds
-    ``CAP_IPC_LOCK`` (root, usually) or ``RLIMIT_MEMLOCK`` leaves room for them beside
-    what it has locked already."""
-    if _native is None or not hasattr(_native, "lock_on_fault"):
-        return False
-    try:
-        with open("/proc/self/status") as f:
-            status = dict(line.split(":", 1) for line in f if ":" in line)
-        cap = int(status.get("CapEff", "0").strip(), 16)
-        locked = int(status.get("VmLck", "0 kB").split()[0]) * 1024
-    except (OSError, ValueError):
-        return False
-    if cap & (1 << 14):             # CAP_IPC_LOCK
-        return True
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return soft == resource.RLIM_INFINITY or locked + nbytes <= soft
 
 
 def open_dataset(path: "str | os.PathLike[str]", *, verify_on_read: bool = False,
