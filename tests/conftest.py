@@ -193,3 +193,21 @@ def damaged_copy(src: Path, dst: Path, sample: int, field: str = "x") -> Path:
             break
     assert forebay.open_dataset(dst).verify(raise_on_error=False).bad_samples == [sample]
     return dst
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line saying how many tests ran across the emulated nodes (tests/cluster.py)
+    and, where they were skipped, why."""
+    counts: dict[str, int] = {}
+    why = set()
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if "cluster" in getattr(rep, "keywords", {}) and getattr(rep, "when", "call") in (
+                    "call", "setup") and not (outcome == "passed" and rep.when == "setup"):
+                counts[outcome] = counts.get(outcome, 0) + 1
+                if outcome == "skipped" and isinstance(rep.longrepr, tuple):
+                    why.add(str(rep.longrepr[2]).removeprefix("Skipped: "))
+    if counts:
+        text = ", ".join(f"{n} {k}" for k, n in counts.items())
+        terminalreporter.write_line(f"cluster tests (emulated nodes): {text}"
+                                    + (f" ({'; '.join(sorted(why))})" if why else ""))

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Run a job on an emulated cluster: N nodes as Linux namespaces on this machine (each
+its own hostname, network, IPC, /dev/shm and local scratch; the rest of the file system
+shared as a parallel file system), built for the job and removed after it.  Needs root.
+
+    sudo .venv/bin/python scripts/cluster.py --nodes 4 --ppn 2 mpiexec -- python train.py
+    sudo .venv/bin/python scripts/cluster.py --nodes 2 --ppn 2 torchrun -- train.py
+    sudo .venv/bin/python scripts/cluster.py --nodes 2 run 1 -- hostname
+
+Inside the job, ``$FOREBAY_CLUSTER_SHARED`` is the shared directory (the cluster's
+``shared/``) and ``$FOREBAY_CLUSTER_LOCAL`` each node's own scratch directory.  The
+cluster's implementation, also the test suite's, is tests/cluster.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from cluster import Cluster, unavailable  # noqa: E402
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=4, help="emulated nodes (default 4)")
+    p.add_argument("--ppn", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("--shm", default="512", help="each node's /dev/shm in MiB (default 512)")
+    p.add_argument("--root", help="the cluster's directory (default: a new one in /tmp)")
+    p.add_argument("how", choices=["mpiexec", "torchrun", "run"])
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="run: NODE -- COMMAND; else -- COMMAND")
+    a = p.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"cluster.py: {why}", file=sys.stderr)
+        return 2
+    cmd = [c for c in a.command if c != "--"] if a.command[:1] == ["--"] else a.command
+    node = 0
+    if a.how == "run":
+        if not cmd or not cmd[0].isdigit():
+            p.error("run needs a node number, then -- COMMAND")
+        node, cmd = int(cmd[0]), [c for c in cmd[1:] if c != "--"][:]
+    if not cmd:
+        p.error("no command given")
+    made = a.root is None
+    root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="forebay-cluster-"))
+    try:
+        with Cluster(a.nodes, root / "c", shm_bytes=int(a.shm) << 20) as c:
+            env = c.env({"FOREBAY_CLUSTER_SHARED": str(c.shared),
+                         "FOREBAY_CLUSTER_LOCAL": str(c.local)})
+            print(f"cluster: {a.nodes} nodes ({', '.join(c.hosts)}), shared {c.shared}",
+                  file=sys.stderr)
+            if a.how == "torchrun":
+                rs = c.torchrun(cmd, ppn=a.ppn, timeout=None, env=env, capture=False)
+                return max(abs(r.returncode) for r in rs)
+            argv = c.mpiexec_argv(cmd, ppn=a.ppn) if a.how == "mpiexec" else cmd
+            return c.popen(0 if a.how == "mpiexec" else node, argv, env=env).wait()
+    finally:
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
+
+if __name__ == "__main__":
+    sys.exit(main())

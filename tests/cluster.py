@@ -1,0 +1,323 @@
+"""An emulated cluster on one machine: each node a set of Linux namespaces.
+
+A node has its own network namespace (``eth0`` on a veth pair whose other end is on one
+bridge, an address of its own, no route anywhere else), its own hostname (``node0`` ..
+``nodeN-1``), its own IPC namespace and a mount namespace in which ``/dev/shm`` is a
+private tmpfs of a set size, ``<root>/local`` is the node's own scratch directory (the
+SSD tier's place) and ``/etc/hosts`` names every node.  Everything else of the file
+system is shared by the nodes, as a parallel file system is: a dataset written under
+``<root>/shared`` (or anywhere outside ``<root>/local``) is seen by every node.
+
+Processes run on a node through ``nsenter`` into a holder process that keeps the
+node's namespaces alive.  Real launchers run across the nodes: ``mpiexec`` (MPICH's
+hydra, with :data:`NODE_EXEC` as its launcher in place of ssh) and ``torchrun`` (one
+agent per node, the rendezvous on node0).  Node faults: :meth:`Cluster.kill_node`
+(every process of a node), :meth:`Cluster.cut_link` / :meth:`Cluster.restore_link`
+(``ip link set down``), :meth:`Cluster.cap_link` (a token bucket on the node's link).
+
+Needs root, ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux) and network
+namespaces; :func:`unavailable` says why not where any is missing.  :meth:`Cluster.down`
+(also at exit, and on SIGTERM of the process that built it) kills every process of
+every node and removes every namespace, link and directory it made.
+
+Used by the cluster tests (``tests/cluster/``) and by ``scripts/cluster.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["Cluster", "unavailable", "NODE_EXEC"]
+
+#: hydra's launcher in place of ssh: ``node_exec.sh [-opts] HOST COMMAND...`` runs
+#: COMMAND on node HOST of the cluster named by ``FOREBAY_CLUSTER_DIR``
+NODE_EXEC = Path(__file__).with_name("node_exec.sh")
+#: the clusters of this process still up (taken down at exit)
+_LIVE: "list[Cluster]" = []
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+def unavailable() -> Optional[str]:
+    """Why an emulated cluster cannot be built here (None: it can)."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces, mounts)"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs `{tool}` (iproute2, util-linux)"
+    probe = f"fbprobe{os.getpid()}"
+    r = _sh("ip", "netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"network namespaces are not available here: {r.stderr.strip()}"
+    _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+class Cluster:
+    """``nodes`` emulated nodes under directory ``root`` (created; removed by
+    :meth:`down`).
+
+    Args:
+        nodes: how many (hostnames node0 .. node{nodes-1}).
+        root: the cluster's directory: ``shared/`` (the parallel file system, seen by
+            every node), ``local/`` (each node's own scratch at the same path),
+            ``nodes/`` (the nodes' private directories behind ``local/``).
+        shm_bytes: the size of each node's ``/dev/shm`` (a tmpfs of its own).
+    """
+
+    def __init__(self, nodes: int = 4, root: "str | os.PathLike[str]" = "/tmp/forebay-cluster",
+                 *, shm_bytes: int = 512 << 20) -> None:
+        if nodes < 1 or nodes > 64:
+            raise ValueError(f"nodes must be 1..64, got {nodes}")
+        self.nodes = nodes
+        self.root = Path(root).resolve()
+        self.shm_bytes = int(shm_bytes)
+        tag = os.getpid() % 100000
+        self.prefix = f"fb{tag}"            # names of this cluster's netns and links
+        self.subnet = f"10.213.{tag % 250}"  # the nodes' own addresses, nothing routes out
+        self.hosts = [f"node{k}" for k in range(nodes)]
+        self.pids: list[int] = []            # each node's holder process
+        self._holders: list[subprocess.Popen] = []
+        self._up = False
+
+    # -- names ----------------------------------------------------------------------
+    @property
+    def shared(self) -> Path:
+        """The parallel file system: one directory every node sees."""
+        return self.root / "shared"
+
+    @property
+    def local(self) -> Path:
+        """Each node's own scratch directory (the same path on every node)."""
+        return self.root / "local"
+
+    def node_dir(self, k: int) -> Path:
+        """Node ``k``'s private directory as this (host) process sees it."""
+        return self.root / "nodes" / self.hosts[k]
+
+    def netns(self, k: int) -> str:
+        return f"{self.prefix}n{k}"
+
+    def address(self, k: int) -> str:
+        return f"{self.subnet}.{k + 1}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}br"
+
+    def _veth(self, k: int) -> str:
+        return f"{self.prefix}v{k}"
+
+    # -- up and down ----------------------------------------------------------------
+    def up(self) -> "Cluster":
+        """Build every node (collective of nothing: one process builds all)."""
+        if self._up:
+            return self
+        _LIVE.append(self)
+        self._up = True
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _build(self) -> None:
+        self.shared.mkdir(parents=True, exist_ok=True)
+        self.local.mkdir(parents=True, exist_ok=True)
+        hosts = self.root / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{self.address(k)} {h}\n" for k, h in enumerate(self.hosts)))
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "link", "set", self.bridge, "up")
+        for k in range(self.nodes):
+            ns, veth = self.netns(k), self._veth(k)
+            self.node_dir(k).mkdir(parents=True, exist_ok=True)
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "link", "set", veth, "master", self.bridge)
+            _sh("ip", "link", "set", veth, "up")
+            for cmd in (["ip", "link", "set", "lo", "up"],
+                        ["ip", "addr", "add", f"{self.address(k)}/24", "dev", "eth0"],
+                        ["ip", "link", "set", "eth0", "up"]):
+                _sh("ip", "netns", "exec", ns, *cmd)
+            # the holder: the node's own hostname, IPC, /dev/shm, local/ and /etc/hosts
+            setup = (f"hostname {self.hosts[k]} && "
+                     f"mount -t tmpfs -o size={self.shm_bytes},mode=1777 tmpfs /dev/shm && "
+                     f"mount --bind {self.node_dir(k)} {self.local} && "
+                     f"mount --bind {hosts} /etc/hosts && echo $$ && exec sleep infinity")
+            holder = subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--uts", "--ipc", "--mount",
+                 "--propagation", "private", "--fork", "sh", "-c", setup],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
+            self._holders.append(holder)
+            assert holder.stdout is not None and holder.stderr is not None
+            line = holder.stdout.readline()
+            if not line.strip().isdigit():
+                holder.wait()
+                err = holder.stderr.read()
+                holder.stdout.close()
+                holder.stderr.close()
+                raise RuntimeError(f"node {self.hosts[k]} did not start: {err.strip()}")
+            holder.stdout.close()          # the holder writes nothing more
+            holder.stderr.close()
+            self.pids.append(int(line))
+        (self.root / "pids.json").write_text(json.dumps(dict(zip(self.hosts, self.pids))))
+
+    def down(self) -> None:
+        """Kill every process of every node, remove the namespaces, links and the
+        cluster's directory.  Idempotent; never raises."""
+        if not self._up:
+            return
+        self._up = False
+        for k in range(len(self.pids)):
+            self.kill_node(k)
+        for h in self._holders:
+            try:
+                os.killpg(h.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                h.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for k in range(self.nodes):
+            _sh("ip", "netns", "del", self.netns(k), check=False)
+            _sh("ip", "link", "del", self._veth(k), check=False)
+        _sh("ip", "link", "del", self.bridge, check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def __enter__(self) -> "Cluster":
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- running --------------------------------------------------------------------
+    def on(self, k: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` as a command that runs on node ``k``."""
+        return ["nsenter", "-t", str(self.pids[k]), "-n", "-u", "-i", "-m", "--", *argv]
+
+    def run(self, k: int, argv: Sequence[str], *, timeout: Optional[float] = 120,
+            env: Optional[dict] = None) -> subprocess.CompletedProcess:
+        """Run ``argv`` on node ``k`` to the end (its output captured)."""
+        return subprocess.run(self.on(k, argv), capture_output=True, text=True,
+                              timeout=timeout, env=env)
+
+    def popen(self, k: int, argv: Sequence[str], *, env: Optional[dict] = None,
+              **kw: Any) -> subprocess.Popen:
+        return subprocess.Popen(self.on(k, argv), env=env, **kw)
+
+    def env(self, extra: Optional[dict] = None) -> dict:
+        """The environment of a job on the cluster: the caller's, the cluster's
+        directory for :data:`NODE_EXEC`, and the nodes' interface for gloo and MPI."""
+        e = dict(os.environ, FOREBAY_CLUSTER_DIR=str(self.root), GLOO_SOCKET_IFNAME="eth0",
+                 FI_PROVIDER="tcp", FI_TCP_IFACE="eth0", OMP_NUM_THREADS="1")
+        e.update(extra or {})
+        return e
+
+    def mpiexec_argv(self, argv: Sequence[str], *, nodes: Optional[int] = None,
+                     ppn: int = 1) -> list[str]:
+        """The ``mpiexec`` command (to run on node0) that starts ``argv`` on
+        ``nodes * ppn`` ranks across the first ``nodes`` nodes, ``ppn`` each (ranks
+        0..ppn-1 on node0, ...)."""
+        n = self.nodes if nodes is None else nodes
+        mpiexec = str(Path(sys.executable).parent / "mpiexec")
+        return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(NODE_EXEC),
+                "-hosts", ",".join(self.hosts[:n]), "-ppn", str(ppn), "-n", str(n * ppn),
+                *argv]
+
+    def mpiexec(self, argv: Sequence[str], *, nodes: Optional[int] = None, ppn: int = 1,
+                timeout: Optional[float] = 180, env: Optional[dict] = None
+                ) -> subprocess.CompletedProcess:
+        """Run :meth:`mpiexec_argv` on node0 to the end; its output captured."""
+        return self.run(0, self.mpiexec_argv(argv, nodes=nodes, ppn=ppn), timeout=timeout,
+                        env=self.env(env))
+
+    def torchrun_argv(self, argv: Sequence[str], *, nodes: Optional[int] = None,
+                      ppn: int = 1, port: int = 29400) -> list[str]:
+        """The ``torchrun`` command each node's agent runs (``--nnodes nodes
+        --nproc-per-node ppn``, the c10d rendezvous on node0)."""
+        n = self.nodes if nodes is None else nodes
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        return [torchrun, "--nnodes", str(n), "--nproc-per-node", str(ppn),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0]}:{port}",
+                "--rdzv-id", self.prefix, *argv]
+
+    def torchrun(self, argv: Sequence[str], *, nodes: Optional[int] = None, ppn: int = 1,
+                 timeout: Optional[float] = 180, env: Optional[dict] = None,
+                 port: int = 29400, capture: bool = True) -> list[subprocess.CompletedProcess]:
+        """One ``torchrun`` agent on each of the first ``nodes`` nodes
+        (:meth:`torchrun_argv`), to the end; each agent's output (``capture``)."""
+        n = self.nodes if nodes is None else nodes
+        cmd = self.torchrun_argv(argv, nodes=n, ppn=ppn, port=port)
+        pipe = subprocess.PIPE if capture else None
+        procs = [self.popen(k, cmd, env=self.env(env), stdout=pipe, stderr=pipe, text=True)
+                 for k in range(n)]
+        out = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in procs:
+            try:
+                so, se = p.communicate(timeout=None if deadline is None else
+                                       max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so or "", se or ""))
+        return out
+
+    # -- faults ---------------------------------------------------------------------
+    def node_pids(self, k: int) -> list[int]:
+        """The processes running on node ``k`` (its network namespace), holder aside."""
+        r = _sh("ip", "netns", "pids", self.netns(k), check=False)
+        holder = {self.pids[k]} if k < len(self.pids) else set()
+        return [int(p) for p in r.stdout.split() if p.strip().isdigit() and
+                int(p) not in holder and int(p) != os.getpid()]
+
+    def kill_node(self, k: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to every process of node ``k`` (its holder stays: the node is
+        there, its processes are gone); returns how many."""
+        pids = self.node_pids(k)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def cut_link(self, k: int) -> None:
+        """Node ``k``'s link down: nothing reaches it or leaves it."""
+        _sh("ip", "link", "set", self._veth(k), "down")
+
+    def restore_link(self, k: int) -> None:
+        _sh("ip", "link", "set", self._veth(k), "up")
+
+    def cap_link(self, k: int, mbit: float) -> None:
+        """Node ``k``'s link (both ways) capped at ``mbit`` Mbit/s (a token bucket)."""
+        for dev, where in ((self._veth(k), []), ("eth0", ["ip", "netns", "exec",
+                                                         self.netns(k)])):
+            _sh(*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                f"{mbit}mbit", "burst", "64kb", "latency", "50ms")
+
+
+def _down_all() -> None:
+    for c in list(_LIVE):
+        c.down()
+
+
+atexit.register(_down_all)

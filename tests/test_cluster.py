@@ -1,0 +1,280 @@
+"""forebay across real node boundaries: four emulated nodes on this machine
+(tests/cluster.py: each node its own network, hostname, IPC, /dev/shm and local
+scratch; the rest of the file system shared, as a parallel file system), real
+``mpiexec`` (hydra entering each node in place of ssh) and real ``torchrun`` (one
+agent per node, c10d rendezvous on node0) across them.
+
+Needs root and network namespaces (CI has both); elsewhere every test here is
+skipped with one line saying why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import forebay
+from cluster import Cluster, unavailable
+from conftest import rank_command, say
+
+pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
+MPI_TESTS = Path(__file__).parent / "mpi"
+if str(MPI_TESTS) not in sys.path:      # the rank functions of tests/mpi run here too
+    sys.path.insert(0, str(MPI_TESTS))
+
+#: store kinds of tests/mpi/test_store_contract.py whose transport reaches across nodes,
+#: with the transport each must report there (kind=transport; "arrays": ArrayStore)
+ACROSS_MPI = ["preload-rma=rma", "preload-overlap=rma", "preload-overlap-rma=rma",
+              "preload-exchange=exchange", "preload-overlap-exchange=exchange",
+              "clairvoyant-ram=rma", "clairvoyant-rma=rma", "clairvoyant-ssd=rma",
+              "clairvoyant-exchange=exchange", "arrays=rma"]
+ACROSS_TORCH = ["preload-exchange=exchange", "preload-overlap=exchange",
+                "preload-overlap-exchange=exchange", "clairvoyant-exchange=exchange",
+                "clairvoyant-ram=exchange"]
+#: (nodes, ranks per node) of the cross-node layouts
+LAYOUTS = [(2, 2), (4, 1)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    c = Cluster(4, tmp_path_factory.mktemp("cluster") / "c", shm_bytes=256 << 20)
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def dataset(cluster):
+    """The contract suite's dataset, on the cluster's shared file system."""
+    path = cluster.shared / "contract"
+    rng = np.random.default_rng(0)
+    forebay.write_dataset(path, ({"x": rng.normal(size=(int(rng.integers(0, 9)), 3)),
+                                  "b": rng.bytes(int(rng.integers(0, 90))),
+                                  "y": np.int64(i)} for i in range(150)),
+                          shard_bytes=6 << 10)
+    return path
+
+
+def run_mpi(cluster: Cluster, nodes: int, ppn: int, func, *args, timeout: int = 240,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """``func(*args)`` (a rank function of a test module) on every rank of real
+    ``mpiexec`` across ``nodes`` nodes, ``ppn`` ranks each."""
+    cmd, full_env = rank_command(func, args, env)
+    return cluster.mpiexec([sys.executable, *cmd], nodes=nodes, ppn=ppn, timeout=timeout,
+                           env=full_env)
+
+
+def run_torch(cluster: Cluster, nodes: int, ppn: int, func, *args, timeout: int = 240,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """As :func:`run_mpi` under real ``torchrun``, one agent per node; the agents'
+    outputs joined (node order)."""
+    cmd, full_env = rank_command(func, args, env)
+    out = cluster.torchrun(cmd, nodes=nodes, ppn=ppn, timeout=timeout, env=full_env)
+    return subprocess.CompletedProcess(
+        [p.args for p in out], max(abs(p.returncode) for p in out),
+        "".join(p.stdout for p in out), "".join(p.stderr for p in out))
+
+
+def _why(p: subprocess.CompletedProcess) -> str:
+    return f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+
+
+# -- the test bed itself ------------------------------------------------------------
+def test_each_node_has_its_own_host_shm_and_scratch_and_shares_the_rest(cluster):
+    (cluster.shared / "seen").write_text("everywhere")
+    for k in range(cluster.nodes):
+        r = cluster.run(k, ["sh", "-c", f"hostname; touch /dev/shm/mine-{k} "
+                            f"{cluster.local}/mine-{k}; ls /dev/shm {cluster.local}; "
+                            f"cat {cluster.shared / 'seen'}"])
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.split()
+        assert out[0] == f"node{k}"
+        assert [f for f in out if f.startswith("mine-")] == [f"mine-{k}", f"mine-{k}"]
+        assert out[-1] == "everywhere"
+    assert not list(Path("/dev/shm").glob("mine-*"))       # nothing on the host's
+    got = cluster.run(1, ["python3", "-c", "import socket; print(socket.gethostbyname("
+                          "'node2'))"])
+    assert got.stdout.strip() == cluster.address(2)
+
+
+def rank_where() -> None:
+    import socket
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    every = comm.allgather(socket.gethostname())
+    if comm.rank == 0:
+        say("HOSTS " + json.dumps(every))
+
+
+@pytest.mark.parametrize("nodes, ppn", LAYOUTS)
+def test_mpiexec_places_ranks_on_the_nodes_in_order(cluster, nodes, ppn):
+    p = run_mpi(cluster, nodes, ppn, rank_where)
+    assert p.returncode == 0, _why(p)
+    line = next(x for x in p.stdout.splitlines() if x.startswith("HOSTS "))
+    assert json.loads(line[6:]) == [f"node{r // ppn}" for r in range(nodes * ppn)]
+
+
+# -- the store contract across nodes --------------------------------------------------
+def rank_contracts(path: str, kinds: str) -> None:
+    from test_store_contract import rank_contracts as contracts
+
+    contracts(path, kinds)
+
+
+_jobs: dict = {}
+
+
+def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
+    """One job per launcher and layout runs every contract (cached for the tests)."""
+    key = (launcher, nodes, ppn)
+    if key not in _jobs:
+        kinds = ",".join(ACROSS_MPI if launcher == "mpiexec" else ACROSS_TORCH)
+        run = run_mpi if launcher == "mpiexec" else run_torch
+        env = {"PYTHONPATH": os.pathsep.join([str(MPI_TESTS), os.environ.get("PYTHONPATH", "")])}
+        _jobs[key] = run(cluster, nodes, ppn, rank_contracts, dataset, kinds, env=env,
+                         timeout=400)
+    return _jobs[key]
+
+
+@pytest.mark.parametrize("nodes, ppn", LAYOUTS)
+@pytest.mark.parametrize("item", ACROSS_MPI)
+def test_store_contract_across_nodes_under_mpiexec(cluster, dataset, nodes, ppn, item):
+    p = _contract_job(cluster, dataset, "mpiexec", nodes, ppn)
+    kind = item.split("=")[0]
+    assert p.stdout.count(f"contract {kind} ok") == nodes * ppn, _why(p)
+
+
+@pytest.mark.parametrize("nodes, ppn", LAYOUTS)
+@pytest.mark.parametrize("item", ACROSS_TORCH)
+def test_store_contract_across_nodes_under_torchrun(cluster, dataset, nodes, ppn, item):
+    p = _contract_job(cluster, dataset, "torchrun", nodes, ppn)
+    kind = item.split("=")[0]
+    assert p.stdout.count(f"contract {kind} ok") == nodes * ppn, _why(p)
+
+
+def rank_shm_across(path: str) -> None:
+    from mpi4py import MPI
+
+    from forebay.store import DistributedStore, StoreError
+
+    try:
+        DistributedStore(path, MPI.COMM_WORLD, transport="shm", progress=False)
+    except StoreError as e:
+        say(f"REFUSED {e}")
+        return
+    raise AssertionError("a shm store across nodes was built")
+
+
+def test_shared_memory_across_nodes_is_refused_on_every_rank(cluster, dataset):
+    p = run_mpi(cluster, 2, 2, rank_shm_across, dataset)
+    assert p.returncode == 0, _why(p)
+    refused = [x for x in p.stdout.splitlines() if x.startswith("REFUSED ")]
+    assert len(refused) == 4 and all("needs every replica group on one node" in x
+                                     for x in refused), refused
+
+
+def rank_node_aware(path: str) -> None:
+    import socket
+
+    from mpi4py import MPI
+
+    from forebay.store import DistributedStore
+
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(path)
+    store = DistributedStore(ds, comm, node_aware=True, progress=False)
+    hosts = comm.allgather(socket.gethostname())
+    mates = [r for r in range(comm.size) if hosts[r] == hosts[comm.rank]]
+    assert store.width == len(mates) and store.group_ranks.tolist() == mates
+    assert store.transport in ("shm", "pages"), store.transport
+    every = np.arange(len(ds))
+    assert set(store.owner(every).tolist()) == set(mates)   # every read stays on the node
+    assert store.get_many(every).equals(ds.get_many(every))
+    st = store.stats()
+    assert st["fetches_by_source"].get("pfs", 0) == 0
+    store.close()
+    say(f"NODE-AWARE {comm.rank} ok")
+
+
+def test_node_aware_replica_groups_are_the_nodes(cluster, dataset):
+    p = run_mpi(cluster, 2, 2, rank_node_aware, dataset)
+    assert p.returncode == 0 and p.stdout.count("NODE-AWARE") == 4, _why(p)
+
+
+# -- the loader across nodes ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def labelled(cluster):
+    path = cluster.shared / "lab.fb"
+    forebay.write_dataset(path, ({"label": np.int64(i), "v": np.full(i % 7, i, np.float32)}
+                                 for i in range(101)), shard_bytes=4096)
+    return path
+
+
+@pytest.mark.parametrize("nodes, ppn, width", [(2, 2, 0), (4, 1, 2)])
+def test_global_batches_across_nodes_are_the_plans(cluster, labelled, nodes, ppn, width):
+    from test_loader import GLOBAL_BATCH, rank_global_batches
+
+    p = run_mpi(cluster, nodes, ppn, rank_global_batches, labelled, width, "-")
+    assert p.returncode == 0, _why(p)
+    line = next(x for x in p.stdout.splitlines() if x.startswith("GLOBAL "))
+    plan = forebay.AccessPlan(101, 1, GLOBAL_BATCH, 2, seed=5)
+    assert json.loads(line[7:]) == [[e] + g.tolist() for e in range(2)
+                                    for g in plan.global_batches(e)]
+
+
+# -- node faults ------------------------------------------------------------------------
+def rank_train_long(path: str) -> None:
+    """Epochs of batches until killed; rank 0 says when the first batch is in."""
+    from mpi4py import MPI
+
+    from forebay.torch import DataLoader
+
+    comm = MPI.COMM_WORLD
+    dl = DataLoader(path, 4, comm=comm, seed=1, epochs=1000, mode="preload",
+                    collate_fn=lambda b: b.ids.copy())
+    for epoch in range(1000):
+        dl.set_epoch(epoch)
+        for _ in dl:
+            if epoch == 0 and comm.rank == 0:
+                say("TRAINING")
+            comm.Barrier()
+
+
+def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled):
+    cmd, env = rank_command(rank_train_long, [labelled])
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    job = cluster.popen(0, [mpiexec, "-launcher", "ssh", "-launcher-exec",
+                            str(Path(__file__).with_name("node_exec.sh")),
+                            "-hosts", "node0,node1", "-ppn", "2", "-n", "4",
+                            sys.executable, *cmd],
+                        env=cluster.env(env), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:              # the job is training: kill node1 now
+            if line.startswith("TRAINING"):
+                break
+        assert cluster.kill_node(1) > 0
+        t0 = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert took < 30, f"the survivors took {took:.1f} s to end"
+    assert cluster.node_pids(0) == [] or all(        # nothing of the job left on node0
+        "rank_main" not in Path(f"/proc/{p}/cmdline").read_text() for p in
+        cluster.node_pids(0) if Path(f"/proc/{p}").exists())
+    r = cluster.run(0, ["sh", "-c", "ls /dev/shm"])
+    assert "forebay" not in r.stdout, r.stdout          # no segment left on node0
