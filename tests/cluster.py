@@ -285,7 +285,9 @@ class Cluster:
     def node_pids(self, k: int) -> list[int]:
         """The processes running on node ``k`` (its network namespace), holder aside."""
         r = _sh("ip", "netns", "pids", self.netns(k), check=False)
-        holder = {self.pids[k]} if k < len(self.pids) else set()
+        holder = set()
+        if k < len(self.pids):          # the holder shell and the unshare that forked it
+            holder = {self.pids[k], _ppid(self.pids[k])}
         return [int(p) for p in r.stdout.split() if p.strip().isdigit() and
                 int(p) not in holder and int(p) != os.getpid()]
 
@@ -304,8 +306,33 @@ class Cluster:
         """Node ``k``'s link down: nothing reaches it or leaves it."""
         _sh("ip", "link", "set", self._veth(k), "down")
 
-    def restore_link(self, k: int) -> None:
+    def restore_link(self, k: int, timeout: float = 20.0) -> None:
+        """Node ``k``'s link up again, and wait until node0 reaches it (neighbour
+        caches that remember the cut are flushed)."""
         _sh("ip", "link", "set", self._veth(k), "up")
+        for j in range(self.nodes):
+            _sh("ip", "netns", "exec", self.netns(j), "ip", "neigh", "flush", "all",
+                check=False)
+        if not self.reachable(k, timeout):
+            raise RuntimeError(f"{self.hosts[k]} is not reachable {timeout:g} s after its "
+                               f"link came back")
+
+    def reachable(self, k: int, timeout: float = 5.0, src: int = 0) -> bool:
+        """Whether node ``src`` reaches node ``k`` within ``timeout`` (a TCP connection
+        to a closed port is refused: the host answered)."""
+        probe = ("import socket,sys,time\n"
+                 f"end = time.monotonic() + {timeout}\n"
+                 "while time.monotonic() < end:\n"
+                 "    try:\n"
+                 f"        socket.create_connection(('{self.address(k)}', 9), timeout=1)\n"
+                 "    except ConnectionRefusedError:\n"
+                 "        sys.exit(0)\n"
+                 "    except OSError:\n"
+                 "        time.sleep(0.1)\n"
+                 "    else:\n"
+                 "        sys.exit(0)\n"
+                 "sys.exit(1)\n")
+        return self.run(src, [sys.executable, "-c", probe], timeout=timeout + 10).returncode == 0
 
     def cap_link(self, k: int, mbit: float) -> None:
         """Node ``k``'s link (both ways) capped at ``mbit`` Mbit/s (a token bucket)."""
@@ -313,6 +340,18 @@ class Cluster:
                                                          self.netns(k)])):
             _sh(*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                 f"{mbit}mbit", "burst", "64kb", "latency", "50ms")
+
+    def uncap_link(self, k: int) -> None:
+        for dev, where in ((self._veth(k), []), ("eth0", ["ip", "netns", "exec",
+                                                         self.netns(k)])):
+            _sh(*where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def _down_all() -> None:

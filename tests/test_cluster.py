@@ -278,3 +278,82 @@ def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled
         cluster.node_pids(0) if Path(f"/proc/{p}").exists())
     r = cluster.run(0, ["sh", "-c", "ls /dev/shm"])
     assert "forebay" not in r.stdout, r.stdout          # no segment left on node0
+
+
+def rank_train_exchange(path: str, transport: str) -> None:
+    """As :func:`rank_train_long` under either launcher, over ``transport``."""
+    from forebay.torch import DataLoader
+
+    dl = DataLoader(path, 4, seed=1, epochs=1000, mode="preload", transport=transport,
+                    collate_fn=lambda b: b.ids.copy())
+    rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
+    for epoch in range(1000):
+        dl.set_epoch(epoch)
+        for _ in dl:
+            if epoch == 0 and rank == 0:
+                say("TRAINING")
+
+
+@pytest.mark.parametrize("launcher, transport", [("mpiexec", "rma"), ("mpiexec", "exchange"),
+                                                 ("torchrun", "exchange")])
+def test_a_cut_link_ends_the_job_with_one_error_naming_the_node(cluster, labelled, launcher,
+                                                                 transport):
+    """node1's link goes down mid-epoch: the ranks on node0 end within the deadline
+    (FOREBAY_PEER_TIMEOUT, 5 s here) plus a probe, each with one line naming node1
+    and what the probe saw, nothing left in node0's /dev/shm."""
+    cmd, env = rank_command(rank_train_exchange, [labelled, transport],
+                            {"FOREBAY_PEER_TIMEOUT": "5"})
+    if launcher == "mpiexec":
+        jobs = [cluster.popen(0, cluster.mpiexec_argv([sys.executable, *cmd], nodes=2),
+                              env=cluster.env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)]
+    else:
+        argv = cluster.torchrun_argv(cmd, nodes=2, port=29411)
+        jobs = [cluster.popen(k, argv, env=cluster.env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in range(2)]
+    try:
+        assert jobs[0].stdout is not None
+        for line in jobs[0].stdout:
+            if line.startswith("TRAINING"):
+                break
+        cluster.cut_link(1)
+        t0 = time.monotonic()
+        out, err = jobs[0].communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for j in jobs:
+            if j.poll() is None:
+                j.kill()
+            j.communicate()
+        cluster.kill_node(1)            # the cut node's launcher may wait on for node0
+        cluster.restore_link(1)
+    assert jobs[0].returncode != 0
+    assert took < 30, f"node0's side took {took:.1f} s to end"
+    lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
+    assert len(lines) == 1, err[-4000:]
+    assert "node1 (rank 1: the node does not answer: it is down or its link is cut)" \
+        in lines[0], lines[0]
+    # no traceback from the ranks (torchrun's agent prints its own for a failed worker)
+    agent = 1 if launcher == "torchrun" and "ChildFailedError" in err else 0
+    assert err.count("Traceback") == agent, err[-4000:]
+    r = cluster.run(0, ["sh", "-c", "ls /dev/shm"])
+    assert "forebay" not in r.stdout, r.stdout
+
+
+def test_a_slow_link_only_slows_the_job(cluster, labelled):
+    """node1's link capped at 4 Mbit/s with a 50 ms queue, and a deadline (0.2 s) shorter
+    than its waits: every probe finds node1 alive, so the job runs to the end with the
+    plan's batches."""
+    from test_loader import GLOBAL_BATCH, rank_global_batches
+
+    cluster.cap_link(1, 4)
+    try:
+        p = run_mpi(cluster, 2, 1, rank_global_batches, labelled, 0, "-",
+                    env={"FOREBAY_PEER_TIMEOUT": "0.2"})
+    finally:
+        cluster.uncap_link(1)
+    assert p.returncode == 0, _why(p)
+    line = next(x for x in p.stdout.splitlines() if x.startswith("GLOBAL "))
+    plan = forebay.AccessPlan(101, 1, GLOBAL_BATCH, 2, seed=5)
+    assert json.loads(line[7:]) == [[e] + g.tolist() for e in range(2)
+                                    for g in plan.global_batches(e)]

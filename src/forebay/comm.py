@@ -25,6 +25,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
+from ._liveness import waiting
 from .errors import ArgumentTypeError, LaunchError, UsageError
 
 __all__ = ["Communicator", "TorchComm", "torch_comm", "is_mpi", "all_true", "node_size",
@@ -337,15 +338,16 @@ class NodeSegment:
 def allgather_array(comm: Any, a: np.ndarray) -> list[np.ndarray]:
     """Every rank's 1-D array ``a`` (lengths may differ; one dtype); collective."""
     a = np.ascontiguousarray(a)
-    if not is_mpi(comm):
-        return comm.allgather_array(a)
-    from mpi4py import MPI
+    with waiting("an all-gather of the data plane"):
+        if not is_mpi(comm):
+            return comm.allgather_array(a)
+        from mpi4py import MPI
 
-    counts = np.array(comm.allgather(a.nbytes), dtype=np.int64)
-    out = np.empty(int(counts.sum()), dtype=np.uint8)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    comm.Allgatherv([a.view(np.uint8).reshape(-1), MPI.BYTE],
-                    [out, (counts.tolist(), displs.tolist()), MPI.BYTE])
+        counts = np.array(comm.allgather(a.nbytes), dtype=np.int64)
+        out = np.empty(int(counts.sum()), dtype=np.uint8)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        comm.Allgatherv([a.view(np.uint8).reshape(-1), MPI.BYTE],
+                        [out, (counts.tolist(), displs.tolist()), MPI.BYTE])
     return [out[d:d + c].view(a.dtype) for d, c in zip(displs.tolist(), counts.tolist())]
 
 
@@ -354,17 +356,18 @@ def alltoall_bytes(comm: Any, send: np.ndarray, send_counts: "Sequence[int] | np
     """One all-to-all of bytes whose sizes both ends know: ``send_counts[r]`` bytes of
     ``send`` (in rank order) go to rank r, ``recv_counts[r]`` come from it; returns
     what arrived, concatenated in rank order.  Collective."""
-    if not is_mpi(comm):
-        return comm.alltoall_bytes(send, send_counts, recv_counts)
-    from mpi4py import MPI
+    with waiting("an all-to-all of the data plane"):
+        if not is_mpi(comm):
+            return comm.alltoall_bytes(send, send_counts, recv_counts)
+        from mpi4py import MPI
 
-    sc = np.asarray(send_counts, dtype=np.int64)
-    rc = np.asarray(recv_counts, dtype=np.int64)
-    out = np.empty(int(rc.sum()), dtype=np.uint8)
-    sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
-    rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-    comm.Alltoallv([np.ascontiguousarray(send, dtype=np.uint8), (sc.tolist(), sd.tolist()),
-                    MPI.BYTE], [out, (rc.tolist(), rd.tolist()), MPI.BYTE])
+        sc = np.asarray(send_counts, dtype=np.int64)
+        rc = np.asarray(recv_counts, dtype=np.int64)
+        out = np.empty(int(rc.sum()), dtype=np.uint8)
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        comm.Alltoallv([np.ascontiguousarray(send, dtype=np.uint8), (sc.tolist(),
+                        sd.tolist()), MPI.BYTE], [out, (rc.tolist(), rd.tolist()), MPI.BYTE])
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .._liveness import join as join_liveness, waiting
 from ..comm import NodeSegment, fence, is_mpi, node_ranks
 from ..dataset import ALIGNMENT, gather_ranges
 from ..errors import InvalidArgumentError, NameNotFoundError, SampleIndexError
@@ -92,6 +93,7 @@ class ArrayStore(Releasable):
                  transport: str = "auto", mutable: bool = False) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)
+        join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
         if transport not in ARRAY_TRANSPORTS:
             raise InvalidArgumentError(
                 f"transport must be one of {', '.join(map(repr, ARRAY_TRANSPORTS))}, got "
@@ -269,8 +271,9 @@ class ArrayStore(Releasable):
                 return src[off:off + nbytes].copy().view(v.dtype).reshape(
                     (count,) + v.row_shape)
             res = np.empty((count,) + v.row_shape, dtype=v.dtype)
-            self._win.Get([res, nbytes, self._byte], owner, (off, nbytes, self._byte))
-            self._win.Flush(owner)
+            with waiting("a one-sided get from a peer"):
+                self._win.Get([res, nbytes, self._byte], owner, (off, nbytes, self._byte))
+                self._win.Flush(owner)
             return res
         res = self._out(v, count, out)
         if count == 0:

@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from .._liveness import waiting
 from ..dataset import IndexLayout, gather_ranges
 from ..vocab import Backoff
 from ..comm import fence
@@ -374,8 +375,9 @@ class ClairFill(ClairState):
         from mpi4py import MPI
 
         result = np.zeros(1, dtype=np.int64)
-        self._win.Fetch_and_op([np.zeros(1, dtype=np.int64), MPI.INT64_T],
-                               [result, MPI.INT64_T], rank, 0, MPI.NO_OP)
-        self._win.Flush(rank)
+        with waiting("a read of a peer's fill counter"):
+            self._win.Fetch_and_op([np.zeros(1, dtype=np.int64), MPI.INT64_T],
+                                   [result, MPI.INT64_T], rank, 0, MPI.NO_OP)
+            self._win.Flush(rank)
         self._win.Sync()  # later loads of the peer's data see what preceded the counter
         return int(result[0])

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
 from ..dataset import IndexLayout, assemble_batch, assemble_views
 from ..comm import NodeSegment
@@ -123,6 +124,7 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
                  warm_files: "bool | str" = "auto", ram_tier: str = "auto") -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
+        join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..dataset import gather_ranges
 from ..comm import allgather_array, alltoall_bytes
+from .._liveness import waiting
 from ._base import StoreError
 from ._dist_state import StoreState, mask_of
 
@@ -112,8 +113,9 @@ class ExchangeTransport(StoreState):
         except Exception as e:  # noqa: BLE001 - raised below, on every member
             err = e
         done = err is None and self._loader is not None and not self._loader.is_alive()
-        states = self.group_comm.allgather(
-            [bool(done), None if err is None else f"{type(err).__name__}: {err}"])
+        with waiting("the exchange's agreement on the loads"):
+            states = self.group_comm.allgather(
+                [bool(done), None if err is None else f"{type(err).__name__}: {err}"])
         if err is not None:
             raise err
         failed = [(r, msg) for r, (_, msg) in enumerate(states) if msg]

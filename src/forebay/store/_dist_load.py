@@ -18,6 +18,7 @@ from ..dataset import IndexLayout, SampleBatch, assemble_batch, gather_ranges
 from ..progress import Progress
 from ..comm import fence
 from ..vocab import Backoff
+from .._liveness import waiting
 from ._base import StoreError, raise_background_error
 from ._pread import PAR_BLOCK, in_pieces, read_parallel
 from ._windows import rma_get
@@ -52,9 +53,10 @@ class BackgroundLoad(StoreState):
             from mpi4py import MPI
 
             out = np.zeros(1, dtype=np.int64)
-            self._win.Fetch_and_op([np.zeros(1, dtype=np.int64), MPI.INT64_T],
-                                   [out, MPI.INT64_T], member, 8 * k, MPI.NO_OP)
-            self._win.Flush(member)
+            with waiting("a read of a peer's load counter"):
+                self._win.Fetch_and_op([np.zeros(1, dtype=np.int64), MPI.INT64_T],
+                                       [out, MPI.INT64_T], member, 8 * k, MPI.NO_OP)
+                self._win.Flush(member)
             self._win.Sync()   # later loads of the member's data see what preceded it
             return int(out[0])
         return int(self._header(member)[8 * k:8 * k + 8].view(np.int64)[0])

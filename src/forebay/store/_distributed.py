@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
 from ..dataset import IndexLayout, assemble_batch, assemble_views
 from ..errors import InvalidArgumentError
@@ -138,6 +139,7 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
                  read_threads: int = 4, overlap: "bool | str" = False) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
+        join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(
                 f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got "

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._liveness import waiting
+
 __all__ = ["rma_get", "rma_get_one", "shared_segment", "free_window"]
 
 #: MPI windows closed while a view (get_views) still held their memory: never freed
@@ -44,7 +46,9 @@ def free_window(win: Any, comm: Any, lent: bool) -> None:
     from mpi4py import MPI
 
     win.Unlock_all()
-    if comm.allreduce(bool(lent), op=MPI.LOR):
+    with waiting("closing a store"):
+        lent = comm.allreduce(bool(lent), op=MPI.LOR)
+    if lent:
         _LENT_WINDOWS.append(win)
     else:
         win.Free()
@@ -62,8 +66,9 @@ def rma_get_one(win: Any, stage: np.ndarray, target: int, disp: int) -> None:
         _MPI_BYTE.append(MPI.BYTE)
     nbytes, byte = len(stage), _MPI_BYTE[0]
     if nbytes:
-        win.Get([stage, nbytes, byte], target, (disp, nbytes, byte))
-        win.Flush(target)
+        with waiting("a one-sided get from a peer"):
+            win.Get([stage, nbytes, byte], target, (disp, nbytes, byte))
+            win.Flush(target)
 
 
 def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
@@ -96,7 +101,8 @@ def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
             dtype = MPI.BYTE.Create_hindexed(length[a:b].tolist(), disp[a:b].tolist()).Commit()
             types.append(dtype)
             win.Get([stage[p0:p0 + nbytes], nbytes, MPI.BYTE], t, [0, 1, dtype])
-        win.Flush_all()
+        with waiting("one-sided gets from peers"):
+            win.Flush_all()
     finally:
         for dtype in types:
             dtype.Free()
