@@ -208,19 +208,23 @@ class Cluster:
         self.down()
 
     # -- running --------------------------------------------------------------------
-    def on(self, k: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` as a command that runs on node ``k``."""
-        return ["nsenter", "-t", str(self.pids[k]), "-n", "-u", "-i", "-m", "--", *argv]
+    def on(self, k: int, argv: Sequence[str],
+           cwd: "str | os.PathLike[str] | None" = None) -> list[str]:
+        """``argv`` as a command that runs on node ``k``, in ``cwd`` (default: this
+        process's working directory; the path is the same on every node)."""
+        return ["nsenter", "-t", str(self.pids[k]), "-n", "-u", "-i", "-m",
+                f"--wd={os.fspath(cwd) if cwd is not None else os.getcwd()}", "--", *argv]
 
     def run(self, k: int, argv: Sequence[str], *, timeout: Optional[float] = 120,
-            env: Optional[dict] = None) -> subprocess.CompletedProcess:
-        """Run ``argv`` on node ``k`` to the end (its output captured)."""
-        return subprocess.run(self.on(k, argv), capture_output=True, text=True,
+            env: Optional[dict] = None, cwd: "str | os.PathLike[str] | None" = None
+            ) -> subprocess.CompletedProcess:
+        """Run ``argv`` on node ``k`` to the end (its output captured), in ``cwd``."""
+        return subprocess.run(self.on(k, argv, cwd), capture_output=True, text=True,
                               timeout=timeout, env=env)
 
     def popen(self, k: int, argv: Sequence[str], *, env: Optional[dict] = None,
-              **kw: Any) -> subprocess.Popen:
-        return subprocess.Popen(self.on(k, argv), env=env, **kw)
+              cwd: "str | os.PathLike[str] | None" = None, **kw: Any) -> subprocess.Popen:
+        return subprocess.Popen(self.on(k, argv, cwd), env=env, **kw)
 
     def env(self, extra: Optional[dict] = None) -> dict:
         """The environment of a job on the cluster: the caller's, the cluster's
@@ -242,11 +246,12 @@ class Cluster:
                 *argv]
 
     def mpiexec(self, argv: Sequence[str], *, nodes: Optional[int] = None, ppn: int = 1,
-                timeout: Optional[float] = 180, env: Optional[dict] = None
-                ) -> subprocess.CompletedProcess:
-        """Run :meth:`mpiexec_argv` on node0 to the end; its output captured."""
+                timeout: Optional[float] = 180, env: Optional[dict] = None,
+                cwd: "str | os.PathLike[str] | None" = None) -> subprocess.CompletedProcess:
+        """Run :meth:`mpiexec_argv` on node0 to the end, in ``cwd`` (every rank's
+        working directory); its output captured."""
         return self.run(0, self.mpiexec_argv(argv, nodes=nodes, ppn=ppn), timeout=timeout,
-                        env=self.env(env))
+                        env=self.env(env), cwd=cwd)
 
     def torchrun_argv(self, argv: Sequence[str], *, nodes: Optional[int] = None,
                       ppn: int = 1, port: int = 29400) -> list[str]:
@@ -260,14 +265,16 @@ class Cluster:
 
     def torchrun(self, argv: Sequence[str], *, nodes: Optional[int] = None, ppn: int = 1,
                  timeout: Optional[float] = 180, env: Optional[dict] = None,
-                 port: int = 29400, capture: bool = True) -> list[subprocess.CompletedProcess]:
+                 port: int = 29400, capture: bool = True,
+                 cwd: "str | os.PathLike[str] | None" = None
+                 ) -> list[subprocess.CompletedProcess]:
         """One ``torchrun`` agent on each of the first ``nodes`` nodes
         (:meth:`torchrun_argv`), to the end; each agent's output (``capture``)."""
         n = self.nodes if nodes is None else nodes
         cmd = self.torchrun_argv(argv, nodes=n, ppn=ppn, port=port)
         pipe = subprocess.PIPE if capture else None
-        procs = [self.popen(k, cmd, env=self.env(env), stdout=pipe, stderr=pipe, text=True)
-                 for k in range(n)]
+        procs = [self.popen(k, cmd, env=self.env(env), stdout=pipe, stderr=pipe, text=True,
+                            cwd=cwd) for k in range(n)]
         out = []
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in procs:

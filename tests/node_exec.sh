@@ -11,4 +11,4 @@ if [ -z "$pid" ]; then
     echo "node_exec.sh: no node $host in $FOREBAY_CLUSTER_DIR/pids.json" >&2
     exit 255
 fi
-exec nsenter -t "$pid" -n -u -i -m -- sh -c "cd '$PWD' 2>/dev/null; $*"
+exec nsenter -t "$pid" -n -u -i -m --wd="$PWD" -- sh -c "$*"

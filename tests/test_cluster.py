@@ -357,3 +357,132 @@ def test_a_slow_link_only_slows_the_job(cluster, labelled):
     plan = forebay.AccessPlan(101, 1, GLOBAL_BATCH, 2, seed=5)
     assert json.loads(line[7:]) == [[e] + g.tolist() for e in range(2)
                                     for g in plan.global_batches(e)]
+
+
+# -- every distributed path across nodes ----------------------------------------------
+def rank_load_once_per_node_where(url: str, out: str) -> None:
+    import socket
+
+    from test_models_ecosystem import rank_load_once_per_node
+
+    Path(out, f"host-{os.environ['RANK']}").write_text(socket.gethostname())
+    rank_load_once_per_node(url, out)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_reader_shared_reads_each_item_once_per_node(cluster):
+    """torch.distributed.checkpoint through the model repository on 2 nodes x 2 ranks:
+    with share=True each node reads each item once, between its own ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    from forebay.models import open_repository
+    from forebay.models.dcp import Writer
+    from test_models_ecosystem import DCP_ENV, _state
+
+    d = cluster.shared / "dcp"
+    d.mkdir()
+    url = f"file://{d / 'repo'}"
+    dcp.save({"model": _state()["model"]}, storage_writer=Writer(url, "replicated"),
+             no_dist=True)
+    logical = open_repository(url).manifest("replicated")["logical_bytes"]
+    p = run_torch(cluster, 2, 2, rank_load_once_per_node_where, url, d, env=DCP_ENV,
+                  timeout=300)
+    assert p.returncode == 0 and p.stdout.count("rank-main: rank") == 4, _why(p)
+    per = {r: json.loads((d / f"rank-{r}.json").read_text()) for r in range(4)}
+    host = {r: (d / f"host-{r}").read_text() for r in range(4)}
+    assert sorted(host.values()) == ["node0", "node0", "node1", "node1"]
+    assert sum(p["False"] for p in per.values()) == 4 * logical    # each rank all of it
+    for node in ("node0", "node1"):                                # once per node
+        assert sum(per[r]["True"] for r in per if host[r] == node) == logical
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_the_readme_training_script_runs_across_four_nodes(cluster, launcher):
+    """README's train.py as written, on 4 nodes x 1 rank: every rank sees batches of its
+    own, the same under both launchers."""
+    from test_readme import BLOCKS, DATA, TRAIN_CHECK
+
+    code = next(c for _, c in BLOCKS if "# train.py" in c)
+    d = cluster.shared / f"readme-{launcher}"
+    d.mkdir()
+    env = {"PYTHONPATH": str(Path(forebay.__file__).parents[1]), "FOREBAY_TRACE": ""}
+    (d / "data.py").write_text(DATA)
+    assert cluster.run(0, [sys.executable, "data.py"], cwd=d,
+                       env=cluster.env(env)).returncode == 0
+    (d / "train.py").write_text(code + TRAIN_CHECK)
+    if launcher == "mpiexec":
+        p = cluster.mpiexec([sys.executable, "train.py"], cwd=d, env=env, timeout=400)
+    else:
+        out = cluster.torchrun(["train.py"], cwd=d, env=env, timeout=400, port=29421)
+        p = subprocess.CompletedProcess([], max(abs(o.returncode) for o in out),
+                                        "".join(o.stdout for o in out),
+                                        "".join(o.stderr for o in out))
+    assert p.returncode == 0, _why(p)
+    assert (d / "ckpt.pt").exists()
+    ids = [json.loads((d / f"ids-{r}.json").read_text()) for r in range(4)]
+    flat = [tuple(b) for r in ids for b in r]
+    assert len(set(flat)) == len(flat)               # no batch seen by two ranks
+    _readme_ids[launcher] = ids
+    if len(_readme_ids) == 2:
+        assert _readme_ids["mpiexec"] == _readme_ids["torchrun"]
+
+
+_readme_ids: dict = {}
+
+
+def rank_traced(path: str) -> None:
+    from forebay.torch import DataLoader
+
+    dl = DataLoader(path, 4, seed=2, epochs=1, collate_fn=lambda b: b.ids.copy())
+    for _ in dl:
+        pass
+    dl.close()
+
+
+def test_traces_from_several_nodes_are_analyzed_as_one_job(cluster, labelled):
+    """A traced job on 2 nodes x 2 ranks: one trace file per rank, from two hosts;
+    `forebay analyze` reports 4 ranks, their steps and every record read once."""
+    import gzip
+
+    from forebay.trace import analyze
+
+    d = cluster.shared / "trace"
+    p = run_mpi(cluster, 2, 2, rank_traced, labelled, env={"FOREBAY_TRACE": str(d)})
+    assert p.returncode == 0, _why(p)
+    files = sorted(d.glob("*.pfw.gz"))
+    assert len(files) == 4
+    hosts = set()
+    for f in files:
+        with gzip.open(f, "rt") as fh:
+            for line in fh:
+                ev = json.loads(line)
+                if ev.get("name") == "HH":
+                    hosts.add(ev["args"]["name"])
+    assert hosts == {"node0", "node1"}, hosts
+    res = analyze(d)
+    assert res["files"] == 4 and res["ranks"] == 4 and not res["skipped"]
+    assert res["dataset_samples"] == 101
+    assert res["pfs_records_read"] == 101          # the preload read each record once
+    plan = forebay.AccessPlan(101, 4, 4, 1, seed=2)
+    assert res["steps"] == 4 * len(plan.global_batches(0))
+
+
+def test_gradient_reduction_across_nodes_equals_ddp(cluster):
+    """forebay.reduce's DistributedOptimizer on 4 nodes x 1 rank under mpiexec (its own
+    torch.distributed rendezvous from MPI): the training curve equals DDP's, in both
+    coordination modes."""
+    from conftest import rank_steps
+    from test_reduce import rank_ddp, results_of
+
+    steps = {f"ddp-{mode}": (rank_ddp, mode) for mode in ("bitvector", "master")}
+    spec = json.dumps([[name, f.__module__, f.__name__, [str(a) for a in args]]
+                       for name, (f, *args) in steps.items()])
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    p = run_mpi(cluster, 4, 1, rank_steps, spec, env=env, timeout=300)
+    assert p.returncode == 0, _why(p)
+    for mode in ("bitvector", "master"):
+        res = [r for r in results_of(p) if r["case"] == f"ddp-{mode}"]
+        assert len(res) == 4, _why(p)
+        for r in res:
+            np.testing.assert_allclose(r["losses"], r["ddp"], rtol=1e-5, atol=1e-6)
