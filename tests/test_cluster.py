@@ -486,3 +486,67 @@ def test_gradient_reduction_across_nodes_equals_ddp(cluster):
         assert len(res) == 4, _why(p)
         for r in res:
             np.testing.assert_allclose(r["losses"], r["ddp"], rtol=1e-5, atol=1e-6)
+
+
+def rank_small_shm(path: str, store: str) -> None:
+    from mpi4py import MPI
+
+    from forebay.store import ClairvoyantStore, DistributedStore, StoreError
+
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(path)
+    plan = forebay.AccessPlan(len(ds), comm.size, 4, 1, seed=0)
+    kinds = {"preload": ["shm", "rma"], "clairvoyant": ["shm", "rma"]}[store]
+    for transport in kinds:
+        try:
+            if store == "preload":
+                DistributedStore(ds, comm, node_aware=True, transport=transport,
+                                 progress=False).close()
+            else:
+                ClairvoyantStore(ds, plan, comm, ram_bytes=int(ds.record_nbytes.sum()),
+                                 transport=transport, ram_tier="copy").close()
+        except StoreError as e:
+            say(f"REFUSED {transport} {e}")
+        else:
+            say(f"BUILT {transport}")
+    if store == "preload":
+        # auto (the page cache ruled out by an emulated file system): the exchange
+        st = DistributedStore(ds, comm, node_aware=True, on_pfs_read=lambda *a: None,
+                              progress=False)
+        every = np.arange(len(ds))
+        assert st.get_many(every).equals(ds.get_many(every))
+        say(f"AUTO {comm.rank} {st.transport}")
+        st.close()
+
+
+def test_a_dev_shm_too_small_for_the_segment_is_said_on_every_rank(cluster):
+    """node1's /dev/shm at 4 MiB (MPICH takes 2), a node's chunks 6 MiB: an explicit store
+    is refused on every rank naming node1, what is needed and what is free (not
+    'Bad address' from a read into a segment past the end of the tmpfs); with the
+    transport left to forebay, node_aware groups read as across nodes."""
+    path = cluster.shared / "shm6"
+    forebay.write_dataset(path, ({"x": np.full(1 << 16, i % 251, np.uint8)}
+                                 for i in range(96)), shard_bytes=1 << 20)
+    assert cluster.run(1, ["mount", "-o", "remount,size=4m", "/dev/shm"]).returncode == 0
+    try:
+        p = run_mpi(cluster, 2, 2, rank_small_shm, path, "preload")
+    finally:
+        cluster.run(1, ["mount", "-o", f"remount,size={cluster.shm_bytes}", "/dev/shm"])
+    assert p.returncode == 0, _why(p)
+    for transport in ("shm", "rma"):
+        refused = [x for x in p.stdout.splitlines() if x.startswith(f"REFUSED {transport} ")]
+        assert len(refused) == 4, _why(p)
+        assert all("on node1, which has" in x and "free" in x for x in refused), refused
+    assert sorted(x.split()[2] for x in p.stdout.splitlines() if x.startswith("AUTO ")) \
+        == ["exchange"] * 4, _why(p)
+    assert "Bad address" not in p.stderr
+    # the clairvoyant store's RAM tiers on one node (node0 at 4 MiB): refused alike
+    assert cluster.run(0, ["mount", "-o", "remount,size=4m", "/dev/shm"]).returncode == 0
+    try:
+        p = run_mpi(cluster, 1, 2, rank_small_shm, path, "clairvoyant")
+    finally:
+        cluster.run(0, ["mount", "-o", f"remount,size={cluster.shm_bytes}", "/dev/shm"])
+    assert p.returncode == 0, _why(p)
+    for transport in ("shm", "rma"):
+        refused = [x for x in p.stdout.splitlines() if x.startswith(f"REFUSED {transport} ")]
+        assert len(refused) == 2 and all("on node0, which has" in x for x in refused), _why(p)

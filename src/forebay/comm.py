@@ -87,6 +87,27 @@ def node_ranks(comm: Any) -> list[int]:
     return [r for r, h in enumerate(hosts) if h == me]
 
 
+def shm_room(comm: Any, nbytes: int, directory: Path = SHM_DIR) -> Optional[str]:
+    """Why ``nbytes`` of shared memory for each rank of this node do not fit in the
+    node's ``directory`` (/dev/shm, where shared segments live) together, or None when
+    they do (or its free space cannot be read).  Collective over ``comm``; the answer
+    is this rank's (pass it to an agreement)."""
+    node = node_ranks(comm)
+    every = comm.allgather(int(nbytes)) if comm is not None else [int(nbytes)]
+    need = sum(every[r] for r in node)
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if need <= free:
+        return None
+    from ._units import human_bytes
+
+    return (f"the node's shared segments need {human_bytes(need)} in {directory} on "
+            f"{socket.gethostname()}, which has {human_bytes(free)} free")
+
+
 def node_size(comm: Any) -> int:
     """Ranks of ``comm`` on this rank's node (1 without a communicator); collective."""
     return len(node_ranks(comm))

@@ -17,7 +17,8 @@ import numpy as np
 from .._fs import LiveLock, abandoned, create_private, network_fs
 from ..dataset import PinnedPages, can_lock
 from ..dataset import ALIGNMENT
-from ..comm import NodeSegment, all_true, fence, is_mpi, ordered_shared_memory, shm_usable
+from ..comm import (NodeSegment, all_true, fence, is_mpi, ordered_shared_memory, shm_room,
+                    shm_usable)
 from ..errors import InvalidArgumentError
 from ._agreement import agree, node_size
 from ._base import StoreError, WarmUp
@@ -171,6 +172,13 @@ class ClairSetup(ClairState):
         self._state_len = _align(n_state)
         held = 0 if self._pages is not None else self.nbytes   # the pages: the files'
         size = _HEADER + self._state_len + ALIGNMENT + held
+        # the node's RAM tiers are one /dev/shm segment (shm), and MPICH keeps the RMA
+        # windows of a node's ranks there too
+        if self.transport == "shm" or (self.transport == "rma" and node_size(self.comm) > 1):
+            room = shm_room(self.comm, size)
+            agree(self.comm, None if room is None else
+                  f"the RAM tiers do not fit in shared memory: {room}; give a smaller "
+                  f"ram_bytes, enlarge it, or use transport='exchange'")
         if self.transport in ("local", "exchange"):
             self._raw = np.zeros(size, dtype=np.uint8)
         elif not is_mpi(self.comm):     # shm under torch.distributed

@@ -16,7 +16,7 @@ from ..dataset import ALIGNMENT, PinnedPages, can_lock
 from ..errors import ChecksumError, TruncatedShardError
 from ..progress import Progress
 from ..comm import (SHM_DIR, NodeSegment, all_true, is_mpi, node_ranks, ordered_shared_memory,
-                    shm_usable)
+                    shm_room, shm_usable)
 from .._fs import network_fs
 from ._agreement import agree, node_size
 from ._base import StoreError
@@ -85,6 +85,20 @@ class StoreSetup(StoreState):
                 raise StoreError(f"transport='shm' under torch.distributed needs a writable "
                                  f"{SHM_DIR} on every rank; use transport='exchange'")
             everywhere = False
+        # a node's shared segment lives in /dev/shm, and so (MPICH) do the MPI windows
+        # of a group's members on one node: what they need must fit there, else auto
+        # takes the exchange (plain memory) and an explicit transport says why not
+        head = self._head_bytes(overlap)
+        in_shm = everywhere or (mpi and node_size(self.group_comm) > 1)
+        room = shm_room(self.comm, int(self.layout.nbytes[self.member]) + ALIGNMENT + head
+                        if in_shm else 0)
+        if asked in ("shm", "rma") and (everywhere or asked == "rma"):
+            where = " (MPI keeps the windows of a node's ranks there)" if asked == "rma" else ""
+            agree(self.comm, None if room is None else
+                  f"transport={asked!r} is not possible: {room}{where}; enlarge it, or use "
+                  f"transport='exchange'")
+        if asked == "auto" and not all_true(self.comm, room is None):
+            return "exchange"
         if asked == "shm" and not everywhere:
             raise StoreError("transport='shm' needs every replica group on one node; use "
                              "node_aware=True or a width that fits a node, or transport="
