@@ -54,13 +54,9 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dataset(cluster):
     """The contract suite's dataset, on the cluster's shared file system."""
-    path = cluster.shared / "contract"
-    rng = np.random.default_rng(0)
-    forebay.write_dataset(path, ({"x": rng.normal(size=(int(rng.integers(0, 9)), 3)),
-                                  "b": rng.bytes(int(rng.integers(0, 90))),
-                                  "y": np.int64(i)} for i in range(150)),
-                          shard_bytes=6 << 10)
-    return path
+    from test_store_contract import write_contract_dataset
+
+    return write_contract_dataset(cluster.shared / "contract")
 
 
 def run_mpi(cluster: Cluster, nodes: int, ppn: int, func, *args, timeout: int = 240,
@@ -147,17 +143,10 @@ def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
 
 
 @pytest.mark.parametrize("nodes, ppn", LAYOUTS)
-@pytest.mark.parametrize("item", ACROSS_MPI)
-def test_store_contract_across_nodes_under_mpiexec(cluster, dataset, nodes, ppn, item):
-    p = _contract_job(cluster, dataset, "mpiexec", nodes, ppn)
-    kind = item.split("=")[0]
-    assert p.stdout.count(f"contract {kind} ok") == nodes * ppn, _why(p)
-
-
-@pytest.mark.parametrize("nodes, ppn", LAYOUTS)
-@pytest.mark.parametrize("item", ACROSS_TORCH)
-def test_store_contract_across_nodes_under_torchrun(cluster, dataset, nodes, ppn, item):
-    p = _contract_job(cluster, dataset, "torchrun", nodes, ppn)
+@pytest.mark.parametrize("launcher, item", [("mpiexec", k) for k in ACROSS_MPI] +
+                         [("torchrun", k) for k in ACROSS_TORCH])
+def test_store_contract_across_nodes(cluster, dataset, nodes, ppn, launcher, item):
+    p = _contract_job(cluster, dataset, launcher, nodes, ppn)
     kind = item.split("=")[0]
     assert p.stdout.count(f"contract {kind} ok") == nodes * ppn, _why(p)
 
@@ -527,26 +516,30 @@ def test_a_dev_shm_too_small_for_the_segment_is_said_on_every_rank(cluster):
     path = cluster.shared / "shm6"
     forebay.write_dataset(path, ({"x": np.full(1 << 16, i % 251, np.uint8)}
                                  for i in range(96)), shard_bytes=1 << 20)
-    assert cluster.run(1, ["mount", "-o", "remount,size=4m", "/dev/shm"]).returncode == 0
-    try:
-        p = run_mpi(cluster, 2, 2, rank_small_shm, path, "preload")
-    finally:
-        cluster.run(1, ["mount", "-o", f"remount,size={cluster.shm_bytes}", "/dev/shm"])
-    assert p.returncode == 0, _why(p)
-    for transport in ("shm", "rma"):
-        refused = [x for x in p.stdout.splitlines() if x.startswith(f"REFUSED {transport} ")]
-        assert len(refused) == 4, _why(p)
-        assert all("on node1, which has" in x and "free" in x for x in refused), refused
+    p = _with_small_shm(cluster, 1, rank_small_shm, path, "preload", nodes=2, ppn=2)
+    _refused_naming(p, "node1", 4)
     assert sorted(x.split()[2] for x in p.stdout.splitlines() if x.startswith("AUTO ")) \
         == ["exchange"] * 4, _why(p)
     assert "Bad address" not in p.stderr
     # the clairvoyant store's RAM tiers on one node (node0 at 4 MiB): refused alike
-    assert cluster.run(0, ["mount", "-o", "remount,size=4m", "/dev/shm"]).returncode == 0
+    _refused_naming(_with_small_shm(cluster, 0, rank_small_shm, path, "clairvoyant",
+                                    nodes=1, ppn=2), "node0", 2)
+
+
+def _with_small_shm(cluster, node: int, func, *args, nodes: int, ppn: int):
+    """``func(*args)`` under mpiexec while ``node``'s /dev/shm is 4 MiB."""
+    assert cluster.run(node, ["mount", "-o", "remount,size=4m", "/dev/shm"]).returncode == 0
     try:
-        p = run_mpi(cluster, 1, 2, rank_small_shm, path, "clairvoyant")
+        p = run_mpi(cluster, nodes, ppn, func, *args)
     finally:
-        cluster.run(0, ["mount", "-o", f"remount,size={cluster.shm_bytes}", "/dev/shm"])
+        cluster.run(node, ["mount", "-o", f"remount,size={cluster.shm_bytes}", "/dev/shm"])
     assert p.returncode == 0, _why(p)
+    return p
+
+
+def _refused_naming(p, host: str, ranks: int) -> None:
+    """Both explicit transports refused on every rank, naming ``host`` and its room."""
     for transport in ("shm", "rma"):
         refused = [x for x in p.stdout.splitlines() if x.startswith(f"REFUSED {transport} ")]
-        assert len(refused) == 2 and all("on node0, which has" in x for x in refused), _why(p)
+        assert len(refused) == ranks, _why(p)
+        assert all(f"on {host}, which has" in x and "free" in x for x in refused), refused

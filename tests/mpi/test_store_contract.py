@@ -224,15 +224,20 @@ def check_torchrun_contract(p, kind: str) -> None:
         f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    path = tmp_path_factory.mktemp("contract") / "ds"
+def write_contract_dataset(path):
+    """The contract's dataset: 150 samples of ragged floats, bytes and a label, in
+    shards of 6 KiB."""
     rng = np.random.default_rng(0)
     forebay.write_dataset(path, ({"x": rng.normal(size=(int(rng.integers(0, 9)), 3)),
                                   "b": rng.bytes(int(rng.integers(0, 90))),
                                   "y": np.int64(i)} for i in range(150)),
                           shard_bytes=6 << 10)
     return path
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_contract_dataset(tmp_path_factory.mktemp("contract") / "ds")
 
 
 class StoreContract:
