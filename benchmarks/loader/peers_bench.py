@@ -46,6 +46,14 @@ bytes each contender read from the device (the cgroup's count) per sample and ep
 (``FOREBAY_NETWORK_FS``), so it decides as on a parallel file system: no page-cache
 transport or RAM tier, the preload overlapped with training by default.
 
+``--cluster N`` runs every job across N emulated nodes (tests/cluster.py: each node its
+own network, hostname, IPC and /dev/shm; the data shared; root only), ``--ranks``
+spread evenly over them: mpiexec with hydra entering each node, or one torchrun agent
+per node with the rendezvous on node0.  forebay then reads peers' memory across nodes
+(rma under mpiexec, the exchange under torchrun).  The nodes share this machine's one
+page cache, so ``--evict-each-epoch`` is what makes each epoch read the (throttled)
+file system as separate nodes would.
+
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
 somewhere on PYTHONPATH, e.g.::
 
@@ -269,6 +277,8 @@ def main() -> None:
     p.add_argument("--network-fs", action="store_true",
                    help="forebay treats the data's file system as shared between hosts "
                    "(FOREBAY_NETWORK_FS), as on a parallel file system")
+    p.add_argument("--cluster", type=int, default=0, metavar="NODES",
+                   help="run every job across NODES emulated nodes (root; see above)")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", help=argparse.SUPPRESS)
@@ -310,9 +320,28 @@ def main() -> None:
         a.fs_type = filesystem_type(paths["packed"])
         env[NETWORK_FS_ENV] = a.fs_type or ""
     runs: dict[str, list[dict]] = {}
-    with throttled(paths["packed"], a.throttle) as throttle:
-        _rounds(a, contenders, paths, files, env, runs, throttle)
+    with throttled(paths["packed"], a.throttle) as throttle, _cluster(a) as cluster:
+        if cluster is not None:
+            env["MASTER_ADDR"] = cluster.hosts[0]
+        _rounds(a, contenders, paths, files, env, runs, throttle, cluster)
     _report(a, contenders, runs, throttle)
+
+
+def _cluster(a):
+    """The emulated cluster of ``--cluster`` (a context manager), or a null context."""
+    import contextlib
+
+    if not a.cluster:
+        return contextlib.nullcontext(None)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from cluster import Cluster, unavailable
+
+    why = unavailable()
+    if why:
+        raise SystemExit(f"--cluster: {why}")
+    if a.ranks % a.cluster:
+        raise SystemExit(f"--ranks {a.ranks} must be a multiple of --cluster {a.cluster}")
+    return Cluster(a.cluster, a.out / "cluster", shm_bytes=1 << 30)
 
 
 def _free_port() -> int:
@@ -323,26 +352,45 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
+def _launch(a, cmd: list[str], env: dict, throttle, cluster) -> subprocess.CompletedProcess:
+    """One job of ``cmd`` (the worker's arguments) under the chosen launcher, on this
+    host or across the emulated nodes, in the throttled cgroup if any."""
+    wrap = throttle.wrap if throttle is not None else (lambda c: c)
+    if cluster is None:
+        launch = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
+                  str(a.ranks)] if a.launcher == "torchrun" else \
+            [str(BIN / "mpiexec"), "-n", str(a.ranks), sys.executable]
+        return subprocess.run(wrap(launch + cmd), capture_output=True, text=True,
+                              timeout=3600, env=env)
+    ppn = a.ranks // a.cluster
+    if a.launcher == "mpiexec":
+        argv = cluster.mpiexec_argv([sys.executable, *cmd], ppn=ppn)
+        return subprocess.run(wrap(cluster.on(0, argv)), capture_output=True, text=True,
+                              timeout=3600, env=cluster.env(env))
+    argv = cluster.torchrun_argv(cmd, ppn=ppn, port=_free_port())
+    procs = [subprocess.Popen(wrap(cluster.on(k, argv)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=cluster.env(env))
+             for k in range(a.cluster)]
+    outs = [p.communicate(timeout=3600) for p in procs]
+    return subprocess.CompletedProcess(cmd, max(abs(p.returncode) for p in procs),
+                                       "".join(o for o, _ in outs), "".join(e for _, e in outs))
+
+
+def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> None:
     for rep in range(a.reps):
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
             evict(files[c.split()[0]])
-            launch = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
-                      str(a.ranks)] if a.launcher == "torchrun" else \
-                [str(BIN / "mpiexec"), "-n", str(a.ranks), sys.executable]
-            cmd = launch + [__file__, "--worker", "--contender", c, "--kind", a.kind,
+            cmd = [__file__, "--worker", "--contender", c, "--kind", a.kind,
                    "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]
             cmd += ["--evict-each-epoch"] if a.evict_each_epoch else []
             cmd += ["--touch"] if a.touch else []
             for name, path in paths.items():
                 cmd += [f"--{name}", str(path)]
-            if throttle is not None:
-                cmd = throttle.wrap(cmd)
             env["MASTER_PORT"] = str(_free_port())     # (mpiexec: the timing's gloo)
             read0 = throttle.read_bytes() if throttle is not None else 0
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+            proc = _launch(a, cmd, env, throttle, cluster)
             if proc.returncode != 0:
                 sys.exit(f"{c} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             r = json.loads(next(line for line in proc.stdout.splitlines()
@@ -363,7 +411,9 @@ def _rounds(a, contenders, paths, files, env, runs, throttle) -> None:
 def _report(a, contenders, runs, throttle) -> None:
     print(f"\nmachine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"{a.kind}, {a.samples} samples, {a.ranks} ranks under {a.launcher}, per-rank batch "
-          f"{a.batch_size}, {a.epochs} epochs (the first cold, after evicting the "
+          f"{a.batch_size}"
+          + (f", across {a.cluster} emulated nodes" if a.cluster else "")
+          + f", {a.epochs} epochs (the first cold, after evicting the "
           f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
           f"), compute {a.compute_ms} ms/step"
           f"{', every image byte read by the loop (--touch)' if a.touch else ''}, {a.reps} rounds"
