@@ -126,6 +126,7 @@ class Cluster:
             return self
         _LIVE.append(self)
         self._up = True
+        _on_sigterm_take_down()
         try:
             self._build()
         except BaseException:
@@ -364,6 +365,24 @@ def _ppid(pid: int) -> int:
 def _down_all() -> None:
     for c in list(_LIVE):
         c.down()
+
+
+def _on_sigterm_take_down() -> None:
+    """SIGTERM (a timeout, a batch system) takes the clusters down before the process
+    ends, as an exit does (atexit alone does not run on a signal); only where the
+    process has not set a handler of its own."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        _down_all()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 atexit.register(_down_all)

@@ -546,3 +546,50 @@ def _refused_naming(p, host: str, ranks: int) -> None:
         refused = [x for x in p.stdout.splitlines() if x.startswith(f"REFUSED {transport} ")]
         assert len(refused) == ranks, _why(p)
         assert all(f"on {host}, which has" in x and "free" in x for x in refused), refused
+
+
+def rank_get_from_a_busy_peer(path: str, flag: str, kind: str) -> None:
+    """Rank 0 stays outside MPI (as in a gloo all-reduce or a long step) until rank 1
+    says its one-sided gets from rank 0 completed; both then close."""
+    from mpi4py import MPI
+
+    from forebay.store import ArrayStore, ClairvoyantStore, DistributedStore
+
+    comm = MPI.COMM_WORLD
+    ds = forebay.open_dataset(path)
+    if kind == "preload":
+        store = DistributedStore(ds, comm, transport="rma", progress=False)
+        theirs = np.flatnonzero(store.owner(np.arange(len(ds))) == 0)
+        check = lambda: store.get_many(theirs).equals(ds.get_many(theirs))  # noqa: E731
+    elif kind == "clairvoyant":
+        store = ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 2, 4, 1, seed=0), comm,
+                                 ram_bytes=int(ds.record_nbytes.sum()), transport="rma")
+        store.wait_filled(timeout=60)
+        comm.Barrier()
+        every = np.arange(len(ds))
+        check = lambda: store.get_many(every).equals(ds.get_many(every))  # noqa: E731
+    else:
+        rows = np.arange(10 * comm.rank, 10 * comm.rank + 10, dtype=np.float64)
+        store = ArrayStore({"v": rows.reshape(-1, 1)}, comm, transport="rma")
+        check = lambda: store.get("v", 0, 10)[:, 0].tolist() == list(range(10))  # noqa
+    done = Path(flag)
+    if comm.rank == 1:
+        assert check()
+        done.write_text("got")
+    else:
+        deadline = time.monotonic() + 60
+        while not done.exists():            # no MPI call here
+            assert time.monotonic() < deadline, "the peer's gets never completed"
+            time.sleep(0.01)
+    store.close()
+    say(f"BUSY-PEER {comm.rank} ok")
+
+
+@pytest.mark.parametrize("kind", ["preload", "clairvoyant", "arrays"])
+def test_gets_from_a_peer_busy_outside_mpi_complete(cluster, labelled, kind):
+    """Over MPICH's tcp provider a one-sided get completes only while its target is in
+    MPI; a rank in a gloo all-reduce never is (a job hung so across nodes). The
+    stores keep each rank's MPI progressing while it is elsewhere."""
+    flag = cluster.shared / f"busy-{kind}"
+    p = run_mpi(cluster, 2, 1, rank_get_from_a_busy_peer, labelled, flag, kind, timeout=150)
+    assert p.returncode == 0 and p.stdout.count("BUSY-PEER") == 2, _why(p)

@@ -301,18 +301,18 @@ def main() -> None:
         src = get_source("imagefolder", paths["pff"]) if a.kind == "imagenet" else \
             get_source("pickle", paths["pff"], trust_pickle=True)
         ingest(src, paths["packed"], progress=True)
-    if not paths["mds"].exists():
+    contenders = [c for c in a.contenders.split(",") if c] if a.contenders else \
+        [c for c in FOREBAY + PEERS if a.kind == "imagenet" or not c.endswith(" views")]
+    if not paths["mds"].exists() and "mosaicml-streaming" in contenders:
         write_mds(a.kind, paths["pff"], paths["mds"])
-    if not paths["lit"].exists():
+    if not paths["lit"].exists() and "litdata" in contenders:
         write_litdata(a.kind, paths["pff"], paths["lit"])
     import forebay
     if not a.ram_bytes:
         a.ram_bytes = int(forebay.open_dataset(paths["packed"]).nbytes) + (64 << 20)
     files = {"forebay": files_under(paths["packed"]), "torch": files_under(paths["pff"]),
-             "mosaicml-streaming": files_under(paths["mds"]),
-             "litdata": files_under(paths["lit"])}
-    contenders = [c for c in a.contenders.split(",") if c] if a.contenders else \
-        [c for c in FOREBAY + PEERS if a.kind == "imagenet" or not c.endswith(" views")]
+             "mosaicml-streaming": files_under(paths["mds"]) if paths["mds"].exists() else [],
+             "litdata": files_under(paths["lit"]) if paths["lit"].exists() else []}
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     if a.network_fs:
         from forebay._fs import NETWORK_FS_ENV, filesystem_type

@@ -20,13 +20,13 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from .._liveness import join as join_liveness, waiting
-from ..comm import NodeSegment, fence, is_mpi, node_ranks
+from ..comm import NodeSegment, fence, is_mpi, mpi_thread_multiple, node_ranks, node_size
 from ..dataset import ALIGNMENT, gather_ranges
 from ..errors import InvalidArgumentError, NameNotFoundError, SampleIndexError
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import Releasable, StoreError
 from ._agreement import raise_mismatches
-from ._windows import rma_get
+from ._windows import TargetProgress, rma_get
 
 __all__ = ["ArrayStore", "ARRAY_TRANSPORTS"]
 
@@ -104,6 +104,7 @@ class ArrayStore(Releasable):
         self._closed = False
         self._in_epoch = False
         self._win: Any = None
+        self._progress: Optional[TargetProgress] = None   # rma across nodes
         self._seg: Optional[NodeSegment] = None
         self._rows_read = {"local": 0, "peer": 0}
         desc, problem = _describe(arrays)
@@ -174,6 +175,8 @@ class ArrayStore(Releasable):
                 self._win = MPI.Win.Allocate(size, 1, comm=self.comm)
                 raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
                 views = [raw]
+                if mpi_thread_multiple() and node_size(self.comm) < self.world:
+                    self._progress = TargetProgress(self.comm)   # gets across nodes
         shift = (-raw.ctypes.data) % ALIGNMENT
         shifts = (self.comm.allgather(int(shift)) if self.comm is not None else [shift])
         self._shift = np.array(shifts, dtype=np.int64)
@@ -451,6 +454,9 @@ class ArrayStore(Releasable):
         self._closed = True
         self._views = []
         self._mem = np.zeros(0, dtype=np.uint8)
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         if self._win is not None:
             self._win.Unlock_all()
             self._win.Free()

@@ -123,6 +123,7 @@ class ClairState:
     _ssd_token: str
     _ssd_live: Any
     _base: np.ndarray
+    _progress: Any
 
     if TYPE_CHECKING:    # what one concern calls on another
         def _dest(self, pos: np.ndarray) -> Any: ...

@@ -41,14 +41,14 @@ import numpy as np
 from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
 from ..dataset import IndexLayout, assemble_batch, assemble_views
-from ..comm import NodeSegment
+from ..comm import NodeSegment, mpi_thread_multiple
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import InvalidArgumentError
 from ..plan import AccessPlan
-from ._agreement import agree, check_agreement
+from ._agreement import agree, check_agreement, node_size
 from ._base import Lender, SampleStore, StoreError, WarmUp, warm_enabled
 from ._placement import RAM, compute_placement
-from ._windows import free_window
+from ._windows import TargetProgress, free_window
 from ._clair_setup import ClairSetup
 from ._clair_fill import ClairFill
 from ._clair_exchange import ClairExchange
@@ -214,6 +214,11 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         self._fill_all = np.array([n for _, _, _, n in every], dtype=np.int64)
         self._steady: Optional[np.ndarray] = None
         self._allocate()
+        #: rma across nodes: peers' gets from this rank complete while it is busy
+        #: outside MPI (see TargetProgress)
+        self._progress = TargetProgress(self.comm) if (
+            self.transport == "rma" and mpi_thread_multiple() and
+            node_size(self.comm) < self.world) else None
         # a tier position is written once: views of it never change (not the exchange's
         # records, which arrive in a fresh buffer every batch)
         self.capabilities = frozenset({"shared", "background_fill"} |
@@ -560,6 +565,9 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
             self._ssd_file.unlink(missing_ok=True)
             self._ssd_live.release(unlink=False)
         lent = self._lender.release()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         if self._win is not None:
             self._segment = None
             free_window(self._win, self.comm, lent)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import threading
+
 import numpy as np
 
 from .._liveness import waiting
 
-__all__ = ["rma_get", "rma_get_one", "shared_segment", "free_window"]
+__all__ = ["rma_get", "rma_get_one", "shared_segment", "free_window", "TargetProgress"]
 
 #: MPI windows closed while a view (get_views) still held their memory: never freed
 _LENT_WINDOWS: list[Any] = []
@@ -106,3 +108,40 @@ def rma_get(win: Any, stage: np.ndarray, target: np.ndarray, disp: np.ndarray,
     finally:
         for dtype in types:
             dtype.Free()
+
+
+class TargetProgress:
+    """Lets MPI complete other ranks' one-sided gets from this rank's window while this
+    rank is busy outside MPI.
+
+    Over a network without hardware RMA (MPICH's OFI tcp provider, for one) a get
+    completes only when the target's MPI library makes progress, that is, while the
+    target is inside some MPI call.  A rank waiting in a gloo or NCCL all-reduce, or
+    computing, makes none: a peer's get from it then waits until it next calls MPI,
+    and if that peer's batch is what the all-reduce waits for, forever (seen across
+    emulated nodes: one rank in the benchmark's gloo all-reduce after its last batch,
+    its peer's RMA get of that batch never completing).  This thread calls
+    ``MPI_Iprobe`` on a private duplicate of ``comm`` every millisecond, which drives
+    the progress engine (it matches nothing: nobody sends on that communicator).
+    Needs MPI_THREAD_MULTIPLE; ``comm.Dup`` and :meth:`close` are collective."""
+
+    def __init__(self, comm: Any, interval: float = 0.001) -> None:
+        self._comm = comm.Dup()
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, name="forebay-rma-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from mpi4py import MPI
+
+        comm, stop, dt = self._comm, self._stop, self._interval
+        while not stop.wait(dt):
+            comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+            self._comm.Free()
