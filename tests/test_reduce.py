@@ -25,7 +25,7 @@ from forebay.errors import ReduceError  # noqa: E402
 from forebay.reduce._cache import (INVALID, SHUTDOWN, UNCACHED, Params,  # noqa: E402
                                    ResponseCache, bits_of, invert_request_bits, new_vector,
                                    set_bits, status_of)
-from forebay.reduce._coordinator import _MasterTable  # noqa: E402
+from forebay.reduce._requests import MasterTable  # noqa: E402
 
 P = Params((3,), "float32", "average", -1)
 
@@ -79,7 +79,7 @@ def test_bitvector_and_means_all_ranks_for_requests_any_rank_for_status():
 
 
 def test_master_table_waits_for_every_rank_and_reports_mismatches():
-    t = _MasterTable(world=3)
+    t = MasterTable(world=3)
     req = lambda name, shape: [name, shape, "float32", "average", -1]  # noqa: E731
     out = t.process([{"requests": [req("a", [2]), req("b", [2])]},
                      {"requests": [req("b", [2])]}, {"requests": [req("b", [2])]}])

@@ -38,125 +38,13 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, ReduceError, Reduc
 from ._cache import (BUSY, HIT, INVALID, SHUTDOWN, STALE, UNCACHED, Params, ResponseCache,
                      bits_of, invert_request_bits, new_vector, set_bits, status_of)
 
+from ._requests import Handle, MasterTable, Request, flatten, owned_bytes, unflatten, use_count
 log = logging.getLogger("forebay.reduce")
 
 OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
        "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 COORDINATIONS = ("bitvector", "master")
 _MAX_MESSAGE = 64 << 20          # a coordination message larger than this is malformed
-
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat copy of ``tensors`` (torch's C++ helper: no Python call per tensor)."""
-    return torch._C._nn.flatten_dense_tensors(tensors)
-
-
-def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    return torch._C._nn.unflatten_dense_tensors(flat, like)
-
-
-def _use_count(t: torch.Tensor) -> int:
-    """C++ references to ``t``'s TensorImpl (0 where torch does not expose it)."""
-    f = getattr(t, "_use_count", None)
-    return f() if f is not None else 0
-
-
-def _owned_bytes(data: bytes) -> torch.Tensor:
-    """A uint8 tensor owning a copy of ``data`` (see ``Coordinator._band``)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
-
-
-class Handle:
-    """Completion of one submitted reduction; ``wait()`` returns the reduced tensor."""
-
-    __slots__ = ("name", "_cond", "_done", "_result", "_error")
-
-    def __init__(self, name: str, cond: threading.Condition):
-        self.name = name
-        self._cond = cond              # shared by a coordinator's handles: no Event per tensor
-        self._done = False
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        if not self._done:
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._done, timeout):
-                    raise ReduceError(f"all-reduce of {self.name!r} did not complete within "
-                                      f"{timeout} s (is every rank submitting it?)")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def _finish(self, result=None, error: BaseException | None = None) -> None:
-        self._result, self._error = result, error
-        with self._cond:
-            self._done = True
-            self._cond.notify_all()
-
-
-class _Request:
-    __slots__ = ("name", "tensor", "params", "handle", "inplace", "event", "bit", "sent",
-                 "submitted", "warned")
-
-    def __init__(self, name: str, tensor: torch.Tensor, params: Params, handle: Handle,
-                 inplace: bool, event=None):
-        self.name, self.tensor, self.params, self.handle = name, tensor, params, handle
-        self.inplace = inplace
-        self.event = event            # a CUDA event recorded when the tensor was produced
-        self.bit = -1                 # cache position while a cache hit
-        self.sent = False             # reported to the master, waiting for the other ranks
-        self.submitted = time.monotonic()
-        self.warned = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-
-class _MasterTable:
-    """Rank 0's message table: which ranks reported which tensor, with what parameters."""
-
-    def __init__(self, world: int):
-        self.world = world
-        self.table: dict[str, list] = {}     # name -> [params, ranks set, error or None]
-
-    def process(self, messages: list[dict]) -> dict:
-        ready: list[Any] = []
-        errors: list[Any] = []
-        shutdown = busy = False
-        for rank, msg in enumerate(messages):
-            shutdown |= bool(msg.get("shutdown", False))
-            busy |= bool(msg.get("busy", False))
-            try:
-                items = [(str(i[0]), Params(tuple(int(d) for d in i[1]), str(i[2]), str(i[3]),
-                                            int(i[4]))) for i in msg["requests"]]
-            except (KeyError, TypeError, IndexError, ValueError) as exc:
-                raise ReduceError(f"malformed coordination message from rank {rank}: "
-                                  f"{type(exc).__name__}: {exc}") from None
-            for name, params in items:
-                entry = self.table.get(name)
-                if entry is None:
-                    entry = self.table[name] = [params, {}, None]
-                elif params != entry[0] and entry[2] is None:
-                    first = next(iter(entry[1]))
-                    entry[2] = (f"ranks disagree on tensor {name!r}: rank {first} sent "
-                                f"{entry[0].describe()}, rank {rank} sent {params.describe()}")
-                entry[1][rank] = True
-                if len(entry[1]) == self.world:
-                    del self.table[name]
-                    (ready if entry[2] is None else errors).append(
-                        name if entry[2] is None else [name, entry[2]])
-        busy = busy or bool(self.table) or bool(ready)
-        return {"ready": ready, "errors": errors, "shutdown": shutdown, "busy": busy}
-
-    def missing(self, name: str) -> list[int]:
-        entry = self.table.get(name)
-        return [] if entry is None else [r for r in range(self.world) if r not in entry[1]]
 
 
 _LIVE: "weakref.WeakSet[Coordinator]" = weakref.WeakSet()
@@ -218,11 +106,11 @@ class Coordinator:
         self._global = [dist.get_global_rank(self.ctrl_group, i) for i in range(self.world)] \
             if ranks else list(range(self.world))
         self.cache = ResponseCache(cache_capacity)
-        self._master = _MasterTable(self.world) if self.rank == 0 else None
+        self._master = MasterTable(self.world) if self.rank == 0 else None
         self._groups: dict[int, list[str]] = {}
-        self._inbox: deque[_Request] = deque()
-        self._pending: dict[str, _Request] = {}
-        self._pool: list[_Request] = []          # ready on every rank, held for their group
+        self._inbox: deque[Request] = deque()
+        self._pending: dict[str, Request] = {}
+        self._pool: list[Request] = []          # ready on every rank, held for their group
         self._closing = False
         self._error: BaseException | None = None
         self._dead = False
@@ -241,10 +129,10 @@ class Coordinator:
         self._cond = threading.Condition()
         self._idle_vec = new_vector(self.cache.words)
         self._mine = 0                 # bits of this rank's pending hits (a Python int bitset)
-        self._hits: dict[int, _Request] = {}
-        self._unsent: list[_Request] = []              # to negotiate at the next exchange
-        self._stale: list[_Request] = []
-        self._not_ready: list[_Request] = []           # GPU tensors whose kernels still run
+        self._hits: dict[int, Request] = {}
+        self._unsent: list[Request] = []              # to negotiate at the next exchange
+        self._stale: list[Request] = []
+        self._not_ready: list[Request] = []           # GPU tensors whose kernels still run
         self._idle_streak = 0
         self._wake = threading.Event()
         self._vec_t = torch.zeros(self.cache.words, dtype=torch.int64)   # reused every cycle
@@ -293,7 +181,7 @@ class Coordinator:
             event.record()
         if tensor.requires_grad:
             tensor = tensor.detach()
-        self._inbox.append(_Request(name, tensor, params, handle, inplace, event))
+        self._inbox.append(Request(name, tensor, params, handle, inplace, event))
         if self._idle_streak >= 3:
             self._wake.set()
         if self._dead:                 # stopped between the check and the append
@@ -420,7 +308,7 @@ class Coordinator:
         self._commit()
         return True
 
-    def _classify(self, r: _Request) -> None:
+    def _classify(self, r: Request) -> None:
         """Once per request (and again if its cache entry goes): a hit keeps its bit set in
         this rank's vector until it runs, so a cycle costs O(vector), not O(pending)."""
         if self.coordination == "master":
@@ -516,7 +404,7 @@ class Coordinator:
 
     def _hold(self, *tensors):
         """Note the tensors of this cycle's gloo operations with their reference counts."""
-        self._held_now.extend((t, _use_count(t)) for t in tensors)
+        self._held_now.extend((t, use_count(t)) for t in tensors)
         return tensors[0] if len(tensors) == 1 else list(tensors)
 
     def _drain_held(self, timeout: float = 2.0) -> None:
@@ -526,7 +414,7 @@ class Coordinator:
         while the interpreter shuts down, the worker thread is killed and the process aborts."""
         deadline = time.monotonic() + timeout
         for t, base in self._held_before + self._held_now:
-            while _use_count(t) > base and time.monotonic() < deadline:
+            while use_count(t) > base and time.monotonic() < deadline:
                 time.sleep(0.0005)
         self._held_before, self._held_now = [], []
 
@@ -542,7 +430,7 @@ class Coordinator:
 
     # -- master-worker -------------------------------------------------------------------
 
-    def _exchange(self, requests: list[_Request], shutdown: bool = False, busy: bool = True):
+    def _exchange(self, requests: list[Request], shutdown: bool = False, busy: bool = True):
         """One master-worker round: gather new requests at rank 0, broadcast what is ready."""
         msg: dict[str, Any] = {"requests": [
             [r.name, list(r.params.shape), r.params.dtype, r.params.op, r.params.group]
@@ -578,7 +466,7 @@ class Coordinator:
             rsize = torch.tensor([len(response)], dtype=torch.int64)
             self._wait(dist.broadcast(self._hold(rsize), src=self._root, group=self.ctrl_group,
                                       async_op=True), "the response broadcast")
-            rbuf = _owned_bytes(response)
+            rbuf = owned_bytes(response)
             self._wait(dist.broadcast(self._hold(rbuf), src=self._root, group=self.ctrl_group,
                                       async_op=True), "the response broadcast")
             self._count_ctrl(8 + len(response), 0, collectives=2)
@@ -586,7 +474,7 @@ class Coordinator:
         else:
             self._wait(dist.gather(self._hold(size), None, dst=self._root, group=self.ctrl_group,
                                    async_op=True), "the request gather")
-            self._wait(dist.isend(self._hold(_owned_bytes(payload)), dst=self._root,
+            self._wait(dist.isend(self._hold(owned_bytes(payload)), dst=self._root,
                                   group=self.ctrl_group), "sending requests to rank 0")
             self._count_ctrl(8 + len(payload), 0, 1)     # the gather and the send
             rsize = torch.empty(1, dtype=torch.int64)
@@ -626,7 +514,7 @@ class Coordinator:
 
     # -- execution -----------------------------------------------------------------------
 
-    def _execute(self, ready: list[_Request]) -> None:
+    def _execute(self, ready: list[Request]) -> None:
         self._pool.extend(ready)     # ready on every rank; grouped ones wait for their group
         if not self._pool:
             return
@@ -656,7 +544,7 @@ class Coordinator:
         for reqs, (buf, _) in zip(buffers, works):
             self._finish(reqs, buf)
 
-    def _select(self) -> list[list[_Request]]:
+    def _select(self) -> list[list[Request]]:
         """Units in pool order: single ungrouped tensors, and complete groups (group order)."""
         pooled = {r.name: r for r in self._pool}
         units, taken = [], set()
@@ -676,12 +564,12 @@ class Coordinator:
             self._pool = [r for r in self._pool if r.name not in taken]
         return units
 
-    def _fuse(self, units: list[list[_Request]]) -> list[list[_Request]]:
+    def _fuse(self, units: list[list[Request]]) -> list[list[Request]]:
         """Greedy fusion of consecutive units of one dtype, device and op up to the threshold;
         a group is never split (unless its tensors differ in dtype or device)."""
         pieces: list[Any] = []
         for unit in units:
-            by_key: dict[tuple, list[_Request]] = {}
+            by_key: dict[tuple, list[Request]] = {}
             for r in unit:
                 by_key.setdefault((r.tensor.dtype, r.tensor.device, r.params.op), []).append(r)
             pieces.extend(by_key.items())
@@ -700,13 +588,13 @@ class Coordinator:
             buffers.append(cur)
         return buffers
 
-    def _launch(self, reqs: list[_Request]):
+    def _launch(self, reqs: list[Request]):
         if len(reqs) == 1:
             t = reqs[0].tensor
             buf = t if reqs[0].inplace and t.is_contiguous() else t.clone(
                 memory_format=torch.contiguous_format)
         else:
-            buf = _flatten([r.tensor for r in reqs])
+            buf = flatten([r.tensor for r in reqs])
         nbytes = buf.numel() * buf.element_size()
         self._cyc["data_collectives"] += 1
         self._cyc["data_bytes"] += nbytes
@@ -714,13 +602,13 @@ class Coordinator:
         return buf, dist.all_reduce(self._hold(buf), op=OPS[reqs[0].params.op],
                                     group=self.data_group, async_op=True)
 
-    def _finish(self, reqs: list[_Request], buf: torch.Tensor) -> None:
+    def _finish(self, reqs: list[Request], buf: torch.Tensor) -> None:
         if reqs[0].params.op == "average":
             buf.div_(self.world)
         if len(reqs) == 1:
             views = [buf.view(reqs[0].tensor.shape)]
         else:
-            views = _unflatten(buf, [r.tensor for r in reqs])
+            views = unflatten(buf, [r.tensor for r in reqs])
         dst = [(r.tensor, v) for r, v in zip(reqs, views)
                if r.inplace and v.data_ptr() != r.tensor.data_ptr()]
         if dst:
