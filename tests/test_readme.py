@@ -135,6 +135,15 @@ with open(f"ids-{rank}.json", "w") as f:
 """
 
 
+def test_readme_training_script_runs_as_one_rank_without_a_launcher(tmp_path):
+    """README says train.py runs as one rank with plain python: it does."""
+    code = next(c for w, c in BLOCKS if "# train.py" in c)
+    assert _run(DATA, tmp_path).returncode == 0
+    p = _run(code, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "ckpt.pt").exists()
+
+
 @pytest.mark.mpi
 def test_readme_training_script_runs_unchanged_under_mpiexec_and_torchrun(tmp_path):
     """The README's train.py as written (plus a check of the batches each rank saw),
