@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -54,6 +55,18 @@ def fails_on_17(s):
 def dies_on_17(s):
     if int(s["label"]) == 17:
         os.kill(os.getpid(), signal.SIGKILL)
+    return {"label": int(s["label"])}
+
+
+def hangs_on_17(s):
+    if int(s["label"]) == 17:
+        threading.Event().wait()             # a deadlocked transform: never returns
+    return {"label": int(s["label"])}
+
+
+def stops_on_17(s):
+    if int(s["label"]) == 17:
+        os.kill(os.getpid(), signal.SIGSTOP)
     return {"label": int(s["label"])}
 
 
@@ -134,6 +147,17 @@ def test_a_worker_that_dies_fails_the_batch_instead_of_hanging(images):
         _epochs(images, 2, epochs=1, transform=dies_on_17)
 
 
+def test_a_worker_that_hangs_or_stops_fails_its_batch_after_the_timeout(images):
+    """As torch's DataLoader timeout=: a transform that never returns, or a worker that
+    is stopped (SIGSTOP), raises naming the worker, its state and the batch."""
+    with pytest.raises(TransformError, match=r"transform worker \d \(pid \d+, sleeping\) "
+                                             r"returned nothing for 1 s on the batch of epoch "
+                                             r"0 step \d+ \(samples .*17"):
+        _epochs(images, 2, epochs=1, transform=hangs_on_17, worker_timeout=1)
+    with pytest.raises(TransformError, match=r"\(pid \d+, stopped\) returned nothing"):
+        _epochs(images, 2, epochs=1, transform=stops_on_17, worker_timeout=1)
+
+
 def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
     with pytest.raises(InvalidArgumentError, match="must be picklable"):
         DataLoader(images, BATCH, comm=None, workers=2, transform=lambda s: s)
@@ -141,6 +165,10 @@ def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
         DataLoader(images, BATCH, comm=None, workers=2)
     with pytest.raises(InvalidArgumentError, match="workers must be a positive"):
         DataLoader(images, BATCH, comm=None, workers=-1, transform=augment)
+    for bad in (0, -1, float("nan"), "soon", True):
+        with pytest.raises(InvalidArgumentError, match="worker_timeout must be"):
+            DataLoader(images, BATCH, comm=None, workers=1, transform=augment,
+                       worker_timeout=bad)
 
 
 def test_the_reference_imagenet_transform_on_real_jpegs(tmp_path):

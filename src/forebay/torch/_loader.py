@@ -22,6 +22,7 @@ from ..comm import all_true, is_mpi, mpi_thread_multiple
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
 from ._collate import collate_views, default_collate, is_graph_batch, pin_tree
+from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
@@ -136,6 +137,11 @@ class DataLoader:
             :class:`~forebay.torch.TransformError` naming the batch.
         worker_start: ``"spawn"`` (default: safe with MPI and threads; the transform
             must be picklable, e.g. defined at module level) or ``"fork"``.
+        worker_timeout: seconds a transform worker may take on one batch (default 600;
+            None: no limit): past it the loader raises
+            :class:`~forebay.torch.TransformError` naming the worker, its state (a
+            stopped one says so) and the batch, instead of waiting forever on a
+            deadlocked transform or a stopped worker (torch's DataLoader ``timeout=``).
         prefetch: batches fetched ahead by a background thread while the model computes
             (0: fetch in the iterating thread).
         staging_bytes: also bound the samples waiting in that staging area by their
@@ -189,7 +195,7 @@ class DataLoader:
                  collate_fn: Optional[Callable] = None,
                  transform: Optional[Callable] = None, prefetch: Optional[int] = None,
                  workers: int = 0, batch_transform: Optional[Callable] = None,
-                 worker_start: str = "spawn",
+                 worker_start: str = "spawn", worker_timeout: Optional[float] = WORKER_TIMEOUT_S,
                  pin_memory: bool = False, progress: Any = None,
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None,
@@ -275,7 +281,7 @@ class DataLoader:
                 if isinstance(self.store, DirectStore) else None
             self._pool = WorkerPool(int(workers), self.ds.schema, transform,
                                     batch_transform, collate_fn, seed, worker_start,
-                                    dataset=own)
+                                    dataset=own, timeout=worker_timeout)
             self.prefetch = max(self.prefetch, 4 * int(workers))   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             if not mpi_thread_multiple():

@@ -36,6 +36,9 @@ __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transfo
 
 #: seconds between liveness checks of the workers while a result is awaited
 _POLL_S = 0.5
+#: seconds a transform worker may take on one batch before the loader raises (the
+#: loader's ``worker_timeout``; None: no limit)
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class TransformError(ForebayError, RuntimeError):
@@ -212,6 +215,7 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
         from ..dataset import open_dataset
 
         ds = open_dataset(dataset[0], verify_on_read=dataset[1])
+    outbox.put((("ready", wid), None, None, None))   # the loader's timeout counts from now
     while True:
         msg = inbox.get()
         if msg is None:
@@ -248,19 +252,41 @@ class _Pending:
         return self.pool._wait(self)
 
 
+def _process_state(pid: Optional[int]) -> str:
+    """What /proc says process ``pid`` is doing ("stopped", "sleeping", ...), or ""."""
+    names = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped",
+             "t": "stopped by a debugger", "Z": "a zombie"}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return names.get(code, f"state {code}")
+
+
 class WorkerPool:
     """``workers`` processes applying ``transform`` (or ``batch_transform``) to the
     batches submitted to them."""
 
     def __init__(self, workers: int, schema: Any, transform: Optional[Callable],
                  batch_transform: Optional[Callable], collate_fn: Optional[Callable],
-                 seed: int, start_method: str = "spawn", dataset: Any = None) -> None:
+                 seed: int, start_method: str = "spawn", dataset: Any = None,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
         import pickle
 
         import torch.multiprocessing as mp
 
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
+        if timeout is not None and (isinstance(timeout, bool) or
+                                    not isinstance(timeout, (int, float)) or
+                                    not 0 < timeout < float("inf")):
+            raise InvalidArgumentError(f"worker_timeout must be a number of seconds > 0 or "
+                                       f"None, got {timeout!r}")
+        self.timeout = timeout
+        #: when each worker said it was ready (imports done): a batch's timeout counts
+        #: from then, not through a slow start
+        self._ready_at: dict[int, float] = {}
         for what, fn in (("transform", transform), ("batch_transform", batch_transform),
                          ("collate_fn", collate_fn)):
             if fn is not None and start_method != "fork":
@@ -318,6 +344,7 @@ class WorkerPool:
         return _Pending(self, key, wid, ids)
 
     def _wait(self, p: _Pending) -> Any:
+        t0 = time.monotonic()
         while True:
             with self._lock:
                 if p.key in self._done:
@@ -327,6 +354,13 @@ class WorkerPool:
                 key, out, err, read = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
                 self._check_alive(p)
+                if self.timeout is not None:
+                    since = max(t0, self._ready_at.get(p.wid, float("inf")))
+                    if since == float("inf") and \
+                            _process_state(self._procs[p.wid].pid) == "stopped":
+                        since = t0            # stopped before it was ready
+                    if time.monotonic() - since > self.timeout:
+                        self._timed_out(p)
                 continue
             except (OSError, EOFError, RuntimeError) as e:
                 # a result whose sender died before handing over its shared memory
@@ -337,6 +371,9 @@ class WorkerPool:
                 raise TransformError(f"{dead or 'a transform worker failed'}: a result it "
                                      f"was sending could not be received "
                                      f"({type(e).__name__}: {e})") from e
+            if key[0] == "ready":
+                self._ready_at[key[1]] = time.monotonic()
+                continue
             if key == p.key:
                 break
             if key[0] == self.generation:
@@ -362,6 +399,19 @@ class WorkerPool:
                 f"{proc.exitcode} while transforming the batch of epoch {p.key[1]} "
                 f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
                 f"{'...' if len(p.ids) > 8 else ''})") from cause
+
+    def _timed_out(self, p: _Pending) -> None:
+        """The worker holding ``p`` returned nothing within the timeout: raise naming it,
+        its state and the batch (as torch's DataLoader ``timeout=``)."""
+        proc = self._procs[p.wid]
+        state = _process_state(proc.pid)
+        raise TransformError(
+            f"transform worker {p.wid} (pid {proc.pid}{', ' + state if state else ''}) "
+            f"returned nothing for {self.timeout:g} s on the batch of epoch {p.key[1]} "
+            f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
+            f"{'...' if len(p.ids) > 8 else ''}): a transform that deadlocked, or a "
+            f"stopped worker; a transform that needs longer: worker_timeout=SECONDS "
+            f"(None: wait forever)")
 
     def new_pass(self) -> None:
         """A new pass over an epoch: results of earlier passes nobody took (an epoch
