@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import numpy as np
@@ -656,3 +657,31 @@ def test_ingest_workers_die_with_their_parent(tmp_path):
     while any(_alive(q) for q in pids):
         assert time.monotonic() < deadline, f"workers {pids} outlived their parent"
         time.sleep(0.05)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs of its own (root only): a disk that fills up."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a small file system of its own needs root (mount -t tmpfs)")
+    d = tmp_path / "small"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_write_that_fills_the_disk_leaves_no_temporary_directory(small_fs):
+    """X item 6: on ENOSPC the writer's abort flushed into the same error and never
+    removed its temporary directory, keeping the disk full."""
+    with pytest.raises(OSError) as err:
+        forebay.write_dataset(small_fs / "ds", ({"x": np.full(100_000, i, np.uint8)}
+                                                for i in range(40)))
+    assert "No space left" in str(err.value) or getattr(err.value, "errno", 0) == 28
+    assert leftovers(small_fs) == [] and not (small_fs / "ds").exists()
+    assert os.statvfs(small_fs).f_bfree == os.statvfs(small_fs).f_blocks   # all freed

@@ -158,14 +158,21 @@ class DatasetWriter:
         return Manifest.read(self.path)
 
     def abort(self) -> None:
-        """Discard everything written so far; nothing is left at ``path``."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._live.release()
-        self._closed = True
-        self._progress.close()
+        """Discard everything written so far; nothing is left at ``path``.  Never
+        fails on the file it drops: on a full disk closing it flushes into the same
+        ENOSPC, and the temporary directory must go all the same."""
+        try:
+            if self._file is not None:
+                f, self._file = self._file, None
+                try:
+                    f.close()
+                except OSError:
+                    pass        # what it could not flush is discarded anyway
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._live.release()
+            self._closed = True
+            self._progress.close()
 
     def __enter__(self) -> "DatasetWriter":
         return self
