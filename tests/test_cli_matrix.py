@@ -116,3 +116,29 @@ def test_a_missing_optional_dependency_is_one_line_naming_the_extra(
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert blocked in last and f"forebay[{extra}]" in last, err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stopped_synth_leaves_nothing_half_written(tmp_path, sig):
+    """X item 7: `forebay synth` stopped by SIGTERM (what Slurm sends) left its hidden
+    temporary directory; it now stops as on Ctrl-C, removing it."""
+    import signal
+    import time
+
+    out = tmp_path / "blobs"
+    p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "synth", "imagenet", str(out),
+                          "--samples", "2000000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120   # until it is writing (a condition, not a time)
+        while not [q for q in tmp_path.iterdir() if ".forebay-" in q.name]:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
+    assert [q.name for q in tmp_path.iterdir()] == []

@@ -51,9 +51,27 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise InvalidArgumentError(f"--{attr} {v}: {parent} is not writable")
 
 
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (what Slurm and a timeout send) as Ctrl-C: the command stops the same
+    way, removing what it had half written, instead of dying where it stands."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:           # the forebay command itself (not a library call of main)
+        _sigterm_as_interrupt()
     try:
         _check_outputs(args)
         return args.func(args)
