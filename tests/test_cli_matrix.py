@@ -25,6 +25,8 @@ BAD = [
     ("ingest {tmp}/nope {tmp}/out --from npz", "does not exist"),
     ("info {tmp}/nope", "no dataset"),
     ("verify {tmp}/nope", "no dataset"),
+    ("verify {tmp}/src", "is not a forebay dataset"),
+    ("analyze {tmp}/notatrace", "nothing in it could be read as a trace"),
     ("analyze {tmp}/nope", "no trace directory"),
     ("analyze {tmp}/empty", "no trace files"),
     ("trace export {tmp}/nope {tmp}/out.json", "no trace directory"),
@@ -47,6 +49,8 @@ BAD = [
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, args, says):
     (tmp_path / "src").mkdir()
     (tmp_path / "empty").mkdir()
+    (tmp_path / "notatrace").mkdir()
+    (tmp_path / "notatrace" / "x.json").write_text("not a trace\n")
     argv = args.format(tmp=tmp_path).split()
     try:
         code = main(argv)

@@ -112,6 +112,10 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from ..dataset import open_dataset
     from ..errors import CorruptDatasetError, DatasetNotFoundError
 
+    if Path(a.path).is_dir() and not (Path(a.path) / "manifest.json").exists():
+        # a directory that is not a dataset at all: nothing to verify (as info, exit 2)
+        raise DatasetNotFoundError(f"{a.path} is not a forebay dataset: it has no "
+                                   f"manifest.json")
     try:
         ds = open_dataset(a.path)
     except CorruptDatasetError as e:   # damaged manifest, index or sizes: corrupt, exit 1

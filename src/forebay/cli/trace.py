@@ -39,6 +39,11 @@ def cmd_analyze(a: argparse.Namespace) -> int:
             res = analyze(a.trace_dir, events=ev)
         else:                   # a stream: memory does not grow with the trace
             ev, res = None, analyze(a.trace_dir, progress=prog)
+    if not res["events"] and res["skipped"]:
+        raise InvalidArgumentError(
+            f"{a.trace_dir}: nothing in it could be read as a trace ("
+            + "; ".join(res["skipped"][:3])
+            + (f"; +{len(res['skipped']) - 3} more" if len(res["skipped"]) > 3 else "") + ")")
     summary = format_summary(res)
     print(summary)
     if a.json:
