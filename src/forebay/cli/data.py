@@ -14,7 +14,7 @@ import numpy as np
 
 from .._units import human_bytes, parse_size
 from ..errors import InvalidArgumentError
-from ._args import positive_int, progress
+from ._args import count_int, positive_int, progress
 
 __all__ = ["register"]
 
@@ -149,7 +149,7 @@ def register(sub: Any) -> None:
     s.add_argument("kind", choices=sorted(KINDS))
     s.add_argument("out")
     s.add_argument("--samples", "-n", type=positive_int, required=True)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=count_int, default=0)
     s.add_argument("--format", choices=["pff", "cff"], help="ising/molecules: one pickle per "
                    "sample (pff, default) or one HDF5 file (cff)")
     s.add_argument("--per-file", type=positive_int,

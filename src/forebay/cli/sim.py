@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..world import detect
-from ._args import fraction, nonneg_float, positive_float, positive_int, progress, sizes_list
+from ._args import (count_int, fraction, nonneg_float, positive_float, positive_int, progress,
+                    sizes_list)
 
 __all__ = ["register"]
 
@@ -140,7 +141,7 @@ def register(sub: Any) -> None:
                     help="also count on a real AccessPlan (vectorized; ~30 s for ImageNet-1k)")
     pl.add_argument("--batch-size", type=positive_int, default=32,
                     help="per-rank batch (Monte Carlo)")
-    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--seed", type=count_int, default=0)
     pl.set_defaults(func=cmd_plan)
 
     sm = sub.add_parser("simulate", help="simulate I/O policies for a workload (NoPFS's model)",
@@ -166,7 +167,7 @@ def register(sub: Any) -> None:
     sm.add_argument("--policies", default=None, help="comma-separated (default: all)")
     sm.add_argument("--scale", type=fraction, default=1.0, help="simulate this fraction of the "
                     "samples, RAM and SSD scaled alike (default 1)")
-    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--seed", type=count_int, default=0)
     sm.add_argument("--compute-MBps", dest="compute_MBps", type=positive_float, default=None,
                     help="training throughput c per worker (overrides the system)")
     sm.add_argument("--preprocess-MBps", dest="preprocess_MBps", type=positive_float,

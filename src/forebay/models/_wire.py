@@ -136,6 +136,8 @@ def parse_addresses(url: str) -> list[tuple[str, int]]:
         host, _, port = part.rpartition(":")
         if not host or not port.isdigit():
             raise ModelRepositoryError(f"{url}: expected tcp://host:port[,host:port...]")
+        if not 0 <= int(port) <= 65535:
+            raise ModelRepositoryError(f"{url}: port {port} is not a TCP port (0-65535)")
         out.append((host, int(port)))
     return out
 
