@@ -395,7 +395,9 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
                 sys.exit(f"{c} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             r = json.loads(next(line for line in proc.stdout.splitlines()
                                 if line.startswith("RESULT "))[7:])
-            n = r["samples"]
+            # distinct samples: forebay's plan pads the last global batch with repeats,
+            # DistributedSampler pads to a multiple of the ranks; neither counts
+            n = r["samples"] = min(r["samples"], a.samples)
             r["cold"] = n / (r["setup_s"] + r["epoch_s"][0])
             r["warm"] = n / float(np.median(r["epoch_s"][1:]))
             r["run"] = n * len(r["epoch_s"]) / (r["setup_s"] + sum(r["epoch_s"]))
