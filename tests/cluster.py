@@ -344,15 +344,17 @@ class Cluster:
 
     def cap_link(self, k: int, mbit: float) -> None:
         """Node ``k``'s link (both ways) capped at ``mbit`` Mbit/s (a token bucket)."""
-        for dev, where in ((self._veth(k), []), ("eth0", ["ip", "netns", "exec",
-                                                         self.netns(k)])):
+        for where, dev in self._link_ends(k):
             _sh(*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                 f"{mbit}mbit", "burst", "64kb", "latency", "50ms")
 
     def uncap_link(self, k: int) -> None:
-        for dev, where in ((self._veth(k), []), ("eth0", ["ip", "netns", "exec",
-                                                         self.netns(k)])):
+        for where, dev in self._link_ends(k):
             _sh(*where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+    def _link_ends(self, k: int) -> list[tuple[list[str], str]]:
+        """Both ends of node ``k``'s link: (how to run a command where it is, device)."""
+        return [([], self._veth(k)), (["ip", "netns", "exec", self.netns(k)], "eth0")]
 
 
 def _ppid(pid: int) -> int:

@@ -73,10 +73,16 @@ def run_torch(cluster: Cluster, nodes: int, ppn: int, func, *args, timeout: int 
     """As :func:`run_mpi` under real ``torchrun``, one agent per node; the agents'
     outputs joined (node order)."""
     cmd, full_env = rank_command(func, args, env)
-    out = cluster.torchrun(cmd, nodes=nodes, ppn=ppn, timeout=timeout, env=full_env)
-    return subprocess.CompletedProcess(
-        [p.args for p in out], max(abs(p.returncode) for p in out),
-        "".join(p.stdout for p in out), "".join(p.stderr for p in out))
+    return _joined(cluster.torchrun(cmd, nodes=nodes, ppn=ppn, timeout=timeout,
+                                    env=full_env))
+
+
+def _joined(out: list[subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
+    """The agents' outputs as one job's (node order), its worst exit status."""
+    return subprocess.CompletedProcess([p.args for p in out],
+                                       max(abs(p.returncode) for p in out),
+                                       "".join(p.stdout for p in out),
+                                       "".join(p.stderr for p in out))
 
 
 def _why(p: subprocess.CompletedProcess) -> str:
@@ -222,30 +228,9 @@ def test_global_batches_across_nodes_are_the_plans(cluster, labelled, nodes, ppn
 
 
 # -- node faults ------------------------------------------------------------------------
-def rank_train_long(path: str) -> None:
-    """Epochs of batches until killed; rank 0 says when the first batch is in."""
-    from mpi4py import MPI
-
-    from forebay.torch import DataLoader
-
-    comm = MPI.COMM_WORLD
-    dl = DataLoader(path, 4, comm=comm, seed=1, epochs=1000, mode="preload",
-                    collate_fn=lambda b: b.ids.copy())
-    for epoch in range(1000):
-        dl.set_epoch(epoch)
-        for _ in dl:
-            if epoch == 0 and comm.rank == 0:
-                say("TRAINING")
-            comm.Barrier()
-
-
 def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled):
-    cmd, env = rank_command(rank_train_long, [labelled])
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    job = cluster.popen(0, [mpiexec, "-launcher", "ssh", "-launcher-exec",
-                            str(Path(__file__).with_name("node_exec.sh")),
-                            "-hosts", "node0,node1", "-ppn", "2", "-n", "4",
-                            sys.executable, *cmd],
+    cmd, env = rank_command(rank_train_exchange, [labelled, "auto"])
+    job = cluster.popen(0, cluster.mpiexec_argv([sys.executable, *cmd], nodes=2, ppn=2),
                         env=cluster.env(env), stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True)
     try:
@@ -270,7 +255,8 @@ def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled
 
 
 def rank_train_exchange(path: str, transport: str) -> None:
-    """As :func:`rank_train_long` under either launcher, over ``transport``."""
+    """Epochs of batches until killed, under either launcher, over ``transport``; rank
+    0 says when the first batch is in."""
     from forebay.torch import DataLoader
 
     dl = DataLoader(path, 4, seed=1, epochs=1000, mode="preload", transport=transport,
@@ -402,10 +388,8 @@ def test_the_readme_training_script_runs_across_four_nodes(cluster, launcher):
     if launcher == "mpiexec":
         p = cluster.mpiexec([sys.executable, "train.py"], cwd=d, env=env, timeout=400)
     else:
-        out = cluster.torchrun(["train.py"], cwd=d, env=env, timeout=400, port=29421)
-        p = subprocess.CompletedProcess([], max(abs(o.returncode) for o in out),
-                                        "".join(o.stdout for o in out),
-                                        "".join(o.stderr for o in out))
+        p = _joined(cluster.torchrun(["train.py"], cwd=d, env=env, timeout=400,
+                                     port=29421))
     assert p.returncode == 0, _why(p)
     assert (d / "ckpt.pt").exists()
     ids = [json.loads((d / f"ids-{r}.json").read_text()) for r in range(4)]

@@ -20,13 +20,13 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from .._liveness import join as join_liveness, waiting
-from ..comm import NodeSegment, fence, is_mpi, mpi_thread_multiple, node_ranks, node_size
+from ..comm import NodeSegment, fence, is_mpi, node_ranks, node_size
 from ..dataset import ALIGNMENT, gather_ranges
 from ..errors import InvalidArgumentError, NameNotFoundError, SampleIndexError
 from ..world import abort_on_uncaught, resolve_comm
 from ._base import Releasable, StoreError
 from ._agreement import raise_mismatches
-from ._windows import TargetProgress, rma_get
+from ._windows import TargetProgress, rma_get, target_progress
 
 __all__ = ["ArrayStore", "ARRAY_TRANSPORTS"]
 
@@ -175,8 +175,8 @@ class ArrayStore(Releasable):
                 self._win = MPI.Win.Allocate(size, 1, comm=self.comm)
                 raw = np.frombuffer(self._win.tomemory(), dtype=np.uint8)
                 views = [raw]
-                if mpi_thread_multiple() and node_size(self.comm) < self.world:
-                    self._progress = TargetProgress(self.comm)   # gets across nodes
+                self._progress = target_progress(self.comm,   # gets across nodes
+                                                 node_size(self.comm) < self.world)
         shift = (-raw.ctypes.data) % ALIGNMENT
         shifts = (self.comm.allgather(int(shift)) if self.comm is not None else [shift])
         self._shift = np.array(shifts, dtype=np.int64)

@@ -107,10 +107,12 @@ class ClairSetup(ClairState):
                     if asked == "pages" else "")
             raise InvalidArgumentError(f"transport must be 'auto', 'shm', 'rma' or 'exchange', "
                                        f"got {asked!r}{hint}")
+        #: ranks of the job on this rank's node (collective)
+        self._node_ranks = 1 if self.comm is None else node_size(self.comm)
         if self.comm is None or self.world == 1:
             self.transport = "local"
             return
-        one_node = node_size(self.comm) == self.world  # the same answer on every rank
+        one_node = self._node_ranks == self.world  # the same answer on every rank
         if asked == "shm" and not one_node:
             raise StoreError("transport='shm' needs every rank on one node")
         if asked == "exchange":
@@ -174,7 +176,7 @@ class ClairSetup(ClairState):
         size = _HEADER + self._state_len + ALIGNMENT + held
         # the node's RAM tiers are one /dev/shm segment (shm), and MPICH keeps the RMA
         # windows of a node's ranks there too
-        if self.transport == "shm" or (self.transport == "rma" and node_size(self.comm) > 1):
+        if self.transport == "shm" or (self.transport == "rma" and self._node_ranks > 1):
             room = shm_room(self.comm, size)
             agree(self.comm, None if room is None else
                   f"the RAM tiers do not fit in shared memory: {room}; give a smaller "

@@ -124,6 +124,7 @@ class ClairState:
     _ssd_live: Any
     _base: np.ndarray
     _progress: Any
+    _node_ranks: int
 
     if TYPE_CHECKING:    # what one concern calls on another
         def _dest(self, pos: np.ndarray) -> Any: ...

@@ -41,14 +41,14 @@ import numpy as np
 from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
 from ..dataset import IndexLayout, assemble_batch, assemble_views
-from ..comm import NodeSegment, mpi_thread_multiple
+from ..comm import NodeSegment
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import InvalidArgumentError
 from ..plan import AccessPlan
-from ._agreement import agree, check_agreement, node_size
+from ._agreement import agree, check_agreement
 from ._base import Lender, SampleStore, StoreError, WarmUp, warm_enabled
 from ._placement import RAM, compute_placement
-from ._windows import TargetProgress, free_window
+from ._windows import free_window, target_progress
 from ._clair_setup import ClairSetup
 from ._clair_fill import ClairFill
 from ._clair_exchange import ClairExchange
@@ -216,9 +216,8 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         self._allocate()
         #: rma across nodes: peers' gets from this rank complete while it is busy
         #: outside MPI (see TargetProgress)
-        self._progress = TargetProgress(self.comm) if (
-            self.transport == "rma" and mpi_thread_multiple() and
-            node_size(self.comm) < self.world) else None
+        self._progress = target_progress(
+            self.comm, self.transport == "rma" and self._node_ranks < self.world)
         # a tier position is written once: views of it never change (not the exchange's
         # records, which arrive in a fresh buffer every batch)
         self.capabilities = frozenset({"shared", "background_fill"} |

@@ -68,7 +68,9 @@ class StoreSetup(StoreState):
     def _choose_transport(self, asked: str, on_pfs_read: Any, overlap: bool) -> str:
         single = self.group_comm is None or self.width == 1
         mpi = is_mpi(self.comm)
-        one_node = single or node_size(self.group_comm) == self.width
+        #: members of this rank's group on its node (collective over the group)
+        self._local_members = 1 if single else node_size(self.group_comm)
+        one_node = single or self._local_members == self.width
         everywhere = all_true(self.comm, one_node)
         if asked in ("auto", "pages"):
             why = self._why_not_pages(asked, everywhere, on_pfs_read, overlap and not single)
@@ -89,7 +91,7 @@ class StoreSetup(StoreState):
         # of a group's members on one node: what they need must fit there, else auto
         # takes the exchange (plain memory) and an explicit transport says why not
         head = self._head_bytes(overlap)
-        in_shm = everywhere or (mpi and node_size(self.group_comm) > 1)
+        in_shm = everywhere or (mpi and self._local_members > 1)
         room = shm_room(self.comm, int(self.layout.nbytes[self.member]) + ALIGNMENT + head
                         if in_shm else 0)
         if asked in ("shm", "rma") and (everywhere or asked == "rma"):

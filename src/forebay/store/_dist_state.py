@@ -86,6 +86,7 @@ class StoreState:
     _served_from_files: list[int]
     _yielding: bool
     _kept_skipped: int
+    _local_members: int
 
     @property
     def replicas(self) -> int:

@@ -33,10 +33,10 @@ from ..progress import Progress, TqdmProgress, as_progress
 from ..comm import NodeSegment, all_true, mpi_thread_multiple, ordered_shared_memory
 from .._fs import network_fs
 from ..world import abort_on_uncaught, resolve_comm
-from ._agreement import check_agreement, node_size
+from ._agreement import check_agreement
 from ._base import Lender, SampleStore, StoreError
 from ._layout import StoreLayout
-from ._windows import TargetProgress, free_window, rma_get, rma_get_one
+from ._windows import TargetProgress, free_window, rma_get, rma_get_one, target_progress
 from ._dist_exchange import ExchangeTransport
 from ._dist_load import BackgroundLoad
 from ._dist_setup import StoreSetup
@@ -192,10 +192,8 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
             self._map_peers()        # may find the MPI's layout unusable: then rma
         #: rma across nodes: a thread that lets peers' gets from this rank complete
         #: while it is busy outside MPI (see TargetProgress)
-        self._progress: Optional[TargetProgress] = None
-        if self.transport == "rma" and mpi_thread_multiple() and \
-                node_size(self.group_comm) < self.width:
-            self._progress = TargetProgress(self.group_comm)
+        self._progress: Optional[TargetProgress] = target_progress(
+            self.group_comm, self.transport == "rma" and self._local_members < self.width)
         #: loading in the background: shm, pages and local (a reader reads the owner's
         #: header), rma (through MPI: the load publishes from its thread, which needs
         #: MPI_THREAD_MULTIPLE), exchange (the owner serves what it has not loaded from

@@ -12,7 +12,8 @@ import numpy as np
 
 from .._liveness import waiting
 
-__all__ = ["rma_get", "rma_get_one", "shared_segment", "free_window", "TargetProgress"]
+__all__ = ["rma_get", "rma_get_one", "shared_segment", "free_window", "TargetProgress",
+           "target_progress"]
 
 #: MPI windows closed while a view (get_views) still held their memory: never freed
 _LENT_WINDOWS: list[Any] = []
@@ -145,3 +146,12 @@ class TargetProgress:
             self._stop.set()
             self._thread.join()
             self._comm.Free()
+
+
+def target_progress(comm: Any, spans_nodes: bool) -> Optional[TargetProgress]:
+    """A :class:`TargetProgress` for an RMA window over ``comm`` when it spans nodes
+    (``spans_nodes``, the same on every rank) and MPI lets a thread call it; else None.
+    Collective when it makes one."""
+    from ..comm import mpi_thread_multiple
+
+    return TargetProgress(comm) if spans_nodes and mpi_thread_multiple() else None
