@@ -5,11 +5,15 @@ shared as a parallel file system), built for the job and removed after it.  Need
 
     sudo .venv/bin/python scripts/cluster.py --nodes 4 --ppn 2 mpiexec -- python train.py
     sudo .venv/bin/python scripts/cluster.py --nodes 2 --ppn 2 torchrun -- train.py
+    sudo .venv/bin/python scripts/cluster.py --nodes 4 srun -- python train.py
+    sudo .venv/bin/python scripts/cluster.py --nodes 4 --mpi pmi2 srun -- python train.py
     sudo .venv/bin/python scripts/cluster.py --nodes 2 run 1 -- hostname
 
 Inside the job, ``$FOREBAY_CLUSTER_SHARED`` is the shared directory (the cluster's
-``shared/``) and ``$FOREBAY_CLUSTER_LOCAL`` each node's own scratch directory.  The
-cluster's implementation, also the test suite's, is tests/cluster.py.
+``shared/``) and ``$FOREBAY_CLUSTER_LOCAL`` each node's own scratch directory.  ``srun``
+needs Slurm installed (Debian: ``apt-get install slurm-wlm munge``): the script starts
+munged, slurmctld on node0 and a slurmd on every node for the job.  The cluster's
+implementation, also the test suite's, is tests/cluster.py.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cluster import Cluster, unavailable  # noqa: E402
+from cluster import Cluster, slurm_unavailable, unavailable  # noqa: E402
 
 
 def main(argv: "list[str] | None" = None) -> int:
@@ -32,11 +36,14 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--ppn", type=int, default=1, help="ranks per node (default 1)")
     p.add_argument("--shm", default="512", help="each node's /dev/shm in MiB (default 512)")
     p.add_argument("--root", help="the cluster's directory (default: a new one in /tmp)")
-    p.add_argument("how", choices=["mpiexec", "torchrun", "run"])
+    p.add_argument("--mpi", default=None,
+                   help="srun's MPI plug-in (pmi2 for MPICH; default: none, the ranks "
+                        "meet over torch.distributed)")
+    p.add_argument("how", choices=["mpiexec", "torchrun", "srun", "run"])
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="run: NODE -- COMMAND; else -- COMMAND")
     a = p.parse_args(argv)
-    why = unavailable()
+    why = unavailable() or (slurm_unavailable() if a.how == "srun" else None)
     if why:
         print(f"cluster.py: {why}", file=sys.stderr)
         return 2
@@ -59,8 +66,12 @@ def main(argv: "list[str] | None" = None) -> int:
             if a.how == "torchrun":
                 rs = c.torchrun(cmd, ppn=a.ppn, timeout=None, env=env, capture=False)
                 return max(abs(r.returncode) for r in rs)
-            argv = c.mpiexec_argv(cmd, ppn=a.ppn) if a.how == "mpiexec" else cmd
-            return c.popen(0 if a.how == "mpiexec" else node, argv, env=env).wait()
+            if a.how == "srun":
+                c.slurm_up()
+                argv = c.srun_argv(cmd, ppn=a.ppn, mpi=a.mpi)
+            else:
+                argv = c.mpiexec_argv(cmd, ppn=a.ppn) if a.how == "mpiexec" else cmd
+            return c.popen(node, argv, env=env).wait()
     finally:
         if made:
             shutil.rmtree(root, ignore_errors=True)

@@ -11,7 +11,9 @@ system is shared by the nodes, as a parallel file system is: a dataset written u
 Processes run on a node through ``nsenter`` into a holder process that keeps the
 node's namespaces alive.  Real launchers run across the nodes: ``mpiexec`` (MPICH's
 hydra, with :data:`NODE_EXEC` as its launcher in place of ssh) and ``torchrun`` (one
-agent per node, the rendezvous on node0).  Node faults: :meth:`Cluster.kill_node`
+agent per node, the rendezvous on node0) and, where Slurm is installed, ``srun``
+(:meth:`Cluster.slurm_up`: munged on this host, slurmctld on node0, one slurmd per
+node; with ``--mpi=pmi2`` for MPI programs, or without MPI).  Node faults: :meth:`Cluster.kill_node`
 (every process of a node), :meth:`Cluster.cut_link` / :meth:`Cluster.restore_link`
 (``ip link set down``), :meth:`Cluster.cap_link` (a token bucket on the node's link).
 
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["Cluster", "unavailable", "NODE_EXEC"]
+__all__ = ["Cluster", "unavailable", "slurm_unavailable", "NODE_EXEC"]
 
 #: hydra's launcher in place of ssh: ``node_exec.sh [-opts] HOST COMMAND...`` runs
 #: COMMAND on node HOST of the cluster named by ``FOREBAY_CLUSTER_DIR``
@@ -61,6 +63,16 @@ def unavailable() -> Optional[str]:
     if r.returncode != 0:
         return f"network namespaces are not available here: {r.stderr.strip()}"
     _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def slurm_unavailable() -> Optional[str]:
+    """Why Slurm cannot run on an emulated cluster here (None: it can)."""
+    missing = [t for t in ("srun", "sinfo", "slurmctld", "slurmd", "munged")
+               if shutil.which(t) is None]
+    if missing:
+        return (f"Slurm is not installed here ({', '.join(missing)} not found; Debian: "
+                f"apt-get install slurm-wlm munge, as .ci/run does)")
     return None
 
 
@@ -89,6 +101,7 @@ class Cluster:
         self.hosts = [f"node{k}" for k in range(nodes)]
         self.pids: list[int] = []            # each node's holder process
         self._holders: list[subprocess.Popen] = []
+        self._daemons: list[subprocess.Popen] = []    # munged, slurmctld, slurmds
         self._up = False
 
     # -- names ----------------------------------------------------------------------
@@ -153,9 +166,12 @@ class Cluster:
                         ["ip", "addr", "add", f"{self.address(k)}/24", "dev", "eth0"],
                         ["ip", "link", "set", "eth0", "up"]):
                 _sh("ip", "netns", "exec", ns, *cmd)
-            # the holder: the node's own hostname, IPC, /dev/shm, local/ and /etc/hosts
+            # the holder: the node's own hostname, IPC, /dev/shm, local/ and /etc/hosts;
+            # an empty tmpfs as /sys/fs/cgroup (`ip netns exec`'s fresh sysfs has none,
+            # and slurmd will not start without a file system there)
             setup = (f"hostname {self.hosts[k]} && "
                      f"mount -t tmpfs -o size={self.shm_bytes},mode=1777 tmpfs /dev/shm && "
+                     f"mount -t tmpfs -o size=1m,mode=755 cgroup /sys/fs/cgroup && "
                      f"mount --bind {self.node_dir(k)} {self.local} && "
                      f"mount --bind {hosts} /etc/hosts && echo $$ && exec sleep infinity")
             holder = subprocess.Popen(
@@ -184,8 +200,8 @@ class Cluster:
             return
         self._up = False
         for k in range(len(self.pids)):
-            self.kill_node(k)
-        for h in self._holders:
+            self.kill_node(k, daemons=True)
+        for h in [*self._daemons, *self._holders]:
             try:
                 os.killpg(h.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -231,7 +247,8 @@ class Cluster:
         """The environment of a job on the cluster: the caller's, the cluster's
         directory for :data:`NODE_EXEC`, and the nodes' interface for gloo and MPI."""
         e = dict(os.environ, FOREBAY_CLUSTER_DIR=str(self.root), GLOO_SOCKET_IFNAME="eth0",
-                 FI_PROVIDER="tcp", FI_TCP_IFACE="eth0", OMP_NUM_THREADS="1")
+                 FI_PROVIDER="tcp", FI_TCP_IFACE="eth0", OMP_NUM_THREADS="1",
+                 SLURM_CONF=str(self.slurm_conf))
         e.update(extra or {})
         return e
 
@@ -289,6 +306,108 @@ class Cluster:
             out.append(subprocess.CompletedProcess(p.args, p.returncode, so or "", se or ""))
         return out
 
+    # -- Slurm ----------------------------------------------------------------------
+    @property
+    def slurm_conf(self) -> Path:
+        """The cluster's ``slurm.conf`` (``SLURM_CONF`` in :meth:`env` once Slurm is up)."""
+        return self.root / "slurm" / "slurm.conf"
+
+    def slurm_up(self, cpus: int = 4, timeout: float = 60.0) -> None:
+        """Start Slurm on the cluster: ``munged`` on this host (its socket and key in
+        the cluster's directory: the nodes share the file system), ``slurmctld`` on
+        node0, one ``slurmd`` per node (``cpus`` each, whatever the machine has: tasks
+        share its cores), one partition of every node.  Returns once every node is idle;
+        :meth:`down` stops them all.  Raises naming the daemon that did not start."""
+        why = slurm_unavailable()
+        if why:
+            raise RuntimeError(why)
+        d = self.root / "slurm"
+        (d / "state").mkdir(parents=True)
+        key = d / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        sock = d / "munge.sock"
+        self._daemons.append(subprocess.Popen(
+            ["munged", "-F", "--force", f"--socket={sock}", f"--key-file={key}",
+             f"--log-file={d / 'munged.log'}", f"--pid-file={d / 'munged.pid'}",
+             f"--seed-file={d / 'munged.seed'}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        nodes = "".join(f"NodeName={h} NodeAddr={self.address(k)} CPUs={cpus} "
+                        f"State=UNKNOWN\n" for k, h in enumerate(self.hosts))
+        # node-local paths under local/ (each node's own); no cgroups, no accounting
+        self.slurm_conf.write_text(
+            f"ClusterName=forebay\nSlurmctldHost={self.hosts[0]}({self.address(0)})\n"
+            f"SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
+            f"AuthInfo=socket={sock}\nCredType=cred/munge\n"
+            f"StateSaveLocation={d / 'state'}\nSlurmctldPidFile={d / 'slurmctld.pid'}\n"
+            f"SlurmctldLogFile={d / 'slurmctld.log'}\n"
+            f"SlurmdSpoolDir={self.local / 'slurmd'}\n"
+            f"SlurmdPidFile={self.local / 'slurmd.pid'}\n"
+            f"SlurmdLogFile={self.local / 'slurmd.log'}\n"
+            "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+            "JobAcctGatherType=jobacct_gather/none\n"
+            "AccountingStorageType=accounting_storage/none\nSchedulerType=sched/builtin\n"
+            "SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\nMpiDefault=none\n"
+            "ReturnToService=2\nSlurmdParameters=config_overrides\nKillWait=5\n"
+            # a node that dies is found in seconds, not minutes (tests kill nodes)
+            "SlurmdTimeout=6\nMessageTimeout=4\nInactiveLimit=0\n"
+            f"{nodes}PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
+            f"OverSubscribe=YES\n")
+        (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+        self._daemons.append(self.popen(0, ["slurmctld", "-D", "-i"], env=self.env(),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True))
+        for k in range(self.nodes):
+            self._slurmd(k)
+        self._slurm_idle(timeout)
+
+    def slurm_restore(self, k: int, timeout: float = 60.0) -> None:
+        """Node ``k``'s slurmd started again (after :meth:`kill_node`); returns once
+        Slurm has every node idle again."""
+        self._slurmd(k)
+        self._slurm_idle(timeout)
+
+    def _slurmd(self, k: int) -> None:
+        (self.node_dir(k) / "slurmd").mkdir(exist_ok=True)
+        self._daemons.append(self.popen(k, ["slurmd", "-D"], env=self.env(),
+                                        stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True))
+
+    def _slurm_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        state: list[str] = []
+        while time.monotonic() < deadline:
+            if self._daemons[1].poll() is not None or self._daemons[-1].poll() is not None:
+                raise RuntimeError(f"Slurm did not start: slurmctld or slurmd exited; logs in "
+                                   f"{self.slurm_conf.parent} and {self.local}/slurmd.log "
+                                   f"of each node")
+            r = self.run(0, ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), timeout=30)
+            state = r.stdout.split()
+            if r.returncode == 0 and state == ["idle"] * self.nodes:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"Slurm's nodes not idle after {timeout:g} s: {state}")
+
+    def srun_argv(self, argv: Sequence[str], *, nodes: Optional[int] = None,
+                  ppn: int = 1, mpi: Optional[str] = None) -> list[str]:
+        """The ``srun`` command (to run on node0) that starts ``argv`` as
+        ``nodes * ppn`` tasks on the first ``nodes`` nodes, ``ppn`` each; ``mpi``
+        Slurm's MPI plug-in (``pmi2`` for MPICH; None: no MPI).  The step fails
+        when its nodes are not free within 60 s (one killed and not restored)."""
+        n = self.nodes if nodes is None else nodes
+        return ["srun", "-N", str(n), "--ntasks-per-node", str(ppn), "-n", str(n * ppn),
+                "-w", ",".join(self.hosts[:n]), "--kill-on-bad-exit=1", "--immediate=60",
+                f"--mpi={mpi or 'none'}", *argv]
+
+    def srun(self, argv: Sequence[str], *, nodes: Optional[int] = None, ppn: int = 1,
+             mpi: Optional[str] = None, timeout: Optional[float] = 180,
+             env: Optional[dict] = None, cwd: "str | os.PathLike[str] | None" = None
+             ) -> subprocess.CompletedProcess:
+        """Run :meth:`srun_argv` on node0 to the end (:meth:`slurm_up` first); its
+        output captured."""
+        return self.run(0, self.srun_argv(argv, nodes=nodes, ppn=ppn, mpi=mpi),
+                        timeout=timeout, env=self.env(env), cwd=cwd)
+
     # -- faults ---------------------------------------------------------------------
     def node_pids(self, k: int) -> list[int]:
         """The processes running on node ``k`` (its network namespace), holder aside."""
@@ -299,10 +418,12 @@ class Cluster:
         return [int(p) for p in r.stdout.split() if p.strip().isdigit() and
                 int(p) not in holder and int(p) != os.getpid()]
 
-    def kill_node(self, k: int, sig: int = signal.SIGKILL) -> int:
+    def kill_node(self, k: int, sig: int = signal.SIGKILL, *, daemons: bool = False) -> int:
         """Send ``sig`` to every process of node ``k`` (its holder stays: the node is
-        there, its processes are gone); returns how many."""
-        pids = self.node_pids(k)
+        there, its processes are gone), its Slurm daemons too only with ``daemons``
+        (then :meth:`slurm_restore` brings it back to Slurm); returns how many."""
+        keep = set() if daemons else {d.pid for d in self._daemons}
+        pids = [p for p in self.node_pids(k) if p not in keep]
         for pid in pids:
             try:
                 os.kill(pid, sig)

@@ -1,11 +1,12 @@
 """forebay across real node boundaries: four emulated nodes on this machine
 (tests/cluster.py: each node its own network, hostname, IPC, /dev/shm and local
 scratch; the rest of the file system shared, as a parallel file system), real
-``mpiexec`` (hydra entering each node in place of ssh) and real ``torchrun`` (one
-agent per node, c10d rendezvous on node0) across them.
+``mpiexec`` (hydra entering each node in place of ssh), real ``torchrun`` (one
+agent per node, c10d rendezvous on node0) and real ``srun`` (Slurm's daemons on the
+nodes; with ``--mpi=pmi2`` and without MPI) across them.
 
-Needs root and network namespaces (CI has both); elsewhere every test here is
-skipped with one line saying why."""
+Needs root and network namespaces (CI has both), and Slurm for the srun tests (.ci/run
+installs it); elsewhere those tests are skipped with one line saying why."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import forebay
-from cluster import Cluster, unavailable
+from cluster import Cluster, slurm_unavailable, unavailable
 from conftest import rank_command, say
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
@@ -77,6 +78,25 @@ def run_torch(cluster: Cluster, nodes: int, ppn: int, func, *args, timeout: int 
                                     env=full_env))
 
 
+@pytest.fixture(scope="module")
+def slurm(cluster):
+    """The cluster with Slurm up (munged, slurmctld on node0, a slurmd per node)."""
+    why = slurm_unavailable()
+    if why:
+        pytest.skip(why)
+    cluster.slurm_up()
+    return cluster
+
+
+def run_srun(cluster: Cluster, nodes: int, ppn: int, func, *args, mpi: str | None = None,
+             timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """As :func:`run_mpi` under real ``srun`` (``--mpi=mpi``; None: without MPI, the
+    ranks meet over torch.distributed from Slurm's variables)."""
+    cmd, full_env = rank_command(func, args, env)
+    return cluster.srun([sys.executable, *cmd], nodes=nodes, ppn=ppn, mpi=mpi,
+                        timeout=timeout, env=full_env)
+
+
 def _joined(out: list[subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
     """The agents' outputs as one job's (node order), its worst exit status."""
     return subprocess.CompletedProcess([p.args for p in out],
@@ -126,6 +146,24 @@ def test_mpiexec_places_ranks_on_the_nodes_in_order(cluster, nodes, ppn):
     assert json.loads(line[6:]) == [f"node{r // ppn}" for r in range(nodes * ppn)]
 
 
+def rank_world_where() -> None:
+    import socket
+
+    from forebay.world import detect
+
+    w = detect()
+    say(f"WORLD {w.rank} {w.size} {w.launcher} {w.node} {socket.gethostname()}")
+
+
+@pytest.mark.parametrize("mpi, launcher", [(None, "slurm"), ("pmi2", "pmi")])
+def test_srun_places_tasks_on_the_nodes_and_forebay_knows_them(slurm, mpi, launcher):
+    p = run_srun(slurm, 2, 2, rank_world_where, mpi=mpi)
+    assert p.returncode == 0, _why(p)
+    seen = sorted(x.split()[1:] for x in p.stdout.splitlines() if x.startswith("WORLD "))
+    assert seen == [[str(r), "4", launcher, f"node{r // 2}", f"node{r // 2}"]
+                    for r in range(4)], p.stdout
+
+
 # -- the store contract across nodes --------------------------------------------------
 def rank_contracts(path: str, kinds: str) -> None:
     from test_store_contract import rank_contracts as contracts
@@ -140,11 +178,15 @@ def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
     """One job per launcher and layout runs every contract (cached for the tests)."""
     key = (launcher, nodes, ppn)
     if key not in _jobs:
-        kinds = ",".join(ACROSS_MPI if launcher == "mpiexec" else ACROSS_TORCH)
-        run = run_mpi if launcher == "mpiexec" else run_torch
+        mpi = launcher in ("mpiexec", "srun --mpi=pmi2")
+        kinds = ",".join(ACROSS_MPI if mpi else ACROSS_TORCH)
         env = {"PYTHONPATH": os.pathsep.join([str(MPI_TESTS), os.environ.get("PYTHONPATH", "")])}
-        _jobs[key] = run(cluster, nodes, ppn, rank_contracts, dataset, kinds, env=env,
-                         timeout=400)
+        args = (cluster, nodes, ppn, rank_contracts, dataset, kinds)
+        if launcher.startswith("srun"):
+            _jobs[key] = run_srun(*args, mpi="pmi2" if mpi else None, env=env, timeout=400)
+        else:
+            run = run_mpi if launcher == "mpiexec" else run_torch
+            _jobs[key] = run(*args, env=env, timeout=400)
     return _jobs[key]
 
 
@@ -155,6 +197,16 @@ def test_store_contract_across_nodes(cluster, dataset, nodes, ppn, launcher, ite
     p = _contract_job(cluster, dataset, launcher, nodes, ppn)
     kind = item.split("=")[0]
     assert p.stdout.count(f"contract {kind} ok") == nodes * ppn, _why(p)
+
+
+@pytest.mark.parametrize("launcher, item", [("srun --mpi=pmi2", k) for k in ACROSS_MPI] +
+                         [("srun", k) for k in ACROSS_TORCH])
+def test_store_contract_across_nodes_under_srun(slurm, dataset, launcher, item):
+    """Every store over srun at 2 nodes x 2 tasks: MPI's transports under
+    ``--mpi=pmi2``, the exchange over torch.distributed without MPI."""
+    p = _contract_job(slurm, dataset, launcher, 2, 2)
+    kind = item.split("=")[0]
+    assert p.stdout.count(f"contract {kind} ok") == 4, _why(p)
 
 
 def rank_shm_across(path: str) -> None:
@@ -228,11 +280,17 @@ def test_global_batches_across_nodes_are_the_plans(cluster, labelled, nodes, ppn
 
 
 # -- node faults ------------------------------------------------------------------------
-def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled):
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled, launcher):
     cmd, env = rank_command(rank_train_exchange, [labelled, "auto"])
-    job = cluster.popen(0, cluster.mpiexec_argv([sys.executable, *cmd], nodes=2, ppn=2),
-                        env=cluster.env(env), stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)
+    if launcher == "mpiexec":
+        argv = cluster.mpiexec_argv([sys.executable, *cmd], nodes=2, ppn=2)
+    else:
+        argv = cluster.torchrun_argv(cmd, nodes=2, ppn=2, port=29431)
+    jobs = [cluster.popen(k, argv, env=cluster.env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+            for k in range(1 if launcher == "mpiexec" else 2)]
+    job = jobs[0]
     try:
         assert job.stdout is not None
         for line in job.stdout:              # the job is training: kill node1 now
@@ -243,15 +301,56 @@ def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled
         out, err = job.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
-        if job.poll() is None:
-            job.kill()
+        for j in jobs:
+            if j.poll() is None:
+                j.kill()
+            j.communicate()
     assert job.returncode != 0
     assert took < 30, f"the survivors took {took:.1f} s to end"
-    assert cluster.node_pids(0) == [] or all(        # nothing of the job left on node0
-        "rank_main" not in Path(f"/proc/{p}/cmdline").read_text() for p in
-        cluster.node_pids(0) if Path(f"/proc/{p}").exists())
+    if launcher == "torchrun":         # gloo's reset becomes one line per rank of node0
+        for r in (0, 1):
+            lines = [x for x in err.splitlines() if x.startswith(f"forebay: rank {r} on node0")]
+            assert len(lines) == 1 and "node1 (ranks 2, 3: the node answers, the rank does " \
+                "not: its process is gone)" in lines[0], err[-4000:]
+    left = [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")
+            for p in cluster.node_pids(0) if Path(f"/proc/{p}").exists()]
+    assert not [c for c in left if "rank_main" in c], left   # nothing of the job on node0
     r = cluster.run(0, ["sh", "-c", "ls /dev/shm"])
     assert "forebay" not in r.stdout, r.stdout          # no segment left on node0
+
+
+@pytest.mark.parametrize("mpi", [None, "pmi2"])
+def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
+    """Every process of node1 killed (its slurmd too) mid-epoch under srun: node0's
+    ranks end within 30 s, each with one line naming node1, nothing left in /dev/shm."""
+    cmd, env = rank_command(rank_train_exchange, [labelled, "exchange"],
+                            {"FOREBAY_PEER_TIMEOUT": "5"})
+    job = slurm.popen(0, slurm.srun_argv([sys.executable, *cmd], nodes=2, ppn=1, mpi=mpi),
+                      env=slurm.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            if line.startswith("TRAINING"):
+                break
+        assert slurm.kill_node(1, daemons=True) > 0
+        t0 = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+        slurm.slurm_restore(1)
+    assert job.returncode != 0
+    assert took < 30, f"the survivors took {took:.1f} s to end"
+    lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
+    assert len(lines) == 1, err[-4000:]
+    assert "node1 (rank 1: the node answers, the rank does not: its process is gone)" \
+        in lines[0], lines[0]
+    assert "Traceback" not in err, err[-4000:]
+    r = slurm.run(0, ["sh", "-c", "ls /dev/shm"])
+    assert "forebay" not in r.stdout, r.stdout
 
 
 def rank_train_exchange(path: str, transport: str) -> None:
@@ -371,10 +470,12 @@ def test_dcp_reader_shared_reads_each_item_once_per_node(cluster):
         assert sum(per[r]["True"] for r in per if host[r] == node) == logical
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_the_readme_training_script_runs_across_four_nodes(cluster, launcher):
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun", "srun"])
+def test_the_readme_training_script_runs_across_four_nodes(request, cluster, launcher):
     """README's train.py as written, on 4 nodes x 1 rank: every rank sees batches of its
-    own, the same under both launchers."""
+    own, the same under every launcher (srun without MPI)."""
+    if launcher == "srun":
+        request.getfixturevalue("slurm")
     from test_readme import BLOCKS, DATA, TRAIN_CHECK
 
     code = next(c for _, c in BLOCKS if "# train.py" in c)
@@ -387,6 +488,8 @@ def test_the_readme_training_script_runs_across_four_nodes(cluster, launcher):
     (d / "train.py").write_text(code + TRAIN_CHECK)
     if launcher == "mpiexec":
         p = cluster.mpiexec([sys.executable, "train.py"], cwd=d, env=env, timeout=400)
+    elif launcher == "srun":
+        p = cluster.srun([sys.executable, "train.py"], cwd=d, env=env, timeout=400)
     else:
         p = _joined(cluster.torchrun(["train.py"], cwd=d, env=env, timeout=400,
                                      port=29421))
@@ -396,8 +499,7 @@ def test_the_readme_training_script_runs_across_four_nodes(cluster, launcher):
     flat = [tuple(b) for r in ids for b in r]
     assert len(set(flat)) == len(flat)               # no batch seen by two ranks
     _readme_ids[launcher] = ids
-    if len(_readme_ids) == 2:
-        assert _readme_ids["mpiexec"] == _readme_ids["torchrun"]
+    assert all(seen == ids for seen in _readme_ids.values())
 
 
 _readme_ids: dict = {}

@@ -122,7 +122,8 @@ def test_every_python_sample_runs(tmp_path, where, code):
 
 TRAIN_CHECK = """
 import json, os
-rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or 0)
+rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK")
+           or os.environ.get("SLURM_PROCID") or 0)
 ids = []
 loader2 = DataLoader("ising.fb", batch_size=128, seed=0, epochs=10, width=2,
                      collate_fn=lambda b: b.ids.tolist())

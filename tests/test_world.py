@@ -80,8 +80,9 @@ def test_slurm_rendezvous_fills_only_what_is_missing():
            "SLURM_STEP_ID": "2", "MASTER_PORT": "29400"}
     added = slurm_rendezvous(detect(env), env)
     assert added == {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                     "MASTER_ADDR": "nid0040"}
+                     "MASTER_ADDR": "nid0040", "FOREBAY_RENDEZVOUS": "slurm"}
     assert env["MASTER_PORT"] == "29400"              # already set: kept
+    assert detect(env).launcher == "slurm"            # still srun's job, not torchrun's
     env2 = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1234",
             "SLURM_STEP_ID": "2", "SLURM_JOB_NODELIST": "a1"}
     slurm_rendezvous(detect(env2), env2)

@@ -11,7 +11,9 @@ rank answers, the wait is only slow (a peer busy elsewhere: validation on rank 0
 long step) and it goes on.  If some do not, this rank writes one line naming them,
 their nodes and what the probe saw (the node answers but the rank does not: its
 process is gone; the node does not answer: it is down or its link is cut) and ends
-(exit 1; the launcher ends the rest of the job).
+(exit 1; the launcher ends the rest of the job).  A wait that fails at once instead
+(gloo's connection to a peer reset when the peer's node died) probes the same way, and
+ends with the same line when a rank is gone; otherwise its error is raised as it was.
 
 The listener binds to the address this host's name resolves to (the network the
 ranks reach each other on; 127.0.0.1 when every rank of the job is on this host).
@@ -119,7 +121,15 @@ class _Watch:
                     if k in self.waits:
                         self.waits[k] = (w, now)
                 continue
-            self.end(late[0][1], limit, gone)
+            self.end(f"{late[0][1]} has waited {limit:g} s", gone,
+                     f" ({TIMEOUT_ENV} sets the deadline)")
+
+    def broken(self, what: str, exc: BaseException) -> None:
+        """A wait that failed (gloo's connection to a peer reset or closed): if a
+        rank is gone, end with one line naming it instead of the traceback."""
+        gone = self.probe()
+        if gone:
+            self.end(f"{what} failed ({_short(exc)})", gone, "")
 
     def probe(self) -> dict[int, str]:
         """Every other rank that does not answer, and what the probe saw."""
@@ -132,7 +142,7 @@ class _Watch:
                 out[r] = why
         return out
 
-    def end(self, what: str, limit: float, gone: dict[int, str]) -> None:
+    def end(self, happened: str, gone: dict[int, str], hint: str) -> None:
         """One line naming the ranks and nodes gone, then this process ends."""
         by_host: dict[str, list[int]] = {}
         for r in gone:
@@ -143,9 +153,9 @@ class _Watch:
             parts.append(f"{host} (rank{'s' if len(ranks) > 1 else ''} "
                          f"{', '.join(map(str, ranks))}: {'; '.join(sorted(whys))})")
         me = self.table.get(self.rank, (socket.gethostname(), "", 0))[0]
-        msg = (f"forebay: rank {self.rank} on {me}: {what} has waited {limit:g} s, and "
+        msg = (f"forebay: rank {self.rank} on {me}: {happened}, and "
                f"{' and '.join(parts)} {'do' if len(gone) > 1 else 'does'} not answer; "
-               f"ending this rank ({TIMEOUT_ENV} sets the deadline)\n")
+               f"ending this rank{hint}\n")
         try:
             sys.stderr.write(msg)
             sys.stderr.flush()
@@ -153,6 +163,15 @@ class _Watch:
             _abort_mpi()
         finally:
             os._exit(EXIT_PEER_GONE)
+
+
+def _short(exc: BaseException) -> str:
+    """An error's first sentence, without gloo's source location
+    (``[.../pair.cc:537] Read error ...: Connection reset by peer. This is ...``)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = "gloo: " + text.split("] ", 1)[1]
+    return text.split(". ", 1)[0][:200]
 
 
 def _abort_mpi() -> None:
@@ -176,7 +195,8 @@ def _probe(addr: str, port: int, rank: int) -> Optional[str]:
                 if not chunk:
                     break
                 got += chunk
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
+        # refused, or reset by a listener that was ending: the node's kernel answers
         return "the node answers, the rank does not: its process is gone"
     except (socket.timeout, TimeoutError):
         return "the node does not answer: it is down or its link is cut"
@@ -241,6 +261,8 @@ class waiting:
             _W.waits[self.key] = (self.what, time.monotonic())
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if self.key >= 0:
             _W.waits.pop(self.key, None)
+            if kind is not None and issubclass(kind, RuntimeError):
+                _W.broken(self.what, exc)       # a peer gone ends here, by name

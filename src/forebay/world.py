@@ -42,6 +42,10 @@ ABORT_ENV = "FOREBAY_ABORT_ON_ERROR"
 #: seconds between printing the traceback and MPI_Abort
 ABORT_GRACE_S = 0.5
 
+#: set by :func:`slurm_rendezvous` beside the torch.distributed variables it derives
+#: from Slurm's, so that :func:`detect` goes on saying "slurm"
+_RENDEZVOUS_ENV = "FOREBAY_RENDEZVOUS"
+
 #: launchers that start MPI processes (mpi4py's COMM_WORLD spans the job)
 MPI_LAUNCHERS = ("openmpi", "pmi", "pmix")
 
@@ -112,6 +116,8 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> World:
         if size is None:
             continue
         local_size = _int(env, ls) if ls else None
+        if launcher == "torchrun" and env.get(_RENDEZVOUS_ENV) == "slurm":
+            launcher = "slurm"      # torch's variables are the ones slurm_rendezvous set
         return World(rank=rank, size=size, local_rank=_int(env, lr, 0) or 0,
                      local_size=local_size, launcher=launcher, node=node)
     return World(rank=0, size=1, local_rank=0, local_size=1, launcher="none", node=node)
@@ -175,7 +181,9 @@ def resolve_comm(comm: Any = None) -> Any:
     size = MPI.COMM_WORLD.Get_size()
     if size == world.size or world.size <= 1:
         return MPI.COMM_WORLD
-    if size == 1 and world.launcher == "slurm":   # srun without an MPI plug-in
+    if size == 1 and world.launcher in ("slurm", "torchrun"):
+        # srun without an MPI plug-in, or torchrun, with mpi4py loaded by the program or
+        # an earlier store (MPI then runs as a singleton): the ranks meet over torch
         return _torch_world(world)
     raise LaunchError(_mismatch(world, size, "MPI"))
 
@@ -206,6 +214,8 @@ def slurm_rendezvous(world: World, environ: "Optional[dict[str, str]]" = None) -
     job, step = _int(env, "SLURM_JOB_ID", 0) or 0, _int(env, "SLURM_STEP_ID", 0) or 0
     want["MASTER_PORT"] = str(20000 + (job * 131 + step) % 20000)
     added = {k: v for k, v in want.items() if k not in env}
+    if "RANK" in added:
+        added[_RENDEZVOUS_ENV] = "slurm"
     env.update(added)
     return added
 

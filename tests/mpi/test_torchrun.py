@@ -177,10 +177,30 @@ def test_the_programs_own_collectives_do_not_interleave_with_the_exchange(labell
     assert_ranks_ok(run_torchrun(3, rank_with_user_collectives, labelled), 3)
 
 
+def rank_two_loaders_with_mpi4py_loaded(path: str) -> None:
+    """mpi4py imported by the program (or a library) under torchrun: MPI runs as a
+    singleton, and every loader still meets the other ranks over torch.distributed."""
+    from mpi4py import MPI
+
+    from forebay.torch import DataLoader
+
+    assert MPI.COMM_WORLD.Get_size() == 1
+    for _ in range(2):                   # a training and a validation loader
+        dl = DataLoader(path, BATCH, seed=SEED, mode="preload", transport="exchange",
+                        collate_fn=lambda b: b.ids.copy())
+        assert dl.world == 2 and type(dl.comm).__name__ == "TorchComm"
+        dl.close()
+
+
+def test_loaders_meet_over_torch_under_torchrun_with_mpi4py_loaded(labelled):
+    assert_ranks_ok(run_torchrun(2, rank_two_loaders_with_mpi4py_loaded, labelled), 2)
+
+
 def test_srun_without_mpi_meets_through_slurms_variables(labelled, tmp_path):
     """srun with no MPI plug-in: rank, size and the rendezvous (first node of the
     step, a port from the job id) come from Slurm's variables alone.  Plain processes
-    with the variables srun sets stand in for srun, which this machine lacks."""
+    with the variables srun sets stand in for srun here; real srun across emulated
+    nodes: tests/test_cluster.py."""
     import socket
     import subprocess
     import sys
