@@ -185,7 +185,9 @@ def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.
             b, reached = hi, True
         options.append({"tier": tier, "bytes": b, "reached": reached,
                         "accelerator_utilization": best["accelerator_utilization"],
-                        "total_s": best["total_s"], "failed": best["failed"]})
+                        "total_s": best["total_s"], "failed": best["failed"],
+                        **{k: best.get(k) for k in ("binding", "need_s", "au_bound",
+                                                    "pfs_MB", "pfs_MBps_max")}})
     prog.close()
     return {"target_au": target_au, "policy": policy, "dataset_bytes": full,
             "workers": kw.get("workers"), "epochs": kw.get("epochs"), "scale": scale,

@@ -96,10 +96,11 @@ class _Run:
         self.nbytes = np.zeros(shape)
         ssd = sysm.local_s_per_MB("ssd") if sysm.ssd_read_MBps else np.inf
         pssd = sysm.peer_s_per_MB("ssd") if sysm.ssd_read_MBps else np.inf
-        # source decisions assume every worker reads the PFS (gamma = N), as NoPFS's
-        # implementation does: never more PFS reads than a model knowing gamma exactly
-        self.coef = np.array([sysm.pfs_s_per_MB(w.n), sysm.local_s_per_MB("ram"), ssd,
-                              sysm.peer_s_per_MB("ram"), pssd])
+        # source decisions assume every worker reads the PFS (gamma = N; conserving,
+        # every thread of every worker), as NoPFS's implementation does: never more PFS
+        # reads than a model knowing gamma exactly
+        self.coef = np.array([sysm.pfs_setup_s_per_MB(w.n, threads),
+                              sysm.local_s_per_MB("ram"), ssd, sysm.peer_s_per_MB("ram"), pssd])
         self.wcoef = sysm.write_s_per_MB(threads)
         self.src_s = np.zeros(len(SOURCES))
         self.src_n = np.zeros(len(SOURCES), dtype=np.int64)
@@ -109,6 +110,18 @@ class _Run:
         #: seconds from time 0 during which each worker's background fill threads read
         #: the PFS: it counts as a reader then, whatever its demand reads
         self.fill_until = np.zeros(w.n)
+        #: (worker, MB, reads, threads, write s/MB, end) of each background fill
+        #: reading the PFS from time 0 (NoPFS's tier fills); conserving, solve() finds
+        #: each fill thread's mean PFS speed over its span (``fill_MBps``) and its end
+        self.fills: list[tuple[int, float, float, int, float, float]] = []
+        self.fill_MBps = np.zeros(0)
+        #: PFS MB and reads outside the steps' deliveries (set-up phases, fills)
+        self.extra_pfs_mb = 0.0
+        self.extra_pfs_n = 0.0
+        self.fill_end = np.zeros(0)
+        self.setup_write_s = 0.0         # the slowest worker's set-up preprocessing
+        self.fill_read: Optional[tuple[np.ndarray, np.ndarray]] = None
+        self.peer_mb = np.zeros(shape)
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
@@ -132,6 +145,8 @@ class _Run:
         other = np.where(pfs, 0.0, mb * self.coef[src])
         self.other_s[rank, sl] = other.sum(axis=1)
         self.write_mb[rank, sl] = np.where(sy, 0.0, mb).sum(axis=1)
+        self.peer_mb[rank, sl] = np.where((src == F_PEER_RAM) | (src == F_PEER_SSD), mb,
+                                          0.0).sum(axis=1)
         self.nbytes[rank, sl] = w.sizes[ids].sum(axis=1)
         self.src_s += np.bincount(src.ravel(), other.ravel(), len(SOURCES)) / self.threads
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
@@ -144,6 +159,8 @@ class _Run:
         of the step spent with a PFS read in flight (prefetch threads averaged, a
         worker's own demand reads in full; all of it while the worker's fill threads
         read, ``fill_until``), iterated to a fixed point."""
+        if self.w.system.conserving:
+            return self._solve_conserving(staging_bytes)
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
@@ -171,6 +188,87 @@ class _Run:
         self.gamma = gamma
         return tl, pfs_s + sync_s * self.threads
 
+    def _solve_conserving(self, staging_bytes: Optional[int]
+                          ) -> tuple[Timeline, np.ndarray]:
+        """The conserving model's timeline: the PFS shared as a fluid by the threads
+        reading it at each moment.  A delivery (worker i, step h) spans [issue, issue +
+        R] with G_k = its PFS thread-seconds / R threads on the PFS; a demand read
+        spans the S seconds before its step with one thread; a background fill spans
+        [0, end] with its threads.  G(t) is the sum over the spans in flight, and a
+        thread reads at f(G(t)) = t(G) / G, so the threads together get t(G(t)) at
+        every moment, never more; each span's speed is the mean of f(G(t)) over it
+        (and at most b_fs over the worker's threads), iterated to a fixed point."""
+        w, sysm = self.w, self.w.system
+        cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
+        comp = w.step_compute_s()[None, :]
+        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads)
+        own_cap = sysm.pfs_client_MBps
+        every = float(w.n * self.threads + sum(f[3] for f in self.fills))
+        rate = np.full(self.pfs_mb.shape, float(sysm.pfs_thread_MBps(every)))
+        srate = rate.copy()
+        fmb = np.array([f[1] for f in self.fills], dtype=np.float64)
+        fn = np.array([f[2] for f in self.fills], dtype=np.float64)
+        fthr = np.array([f[3] for f in self.fills], dtype=np.float64)
+        fwr = np.array([f[4] for f in self.fills], dtype=np.float64)
+        frate = np.minimum(np.full(len(fmb), float(sysm.pfs_thread_MBps(every))),
+                           own_cap / np.maximum(fthr, 1.0))
+        gseen = np.full(self.pfs_mb.shape, every)
+        tl: Optional[Timeline] = None
+        pfs_s = sync_s = np.zeros(self.pfs_mb.shape)
+        last = np.inf
+        for _ in range(80):
+            pfs_s = self.pfs_mb / rate + self.pfs_n * w.open_s
+            sync_s = self.sync_mb / srate + self.sync_n * w.open_s
+            read = (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads
+            tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
+            if sysm.pfs_readers == "all":
+                break
+            assert tl.issue is not None
+            d0, d1 = tl.issue, tl.issue + read
+            dg = np.divide(pfs_s, read, out=np.zeros_like(read), where=read > 0)
+            s1 = np.broadcast_to(tl.start[None, :], read.shape)
+            s0 = s1 - (sync_s + sync_write)
+            sg = np.divide(sync_s, sync_s + sync_write, out=np.zeros_like(sync_s),
+                           where=sync_s > 0)
+            fpfs = fmb / frate + fn * w.open_s                 # a fill's thread-seconds
+            fend = (fpfs + fmb * fwr) / np.maximum(fthr, 1.0)
+            fg = fthr * np.divide(fpfs, fpfs + fmb * fwr, out=np.zeros_like(fpfs),
+                                  where=fpfs > 0)
+            fluid = _Fluid(np.concatenate([d0.ravel(), s0.ravel(), np.zeros(len(fend))]),
+                           np.concatenate([d1.ravel(), s1.ravel(), fend]),
+                           np.concatenate([dg.ravel(), sg.ravel(), fg]),
+                           sysm.pfs_thread_MBps)
+            new = fluid.mean_rate(d0.ravel(), d1.ravel()).reshape(read.shape)
+            new = np.minimum(new, own_cap / np.maximum(dg, 1.0))
+            snew = np.minimum(fluid.mean_rate(s0.ravel(), s1.ravel()).reshape(read.shape),
+                              own_cap)
+            gseen = np.maximum(fluid.mean_load(d0.ravel(), d1.ravel()).reshape(read.shape),
+                               1.0)
+            fnew = np.minimum(fluid.mean_rate(np.zeros(len(fend)), fend),
+                              own_cap / np.maximum(fthr, 1.0))
+            self.fill_MBps, self.fill_end = frate, fend
+            upto = np.minimum(fend, tl.total_s)      # what the fills read during the run
+            self.fill_read = (fg * upto * fluid.mean_rate(np.zeros(len(fend)), upto),
+                              fn * np.divide(upto, fend, out=np.ones_like(upto),
+                                             where=fend > 0))
+            change = max(float((np.abs(new - rate) / rate).max(initial=0.0)),
+                         float((np.abs(snew - srate) / srate).max(initial=0.0)),
+                         float((np.abs(fnew - frate) / frate).max(initial=0.0)))
+            if change <= 1e-7:
+                break
+            # straight to the new speeds while that converges, halfway once it swings
+            damp = 0.5 if change >= last else 0.0
+            last = change
+            rate = damp * rate + (1 - damp) * new
+            srate = damp * srate + (1 - damp) * snew
+            frate = damp * frate + (1 - damp) * fnew
+        assert tl is not None
+        if sysm.pfs_readers == "all" and len(fmb):
+            self.fill_MBps = frate
+            self.fill_end = (fmb / frate + fn * w.open_s + fmb * fwr) / np.maximum(fthr, 1.0)
+        self.gamma = gseen
+        return tl, pfs_s + sync_s * self.threads
+
     def finish(self, staging_bytes: Optional[int] = None) -> dict[str, Any]:
         w = self.w
         tl, pfs_s = self.solve(staging_bytes)
@@ -181,7 +279,105 @@ class _Run:
                       fetches={k: int(v) for k, v in zip(SOURCES, self.src_n)})
         has_pfs = (self.pfs_mb + self.sync_mb) > 0
         res["mean_pfs_readers"] = float(self.gamma[has_pfs].mean()) if has_pfs.any() else 0.0
+        res.update(self.bounds(tl))
         return res
+
+    def bounds(self, tl: Timeline) -> dict[str, Any]:
+        """What the run draws from each resource, and the least time each needs for it
+        whatever the schedule: the PFS's bytes at the table's largest rate, its reads
+        at the open latency over every thread, a worker's peer bytes over its link,
+        its preprocessing, and compute, epoch by epoch.  An epoch lasts at least its
+        largest need; ``au_bound`` is the compute over the sum of those, and
+        ``binding`` the resource that adds most beyond compute."""
+        w, sysm = self.w, self.w.system
+        pfs_mb = float(self.pfs_mb.sum() + self.sync_mb.sum()) + self.extra_pfs_mb
+        reads = float(self.pfs_n.sum() + self.sync_n.sum()) + self.extra_pfs_n
+        if self.fill_read is not None:          # the conserving model's own account
+            pfs_mb += float(self.fill_read[0].sum())
+            reads += float(self.fill_read[1].sum())
+        elif self.fills:          # what the fills read before the run ended
+            end = self.fill_end if len(self.fill_end) else \
+                np.array([f[5] for f in self.fills])
+            part = np.minimum(1.0, tl.total_s / np.maximum(end, 1e-12))
+            pfs_mb += float((np.array([f[1] for f in self.fills]) * part).sum())
+            reads += float((np.array([f[2] for f in self.fills]) * part).sum())
+        top = max(sysm.pfs_MBps.values())
+        # per epoch: what each resource needs at least (set-up and fills in epoch 0)
+        e_, st = w.plan.epochs, w.steps
+        per = lambda a: a.reshape(w.n, e_, st).sum(axis=2)       # noqa: E731  [N, E]
+        extra_mb, extra_n = pfs_mb - float(self.pfs_mb.sum() + self.sync_mb.sum()), \
+            reads - float(self.pfs_n.sum() + self.sync_n.sum())
+        pfs_e = per(self.pfs_mb + self.sync_mb).sum(axis=0)
+        n_e = per(self.pfs_n + self.sync_n).sum(axis=0)
+        pfs_e[0] += extra_mb
+        n_e[0] += extra_n
+        comp_e = w.step_compute_s().reshape(e_, st).sum(axis=1)
+        prep_e = (per(self.write_mb) * self.wcoef).max(axis=0) / self.threads
+        prep_e[0] += self.setup_write_s
+        each = {"compute": comp_e, "PFS bandwidth": pfs_e / top,
+                "PFS requests": n_e * w.open_s / (w.n * self.threads),
+                "network link": per(self.peer_mb).max(axis=0) / sysm.network_MBps,
+                "preprocessing": prep_e}
+        names = list(each)
+        table = np.stack([each[k] for k in names])               # [resources, E]
+        worst = table.max(axis=0)
+        over = {k: float(np.where(table.argmax(axis=0) == j, worst - comp_e, 0.0).sum())
+                for j, k in enumerate(names)}
+        binding = max(over, key=lambda k: over[k]) if max(over.values()) > 0 else "compute"
+        bound = float(worst.sum())
+        return {"pfs_MB": pfs_mb, "pfs_MBps_mean": pfs_mb / tl.total_s if tl.total_s else 0.0,
+                "pfs_MBps_max": top,
+                "need_s": {k: float(v.sum()) for k, v in each.items()},
+                "binding": binding, "au_bound": tl.compute_s / bound if bound else 1.0}
+
+
+class _Fluid:
+    """Spans [a, b) each holding ``load`` threads on a shared resource; the resource
+    gives each thread ``speed(G)`` when G threads in all are on it.  Answers, for any
+    spans, the mean of speed(G(t)) and of G(t) over them (prefix integrals of the
+    piecewise-constant load, O((n + q) log n))."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, load: np.ndarray,
+                 speed: Callable[[np.ndarray], np.ndarray]) -> None:
+        keep = (load > 0) & (b > a)
+        t = np.concatenate([a[keep], b[keep]])
+        d = np.concatenate([load[keep], -load[keep]])
+        order = np.argsort(t, kind="stable")
+        self.t = t[order]
+        g = np.maximum(np.cumsum(d[order]), 0.0)          # load on [t_k, t_k+1)
+        self.g = g
+        self.f = speed(g)                                  # speed(max(G, 1))
+        seg = np.diff(self.t, append=self.t[-1] if len(self.t) else 0.0)
+        self.If = np.concatenate([[0.0], np.cumsum(self.f * seg)])
+        self.Ig = np.concatenate([[0.0], np.cumsum(g * seg)])
+        self.f0 = float(speed(np.zeros(1))[0])             # nobody reading: a lone reader
+
+    def _integral(self, x: np.ndarray, vals: np.ndarray, cum: np.ndarray,
+                  outside: float) -> np.ndarray:
+        if not len(self.t):
+            return x * outside
+        k = np.searchsorted(self.t, x, side="right") - 1
+        inside = k >= 0
+        kk = np.clip(k, 0, len(self.t) - 1)
+        v = cum[kk] + vals[kk] * (x - self.t[kk])
+        v = np.where(x >= self.t[-1], cum[-1] + outside * (x - self.t[-1]), v)
+        return np.where(inside, v, outside * (x - self.t[0]))
+
+    def _mean(self, a: np.ndarray, b: np.ndarray, vals: np.ndarray, cum: np.ndarray,
+              outside: float) -> np.ndarray:
+        lo, hi = self._integral(a, vals, cum, outside), self._integral(b, vals, cum, outside)
+        if not len(self.t):
+            return np.full(len(a), outside)
+        k = np.clip(np.searchsorted(self.t, a, side="right") - 1, 0, len(self.t) - 1)
+        at = np.where((a >= self.t[0]) & (a < self.t[-1]), vals[k], outside)
+        width = b - a
+        return np.where(width > 0, (hi - lo) / np.where(width > 0, width, 1.0), at)
+
+    def mean_rate(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._mean(a, b, self.f, self.If, self.f0)
+
+    def mean_load(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._mean(a, b, self.g, self.Ig, 0.0)
 
 
 def _report(w: Workload, tl: Timeline, *, by_source: dict, fetches: dict) -> dict[str, Any]:
@@ -261,10 +457,42 @@ def _setup_s(w: Workload, run: _Run, pfs_mb: np.ndarray, pfs_n: np.ndarray, thre
     samples) from the PFS, every worker at once (gamma = N), and copies ``peer_mb[i]``
     from its peers, with ``threads`` threads; the slowest worker's seconds."""
     sysm = w.system
-    t = pfs_mb * (sysm.pfs_s_per_MB(w.n) + run.wcoef) + pfs_n * w.open_s
+    run.extra_pfs_mb += float(np.sum(pfs_mb))
+    run.extra_pfs_n += float(np.sum(pfs_n))
+    if sysm.conserving:
+        t = _load_together(sysm, np.asarray(pfs_mb, dtype=np.float64),
+                           np.asarray(pfs_n, dtype=np.float64), threads, w.open_s,
+                           run.wcoef) * threads
+    else:
+        t = pfs_mb * (sysm.pfs_setup_s_per_MB(w.n, threads) + run.wcoef) + pfs_n * w.open_s
+    writes = np.asarray(pfs_mb, dtype=np.float64) * run.wcoef
     if peer_mb is not None:
         t = t + peer_mb * (peer_s_per_MB + run.wcoef)
+        writes = writes + peer_mb * run.wcoef
+    run.setup_write_s = float(np.max(writes) / threads) if len(writes) else 0.0
     return float(np.max(t) / threads) if len(t) else 0.0
+
+
+def _load_together(sysm: System, mb: np.ndarray, n: np.ndarray, threads: int,
+                   open_s: float, write_s_per_MB: float) -> np.ndarray:
+    """When each worker is done loading ``mb[i]`` MB (``n[i]`` reads) from the PFS with
+    ``threads`` threads, every worker starting at 0 (the conserving model's set-up):
+    while k workers load, each thread reads at f(k * threads) (at most b_fs over the
+    worker's threads), then writes; a worker that is done leaves the PFS to the others
+    (processor sharing, solved in order of size)."""
+    order = np.argsort(mb, kind="stable")
+    done = np.zeros(len(mb))
+    left = mb[order].astype(np.float64)
+    t = 0.0
+    prev = 0.0
+    for j in range(len(order)):
+        k = len(order) - j
+        speed = min(float(sysm.pfs_thread_MBps(k * threads)), sysm.pfs_client_MBps / threads)
+        rate = threads / (1.0 / speed + write_s_per_MB)      # MB/s of one worker
+        t += (left[j] - prev) / rate
+        prev = left[j]
+        done[order[j]] = t
+    return done + n * open_s / threads
 
 
 def _buckets(w: Workload) -> np.ndarray:
@@ -462,49 +690,80 @@ def nopfs(w: Workload) -> dict[str, Any]:
     own tier once filled there, else (from epoch 1, presence being guessed) the faster
     of a peer holding it and the PFS, else the PFS."""
     sysm, f = w.system, w.plan.num_samples
-    fill_coef = sysm.pfs_s_per_MB(w.n) + sysm.write_s_per_MB(sysm.staging_threads)
+    write = sysm.write_s_per_MB(sysm.staging_threads)
+    tier_threads = {int(Tier.RAM): sysm.ram_threads, int(Tier.SSD): sysm.ssd_threads}
 
-    def held_by(i: int) -> tuple[np.ndarray, np.ndarray]:
+    def held_by(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The samples worker i fills, their tiers, and the MB and samples its tier's
+        fill has read up to and including each (in order of first access)."""
         freq = w.plan.frequencies(i)
         first = w.plan.first_access(i)
         cand = np.flatnonzero(freq > 0)
         cand = cand[np.lexsort((cand, first[cand], -freq[cand]))]
         held = np.full(f, NONE, dtype=np.int8)
         held[cand] = fill_tiers(cand, w.sizes, sysm.ram_bytes, sysm.ssd_bytes)
-        ready = np.full(f, np.inf)
-        for t, threads in ((Tier.RAM, sysm.ram_threads), (Tier.SSD, sysm.ssd_threads)):
+        cmb, cn = np.zeros(f), np.zeros(f)
+        for t in (Tier.RAM, Tier.SSD):
             ids = np.flatnonzero(held == t)
             ids = ids[np.argsort(first[ids], kind="stable")]
-            ready[ids] = np.cumsum(w.mb[ids] * fill_coef + w.open_s) / threads
-        return held, ready
+            cmb[ids] = np.cumsum(w.mb[ids])
+            cn[ids] = np.arange(1, len(ids) + 1)
+        ids = np.flatnonzero(held != NONE)
+        return (ids.astype(np.int32) if f < 2**31 else ids), held[ids], cmb[ids], cn[ids]
 
     # copies per sample first, then each worker's reads.  Each worker's placement is
     # built once (its plan walks are most of the cost) and kept as the samples it
-    # holds, their tiers and fill times: at most its stream's length, as the
+    # holds, their tiers and fill positions: at most its stream's length, as the
     # workload's cached batches, never N x F
     ram_cnt = np.zeros(f, dtype=np.int32)
     ssd_cnt = np.zeros(f, dtype=np.int32)
-    fill_until = np.zeros(w.n)
-    kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    kept: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     for i in range(w.n):
-        held, ready = held_by(i)
-        ram_cnt += held == Tier.RAM
-        ssd_cnt += held == Tier.SSD
-        ids = np.flatnonzero(held != NONE)
-        kept.append((ids.astype(np.int32) if f < 2**31 else ids, held[ids], ready[ids]))
-        fill_until[i] = ready[ids].max() if len(ids) else 0.0
+        ids_i, tier_i, cmb_i, cn_i = held_by(i)
+        np.add.at(ram_cnt, ids_i[tier_i == Tier.RAM], 1)
+        np.add.at(ssd_cnt, ids_i[tier_i == Tier.SSD], 1)
+        kept.append((ids_i, tier_i, cmb_i, cn_i))
+    # each (worker, tier) fill's PFS speed per thread: the thesis' t(N)/N; conserving,
+    # every fill and prefetch thread reading at first, then what the timeline gives
+    fill_threads = sum(tier_threads[int(t)] for t in (Tier.RAM, Tier.SSD)
+                       if (sysm.ram_bytes if t == Tier.RAM else sysm.ssd_bytes) > 0)
+    first_guess = (1.0 / sysm.pfs_s_per_MB(w.n) if not sysm.conserving else
+                   float(sysm.pfs_thread_MBps(w.n * (sysm.staging_threads + fill_threads))))
+    fill_rate: dict[tuple[int, int], float] = {
+        (i, int(t)): float(first_guess) for i in range(w.n) for t in (Tier.RAM, Tier.SSD)}
+
+    def ready_of(i: int) -> np.ndarray:
+        ids_i, tier_i, cmb_i, cn_i = kept[i]
+        out = np.empty(len(ids_i))
+        for t, thr in tier_threads.items():
+            m = tier_i == t
+            rate = min(fill_rate[(i, t)], sysm.pfs_client_MBps / thr)
+            out[m] = (cmb_i[m] * (1.0 / rate + write) + cn_i[m] * w.open_s) / thr
+        return out
+
     held = np.full(f, NONE, dtype=np.int8)      # one worker's at a time, reset after
     ready = np.full(f, np.inf)
     # when each step's delivery begins decides whether a fill is done: start from the
-    # compute-only timeline, then the run's own, until the sources stop changing
+    # compute-only timeline, then the run's own, until the sources (and, conserving,
+    # the fills' speeds) stop changing
     issue = np.broadcast_to(_compute_only(w).start, (w.n, w.steps * w.plan.epochs))
     res: dict[str, Any] = {}
-    for _ in range(4):
+    for _ in range(6):
         run = _prefetching(w)
+        readies = [ready_of(i) for i in range(w.n)]
+        fill_until = np.array([r.max() if len(r) else 0.0 for r in readies])
         run.fill_until = fill_until      # the thesis counts a filling node as a reader
+        keys = []
         for i in range(w.n):
-            ids_i, tier_i, ready_i = kept[i]
-            held[ids_i], ready[ids_i] = tier_i, ready_i
+            for t, thr in tier_threads.items():
+                m = kept[i][1] == t
+                if m.any():
+                    run.fills.append((i, float(w.mb[kept[i][0][m]].sum()), float(m.sum()),
+                                      thr, write, float(readies[i][m].max())))
+                    keys.append((i, t))
+        for i in range(w.n):
+            ids_i, tier_i = kept[i][0], kept[i][1]
+            held[ids_i], ready[ids_i] = tier_i, readies[i]
             for e in range(w.plan.epochs):
                 ids = w.batches(i, e)
                 sl = slice(e * w.steps, (e + 1) * w.steps)
@@ -522,7 +781,12 @@ def nopfs(w: Workload) -> dict[str, Any]:
             held[ids_i], ready[ids_i] = NONE, np.inf
         res = run.finish()
         assert run.timeline is not None and run.timeline.issue is not None
-        if np.allclose(run.timeline.issue, issue, rtol=1e-3, atol=1e-6):
+        stable = bool(np.allclose(run.timeline.issue, issue, rtol=1e-3, atol=1e-6))
+        if sysm.conserving and len(run.fill_MBps):
+            for key, r in zip(keys, run.fill_MBps.tolist()):
+                stable = stable and abs(fill_rate[key] - float(r)) <= 1e-3 * float(r)
+                fill_rate[key] = 0.5 * (fill_rate[key] + r)     # sources swing: halfway
+        if stable:
             break
         issue = run.timeline.issue
     return res
@@ -585,9 +849,15 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
     bounds, member = chunk_members(w.sizes, width)
     chunk_mb = np.diff(np.r_[0.0, np.cumsum(w.mb)][bounds])
     # every worker loads its chunk at once
-    chunk_s = chunk_mb * (sysm.pfs_s_per_MB(w.n)
-                          + sysm.tier_write_s_per_MB("ram")) + np.diff(bounds) * w.open_s
-    run.setup_s = float(chunk_s.max() / run.threads)
+    if sysm.conserving:
+        run.setup_s = float(_load_together(sysm, chunk_mb, np.diff(bounds).astype(float),
+                                           run.threads, w.open_s,
+                                           sysm.tier_write_s_per_MB("ram")).max())
+    else:
+        chunk_s = chunk_mb * (sysm.pfs_setup_s_per_MB(w.n, run.threads)
+                              + sysm.tier_write_s_per_MB("ram")) + np.diff(bounds) * w.open_s
+        run.setup_s = float(chunk_s.max() / run.threads)
+    run.extra_pfs_mb, run.extra_pfs_n = float(w.mb.sum()), float(w.plan.num_samples)
     for e in range(w.plan.epochs):
         for i in range(w.n):
             ids = w.batches(i, e)

@@ -24,10 +24,15 @@ def format_table(res: dict[str, Any]) -> str:
              + (f" (scale {wl['scale']})" if wl["scale"] != 1 else "")
              + (f", a file per sample, {res['system']['pfs_open_ms']:g} ms per open"
                 if wl.get("layout") == "files" and res["system"].get("pfs_open_ms") else "")]
+    if res["system"].get("model") == "thesis":
+        lines.append("model: thesis (the HDMLP thesis' rule: every read of a worker's threads "
+                     "gets t(gamma)/gamma; it does NOT conserve the file system's bandwidth, "
+                     "see docs/sim.md)")
     best = min((v["total_s"] for n, v in res["policies"].items()
                 if not v["failed"] and n != "perfect"), default=None)
     lines.append(f"{'policy':<20} {'total':>10} {'vs best':>8} {'stall':>10} {'setup':>9} "
-                 f"{'1st batch':>10} {'AU':>6} {'PFS/sample':>10}  fetch time by source")
+                 f"{'1st batch':>10} {'AU':>6} {'PFS/sample':>10} {'bound':>14}  "
+                 f"fetch time by source")
     for name, v in res["policies"].items():
         if v["failed"]:
             lines.append(f"{name:<20} {'failed':>10}  {v['failed']}")
@@ -41,7 +46,10 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"{name:<20} {_secs(v['total_s']):>10} {rel:>8} {_secs(v['stall_s']):>10} "
                      f"{_secs(v['setup_s']):>9} {'-' if first is None else _secs(first):>10} "
                      f"{'-' if au is None else f'{100 * au:.0f}%':>6} "
-                     f"{v['pfs_reads_per_sample']:>10.2f}  {share}")
+                     f"{v['pfs_reads_per_sample']:>10.2f} {v.get('binding') or '-':>14}  "
+                     f"{share}")
+    lines.append("bound: the resource that keeps AU lowest whatever the schedule (epoch by "
+                 "epoch: PFS bandwidth or requests, network link, preprocessing, compute)")
     lines.append("1st batch: time until the first batch is delivered (set-up included). "
                  "AU: accelerator utilisation, compute / total time (DLIO's metric; MLPerf "
                  "Storage asks >= 90% for UNet3D and ResNet-50, >= 70% for CosmoFlow)")
@@ -78,9 +86,22 @@ def format_plan(res: dict[str, Any]) -> str:
         else:
             lines.append(f"  {o['tier'].upper():<4} not reachable: AU {got} even with the whole "
                          f"dataset per worker ({other})"
-                         + (f"; {o['failed']}" if o["failed"] else ": the limit is elsewhere "
-                            "(the first epoch's PFS reads, preprocessing, the network)"))
+                         + (f"; {o['failed']}" if o["failed"] else _binding(o)))
     return "\n".join(lines)
+
+
+def _binding(o: dict[str, Any]) -> str:
+    """Why a target is out of reach: the resource whose least time bounds the AU."""
+    need, what = o.get("need_s") or {}, o.get("binding")
+    if not what or what not in need:
+        return ""
+    detail = ""
+    if what == "PFS bandwidth":
+        detail = (f" ({o['pfs_MB'] / 1e3:,.1f} GB from the file system at most "
+                  f"{o['pfs_MBps_max']:,.0f} MB/s, its table's largest rate)")
+    return (f": bound by {what}{detail}, which needs at least {need[what]:.1f} s in all "
+            f"against {need['compute']:.1f} s of compute (AU at most {o['au_bound']:.1%} "
+            f"whatever the schedule; seconds at the simulated scale)")
 
 
 _UNIT_WORD = {"s": "seconds", "min": "minutes", "h": "hours"}

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..store import ProfileError, interpolate, load_profile
 
-__all__ = ["System", "lassen", "hdmlp_thesis", "load_system", "PFS_READERS", "TIER_READS"]
+__all__ = ["System", "lassen", "hdmlp_thesis", "load_system", "PFS_READERS", "TIER_READS",
+           "MODELS"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class System:
     pfs_readers: str = "active"               # how gamma is counted (PFS_READERS)
     tier_reads: str = "shared"                # a tier's table per thread (TIER_READS)
     name: str = "custom"
+    model: str = "conserving"                 # MODELS: bandwidth conserved, or the thesis'
 
     def __post_init__(self) -> None:
         for key in ("compute_MBps", "preprocess_MBps", "network_MBps"):
@@ -70,6 +72,13 @@ class System:
         if self.tier_reads not in TIER_READS:
             raise ProfileError(f"system {self.name}: [model] tier_reads must be one of "
                                f"{', '.join(TIER_READS)}, got {self.tier_reads!r}")
+        if self.model not in MODELS:
+            raise ProfileError(f"system {self.name}: [model] model must be one of "
+                               f"{', '.join(MODELS)}, got {self.model!r}")
+        if self.model == "conserving" and self.tier_reads != "shared":
+            raise ProfileError(f"system {self.name}: tier_reads = {self.tier_reads!r} gives "
+                               f"every read a tier's whole table, more than the tier has; "
+                               f"it belongs to model = \"thesis\" (the published rule)")
         if not self.pfs_client_MBps > 0:
             raise ProfileError(f"system {self.name}: pfs_client_MBps must be positive")
         if not self.pfs_open_ms >= 0:
@@ -86,16 +95,45 @@ class System:
         out = 1.0 / np.minimum(self.pfs_client_MBps, np.interp(g, ks, vs) / g)
         return float(out) if out.ndim == 0 else out
 
+    @property
+    def conserving(self) -> bool:
+        """Whether no resource delivers more than its table (the default model)."""
+        return self.model == "conserving"
+
+    def pfs_thread_MBps(self, readers: "float | np.ndarray") -> np.ndarray:
+        """The conserving model's speed of one reading thread when ``readers`` threads
+        read the PFS at once: t(G) / G with G = max(readers, 1), so that G threads
+        together get t(G), never more (the table clamped past its largest count)."""
+        g = np.maximum(np.asarray(readers, dtype=np.float64), 1.0)
+        ks = np.array(sorted(self.pfs_MBps), dtype=np.float64)
+        vs = np.array([self.pfs_MBps[int(k)] for k in ks])
+        return np.interp(g, ks, vs) / g
+
+    def pfs_setup_s_per_MB(self, workers: int, threads: int) -> float:
+        """Per MB of one thread when ``workers`` workers load with ``threads`` threads
+        each, all at once (a set-up phase): conserving, the PFS shared by every thread
+        and a worker's link by its threads; the thesis' rule, t(N) / N per read."""
+        if not self.conserving:
+            return float(self.pfs_s_per_MB(workers))
+        per = float(self.pfs_thread_MBps(workers * threads))
+        return 1.0 / min(per, self.pfs_client_MBps / threads)
+
     def local_s_per_MB(self, tier: str) -> float:
-        """fetch_{i,2,j}: 1 / (r_j(p_j) / p_j), tier 'ram' or 'ssd' (``tier_reads =
-        "per-read"``: 1 / r_j(p_j), the speed the thesis' simulator gives each read)."""
-        p = self.ram_threads if tier == "ram" else self.ssd_threads
+        """fetch_{i,2,j}: one prefetch thread's read of the own tier 'ram' or 'ssd'.
+        Conserving: the p_0 prefetch threads share the tier's table at p_0,
+        r_j(p_0) / p_0 each.  Thesis: 1 / (r_j(p_j) / p_j) as NoPFS §4 writes it
+        (``tier_reads = "per-read"``: 1 / r_j(p_j), as the thesis' simulator computes)."""
         table = self.mem_MBps if tier == "ram" else self.ssd_read_MBps
+        if self.conserving:
+            return self.staging_threads / interpolate(table, self.staging_threads)
+        p = self.ram_threads if tier == "ram" else self.ssd_threads
         return (p if self.tier_reads == "shared" else 1) / interpolate(table, p)
 
     def peer_s_per_MB(self, tier: str) -> float:
-        """fetch_{i,1,j}: 1 / min(b_c, r_j(p_j) / p_j)."""
-        return max(1.0 / self.network_MBps, self.local_s_per_MB(tier))
+        """fetch_{i,1,j}: 1 / min(b_c, r_j(p_j) / p_j); conserving, the worker's link
+        shared by its p_0 prefetch threads (b_c / p_0 each)."""
+        link = self.network_MBps / (self.staging_threads if self.conserving else 1)
+        return max(1.0 / link, self.local_s_per_MB(tier))
 
     def write_s_per_MB(self, threads: Optional[int] = None) -> float:
         """write_i: max(1/beta, 1/(w_0(p_0)/p_0)) (preprocessing and the staging write
@@ -129,7 +167,8 @@ class System:
                 "pfs_open_ms": self.pfs_open_ms,
                 "pfs_client_MBps": (None if self.pfs_client_MBps == float("inf")
                                     else self.pfs_client_MBps),
-                "pfs_readers": self.pfs_readers, "tier_reads": self.tier_reads}
+                "pfs_readers": self.pfs_readers, "tier_reads": self.tier_reads,
+                "model": self.model}
 
 
 def lassen() -> System:
@@ -159,9 +198,14 @@ def hdmlp_thesis() -> System:
                   ssd_read_MBps={2: 86.0}, staging_bytes=1024 * 10**6,
                   ram_bytes=50 * gb, ssd_bytes=100 * gb, staging_threads=2, ram_threads=2,
                   ssd_threads=2, pfs_client_MBps=2000.0, tier_reads="per-read",
-                  name="hdmlp-thesis")
+                  name="hdmlp-thesis", model="thesis")
 
 
+#: "conserving" (default): at every moment the PFS, a tier and a link deliver at most
+#: what their tables give for the threads using them; "thesis": the published rule
+#: (every read of a worker's threads gets t(gamma)/gamma), which reproduces the HDMLP
+#: thesis' tables and does not conserve bandwidth
+MODELS = ("conserving", "thesis")
 #: how the simulator counts gamma, the PFS readers a read shares t(gamma) with
 PFS_READERS = ("active", "all")
 #: whether a tier's r_j(p) table is shared by its p threads (NoPFS §4) or is the speed
@@ -229,5 +273,5 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   pfs_client_MBps=float(prof.get("pfs", {}).get("client_MBps", float("inf"))),
                   pfs_readers=model.get("pfs_readers", "active"),
                   tier_reads=model.get("tier_reads", "shared"),
-                  name=name)
+                  name=name, model=model.get("model", "conserving"))
 

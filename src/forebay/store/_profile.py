@@ -45,7 +45,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "network": {"MBps": "num"},
     # the simulator's model choices (docs/sim.md): how PFS readers are counted and
     # whether a tier's table is shared by its threads or the speed of each read
-    "model": {"pfs_readers": "str", "tier_reads": "str"},
+    "model": {"model": "str", "pfs_readers": "str", "tier_reads": "str"},
 }
 
 
