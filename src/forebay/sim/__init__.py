@@ -186,8 +186,10 @@ def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.
         options.append({"tier": tier, "bytes": b, "reached": reached,
                         "accelerator_utilization": best["accelerator_utilization"],
                         "total_s": best["total_s"], "failed": best["failed"],
+                        "epochs": kw.get("epochs"),
                         **{k: best.get(k) for k in ("binding", "need_s", "au_bound",
-                                                    "pfs_MB", "pfs_MBps_max")}})
+                                                    "binding_epochs", "pfs_MB",
+                                                    "pfs_MBps_max")}})
     prog.close()
     return {"target_au": target_au, "policy": policy, "dataset_bytes": full,
             "workers": kw.get("workers"), "epochs": kw.get("epochs"), "scale": scale,

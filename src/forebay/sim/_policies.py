@@ -317,6 +317,7 @@ class _Run:
         each = {"compute": comp_e, "PFS bandwidth": pfs_e / top,
                 "PFS requests": n_e * w.open_s / (w.n * self.threads),
                 "network link": per(self.peer_mb).max(axis=0) / sysm.network_MBps,
+                "tier and peer reads": per(self.other_s).max(axis=0) / self.threads,
                 "preprocessing": prep_e}
         names = list(each)
         table = np.stack([each[k] for k in names])               # [resources, E]
@@ -324,11 +325,14 @@ class _Run:
         over = {k: float(np.where(table.argmax(axis=0) == j, worst - comp_e, 0.0).sum())
                 for j, k in enumerate(names)}
         binding = max(over, key=lambda k: over[k]) if max(over.values()) > 0 else "compute"
+        j = names.index(binding)
         bound = float(worst.sum())
         return {"pfs_MB": pfs_mb, "pfs_MBps_mean": pfs_mb / tl.total_s if tl.total_s else 0.0,
                 "pfs_MBps_max": top,
                 "need_s": {k: float(v.sum()) for k, v in each.items()},
-                "binding": binding, "au_bound": tl.compute_s / bound if bound else 1.0}
+                "binding": binding, "au_bound": tl.compute_s / bound if bound else 1.0,
+                # epochs in which the binding resource needs longer than compute
+                "binding_epochs": int(((table.argmax(axis=0) == j) & (worst > comp_e)).sum())}
 
 
 class _Fluid:

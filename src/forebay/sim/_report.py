@@ -99,9 +99,10 @@ def _binding(o: dict[str, Any]) -> str:
     if what == "PFS bandwidth":
         detail = (f" ({o['pfs_MB'] / 1e3:,.1f} GB from the file system at most "
                   f"{o['pfs_MBps_max']:,.0f} MB/s, its table's largest rate)")
-    return (f": bound by {what}{detail}, which needs at least {need[what]:.1f} s in all "
-            f"against {need['compute']:.1f} s of compute (AU at most {o['au_bound']:.1%} "
-            f"whatever the schedule; seconds at the simulated scale)")
+    n = o.get("binding_epochs") or 0
+    return (f": bound by {what}{detail}, which outlasts compute in {n} of {o['epochs']} "
+            f"epoch{'s' if o['epochs'] != 1 else ''}; no schedule gets AU above "
+            f"{o['au_bound']:.1%}")
 
 
 _UNIT_WORD = {"s": "seconds", "min": "minutes", "h": "hours"}
