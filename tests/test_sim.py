@@ -634,3 +634,20 @@ def test_no_policy_draws_more_from_the_file_system_than_it_has(workers):
                       epochs=2, scale=0.002 if workers == 4 else 0.05,
                       policies=["staging"], progress=False)["policies"]["staging"]
     assert thesis["pfs_MB"] / thesis["total_s"] > top * 1.5
+
+
+def test_simulate_cli_refuses_what_it_would_drop_or_misread(cli):
+    """Issue R item 5: --policies with several names in sweep/plan used the first and
+    dropped the rest; --target-au outside plan was ignored; an unknown --system
+    answered "No such file" instead of naming the presets."""
+    base = ["--dataset", "mnist", "--workers", "2", "--epochs", "1", "--scale", "0.01"]
+    code, out, err = cli("simulate", "plan", "--target-au", "0.9", *base,
+                         "--policies", "nopfs,staging")
+    assert code == 2 and "takes one policy, got 2" in err, err
+    code, out, err = cli("simulate", "sweep", *base, "--ram", "0,1GB", "--ssd", "0",
+                         "--policies", "nopfs,staging")
+    assert code == 2 and "takes one policy" in err, err
+    code, out, err = cli("simulate", "--target-au", "0.9", *base)
+    assert code == 2 and "--target-au is for 'simulate plan'" in err, err
+    code, out, err = cli("simulate", "--system", "summit", *base)
+    assert code == 2 and "lassen, hdmlp-thesis" in err and "summit" in err, err

@@ -38,9 +38,20 @@ def cmd_plan(a: argparse.Namespace) -> int:
 def cmd_simulate(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..sim import POLICIES, load_system, simulate, sweep
+    from ..sim import POLICIES, PRESETS, load_system, simulate, sweep
     from ..sim import format_sweep, format_table, plot_policies, plot_sweep
 
+    if a.target_au is not None and a.mode != "plan":
+        raise InvalidArgumentError(f"--target-au is for 'simulate plan' (this is 'simulate "
+                                   f"{a.mode}'): forebay simulate plan --target-au "
+                                   f"{a.target_au:g} ...")
+    names = [p for p in (a.policies or "").split(",") if p.strip()]
+    if a.mode in ("plan", "sweep") and len(names) > 1:
+        raise InvalidArgumentError(f"simulate {a.mode} takes one policy, got "
+                                   f"{len(names)} ({a.policies})")
+    if a.system not in PRESETS and not Path(a.system).exists():
+        raise InvalidArgumentError(f"--system {a.system!r} is neither a preset "
+                                   f"({', '.join(PRESETS)}) nor a system file")
     sysm = load_system(a.system, compute_MBps=a.compute_MBps,
                        preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps,
                        pfs_open_ms=a.pfs_open_ms)
