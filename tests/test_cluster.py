@@ -280,32 +280,56 @@ def test_global_batches_across_nodes_are_the_plans(cluster, labelled, nodes, ppn
 
 
 # -- node faults ------------------------------------------------------------------------
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled, launcher):
-    cmd, env = rank_command(rank_train_exchange, [labelled, "auto"])
-    if launcher == "mpiexec":
-        argv = cluster.mpiexec_argv([sys.executable, *cmd], nodes=2, ppn=2)
+def _launch(cluster: Cluster, launcher: str, cmd: list[str], env: dict, *, nodes: int = 2,
+            ppn: int = 1, port: int = 29411, mpi: str | None = None) -> list[subprocess.Popen]:
+    """The job's launcher processes, their output piped: mpiexec or srun on node0, or
+    one torchrun agent per node (node0's first)."""
+    on: "list[int] | range" = [0]
+    if launcher == "torchrun":
+        argv, on = cluster.torchrun_argv(cmd, nodes=nodes, ppn=ppn, port=port), range(nodes)
+    elif launcher == "srun":
+        argv = cluster.srun_argv([sys.executable, *cmd], nodes=nodes, ppn=ppn, mpi=mpi)
     else:
-        argv = cluster.torchrun_argv(cmd, nodes=2, ppn=2, port=29431)
-    jobs = [cluster.popen(k, argv, env=cluster.env(env), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-            for k in range(1 if launcher == "mpiexec" else 2)]
+        argv = cluster.mpiexec_argv([sys.executable, *cmd], nodes=nodes, ppn=ppn)
+    return [cluster.popen(k, argv, env=cluster.env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for k in on]
+
+
+def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None
+                        ) -> tuple[int, str, float]:
+    """Once the job trains (rank 0 says TRAINING), ``fault()``; node0's launcher gets 60
+    s to end.  Every launcher process is ended and ``after()`` run, whatever happens.
+    Returns node0's launcher's exit status, its stderr and the seconds it took."""
     job = jobs[0]
     try:
         assert job.stdout is not None
-        for line in job.stdout:              # the job is training: kill node1 now
+        for line in job.stdout:
             if line.startswith("TRAINING"):
                 break
-        assert cluster.kill_node(1) > 0
+        fault()
         t0 = time.monotonic()
-        out, err = job.communicate(timeout=60)
+        _, err = job.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
         for j in jobs:
             if j.poll() is None:
                 j.kill()
             j.communicate()
-    assert job.returncode != 0
+        if after is not None:
+            after()
+    return job.returncode, err, took
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled, launcher):
+    cmd, env = rank_command(rank_train_exchange, [labelled, "auto"])
+
+    def kill() -> None:
+        assert cluster.kill_node(1) > 0
+
+    code, err, took = _fault_mid_training(
+        _launch(cluster, launcher, cmd, env, ppn=2, port=29431), kill)
+    assert code != 0
     assert took < 30, f"the survivors took {took:.1f} s to end"
     if launcher == "torchrun":         # gloo's reset becomes one line per rank of node0
         for r in (0, 1):
@@ -325,24 +349,13 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
     ranks end within 30 s, each with one line naming node1, nothing left in /dev/shm."""
     cmd, env = rank_command(rank_train_exchange, [labelled, "exchange"],
                             {"FOREBAY_PEER_TIMEOUT": "5"})
-    job = slurm.popen(0, slurm.srun_argv([sys.executable, *cmd], nodes=2, ppn=1, mpi=mpi),
-                      env=slurm.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                      text=True)
-    try:
-        assert job.stdout is not None
-        for line in job.stdout:
-            if line.startswith("TRAINING"):
-                break
+
+    def kill() -> None:
         assert slurm.kill_node(1, daemons=True) > 0
-        t0 = time.monotonic()
-        out, err = job.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
-        slurm.slurm_restore(1)
-    assert job.returncode != 0
+
+    code, err, took = _fault_mid_training(_launch(slurm, "srun", cmd, env, mpi=mpi), kill,
+                                          lambda: slurm.slurm_restore(1))
+    assert code != 0
     assert took < 30, f"the survivors took {took:.1f} s to end"
     lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
     assert len(lines) == 1, err[-4000:]
@@ -377,31 +390,14 @@ def test_a_cut_link_ends_the_job_with_one_error_naming_the_node(cluster, labelle
     and what the probe saw, nothing left in node0's /dev/shm."""
     cmd, env = rank_command(rank_train_exchange, [labelled, transport],
                             {"FOREBAY_PEER_TIMEOUT": "5"})
-    if launcher == "mpiexec":
-        jobs = [cluster.popen(0, cluster.mpiexec_argv([sys.executable, *cmd], nodes=2),
-                              env=cluster.env(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)]
-    else:
-        argv = cluster.torchrun_argv(cmd, nodes=2, port=29411)
-        jobs = [cluster.popen(k, argv, env=cluster.env(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for k in range(2)]
-    try:
-        assert jobs[0].stdout is not None
-        for line in jobs[0].stdout:
-            if line.startswith("TRAINING"):
-                break
-        cluster.cut_link(1)
-        t0 = time.monotonic()
-        out, err = jobs[0].communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        for j in jobs:
-            if j.poll() is None:
-                j.kill()
-            j.communicate()
+
+    def restore() -> None:
         cluster.kill_node(1)            # the cut node's launcher may wait on for node0
         cluster.restore_link(1)
-    assert jobs[0].returncode != 0
+
+    code, err, took = _fault_mid_training(_launch(cluster, launcher, cmd, env),
+                                          lambda: cluster.cut_link(1), restore)
+    assert code != 0
     assert took < 30, f"node0's side took {took:.1f} s to end"
     lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
     assert len(lines) == 1, err[-4000:]
