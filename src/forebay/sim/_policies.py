@@ -118,7 +118,6 @@ class _Run:
         #: PFS MB and reads outside the steps' deliveries (set-up phases, fills)
         self.extra_pfs_mb = 0.0
         self.extra_pfs_n = 0.0
-        self.fill_end = np.zeros(0)
         self.setup_write_s = 0.0         # the slowest worker's set-up preprocessing
         self.fill_read: Optional[tuple[np.ndarray, np.ndarray]] = None
         self.peer_mb = np.zeros(shape)
@@ -214,8 +213,9 @@ class _Run:
                            own_cap / np.maximum(fthr, 1.0))
         gseen = np.full(self.pfs_mb.shape, every)
         tl: Optional[Timeline] = None
+        fluid: Optional[_Fluid] = None
         pfs_s = sync_s = np.zeros(self.pfs_mb.shape)
-        last = np.inf
+        last, damp = np.inf, 0.0
         for _ in range(80):
             pfs_s = self.pfs_mb / rate + self.pfs_n * w.open_s
             sync_s = self.sync_mb / srate + self.sync_n * w.open_s
@@ -246,26 +246,36 @@ class _Run:
                                1.0)
             fnew = np.minimum(fluid.mean_rate(np.zeros(len(fend)), fend),
                               own_cap / np.maximum(fthr, 1.0))
-            self.fill_MBps, self.fill_end = frate, fend
-            upto = np.minimum(fend, tl.total_s)      # what the fills read during the run
-            self.fill_read = (fg * upto * fluid.mean_rate(np.zeros(len(fend)), upto),
-                              fn * np.divide(upto, fend, out=np.ones_like(upto),
-                                             where=fend > 0))
-            change = max(float((np.abs(new - rate) / rate).max(initial=0.0)),
-                         float((np.abs(snew - srate) / srate).max(initial=0.0)),
-                         float((np.abs(fnew - frate) / frate).max(initial=0.0)))
-            if change <= 1e-7:
+            # the change in PFS thread-seconds the new speeds give, over all of them
+            # (a span that reads little may swing without moving the timeline)
+            secs = np.concatenate([self.pfs_mb.ravel() / rate.ravel(),
+                                   self.sync_mb.ravel() / srate.ravel(), fmb / frate])
+            diff = np.concatenate([self.pfs_mb.ravel() / new.ravel(),
+                                   self.sync_mb.ravel() / snew.ravel(), fmb / fnew]) - secs
+            change = float(np.abs(diff).sum() / max(secs.sum(), 1e-300))
+            if change <= 1e-6:
                 break
             # straight to the new speeds while that converges, halfway once it swings
-            damp = 0.5 if change >= last else 0.0
+            if change >= 0.9 * last:     # swings or stalls: smaller steps
+                damp = min(0.9, 0.5 + damp / 2)
             last = change
             rate = damp * rate + (1 - damp) * new
             srate = damp * srate + (1 - damp) * snew
             frate = damp * frate + (1 - damp) * fnew
         assert tl is not None
-        if sysm.pfs_readers == "all" and len(fmb):
-            self.fill_MBps = frate
-            self.fill_end = (fmb / frate + fn * w.open_s + fmb * fwr) / np.maximum(fthr, 1.0)
+        # what the fills read during the run (the rest comes after its end)
+        self.fill_MBps = frate
+        fpfs = fmb / frate + fn * w.open_s
+        fend = (fpfs + fmb * fwr) / np.maximum(fthr, 1.0)
+        upto = np.minimum(fend, tl.total_s)
+        part = np.divide(upto, fend, out=np.ones_like(upto), where=fend > 0)
+        if fluid is None:                            # pfs_readers = "all": even speed
+            got = fmb * part
+        else:
+            fg = fthr * np.divide(fpfs, fpfs + fmb * fwr, out=np.zeros_like(fpfs),
+                                  where=fpfs > 0)
+            got = fg * upto * fluid.mean_rate(np.zeros(len(fend)), upto)
+        self.fill_read = (got, fn * part)
         self.gamma = gseen
         return tl, pfs_s + sync_s * self.threads
 
@@ -290,27 +300,24 @@ class _Run:
         largest need; ``au_bound`` is the compute over the sum of those, and
         ``binding`` the resource that adds most beyond compute."""
         w, sysm = self.w, self.w.system
-        pfs_mb = float(self.pfs_mb.sum() + self.sync_mb.sum()) + self.extra_pfs_mb
-        reads = float(self.pfs_n.sum() + self.sync_n.sum()) + self.extra_pfs_n
-        if self.fill_read is not None:          # the conserving model's own account
-            pfs_mb += float(self.fill_read[0].sum())
-            reads += float(self.fill_read[1].sum())
-        elif self.fills:          # what the fills read before the run ended
-            end = self.fill_end if len(self.fill_end) else \
-                np.array([f[5] for f in self.fills])
-            part = np.minimum(1.0, tl.total_s / np.maximum(end, 1e-12))
-            pfs_mb += float((np.array([f[1] for f in self.fills]) * part).sum())
-            reads += float((np.array([f[2] for f in self.fills]) * part).sum())
+        # outside the steps' deliveries: set-up phases, and what fills read in the run
+        extra_mb, extra_n = self.extra_pfs_mb, self.extra_pfs_n
+        if self.fill_read is not None:                 # the conserving model's account
+            extra_mb += float(self.fill_read[0].sum())
+            extra_n += float(self.fill_read[1].sum())
+        elif self.fills:                               # thesis: a fill's bytes even in time
+            part = np.minimum(1.0, tl.total_s / np.maximum([f[5] for f in self.fills], 1e-12))
+            extra_mb += float((np.array([f[1] for f in self.fills]) * part).sum())
+            extra_n += float((np.array([f[2] for f in self.fills]) * part).sum())
         top = max(sysm.pfs_MBps.values())
         # per epoch: what each resource needs at least (set-up and fills in epoch 0)
         e_, st = w.plan.epochs, w.steps
         per = lambda a: a.reshape(w.n, e_, st).sum(axis=2)       # noqa: E731  [N, E]
-        extra_mb, extra_n = pfs_mb - float(self.pfs_mb.sum() + self.sync_mb.sum()), \
-            reads - float(self.pfs_n.sum() + self.sync_n.sum())
         pfs_e = per(self.pfs_mb + self.sync_mb).sum(axis=0)
         n_e = per(self.pfs_n + self.sync_n).sum(axis=0)
         pfs_e[0] += extra_mb
         n_e[0] += extra_n
+        pfs_mb = float(pfs_e.sum())
         comp_e = w.step_compute_s().reshape(e_, st).sum(axis=1)
         prep_e = (per(self.write_mb) * self.wcoef).max(axis=0) / self.threads
         prep_e[0] += self.setup_write_s
@@ -458,45 +465,41 @@ def staging(w: Workload) -> dict[str, Any]:
 def _setup_s(w: Workload, run: _Run, pfs_mb: np.ndarray, pfs_n: np.ndarray, threads: int,
              peer_mb: Optional[np.ndarray] = None, peer_s_per_MB: float = 0.0) -> float:
     """A set-up phase before training: worker i loads ``pfs_mb[i]`` MB (``pfs_n[i]``
-    samples) from the PFS, every worker at once (gamma = N), and copies ``peer_mb[i]``
-    from its peers, with ``threads`` threads; the slowest worker's seconds."""
-    sysm = w.system
-    run.extra_pfs_mb += float(np.sum(pfs_mb))
+    samples) from the PFS, every worker at once, and copies ``peer_mb[i]`` from its
+    peers, with ``threads`` threads; the slowest worker's seconds."""
+    pfs_mb = np.asarray(pfs_mb, dtype=np.float64)
+    run.extra_pfs_mb += float(pfs_mb.sum())
     run.extra_pfs_n += float(np.sum(pfs_n))
-    if sysm.conserving:
-        t = _load_together(sysm, np.asarray(pfs_mb, dtype=np.float64),
-                           np.asarray(pfs_n, dtype=np.float64), threads, w.open_s,
-                           run.wcoef) * threads
-    else:
-        t = pfs_mb * (sysm.pfs_setup_s_per_MB(w.n, threads) + run.wcoef) + pfs_n * w.open_s
-    writes = np.asarray(pfs_mb, dtype=np.float64) * run.wcoef
+    t = _load_times(w, pfs_mb, np.asarray(pfs_n, dtype=np.float64), threads, run.wcoef)
+    writes = pfs_mb * run.wcoef
     if peer_mb is not None:
-        t = t + peer_mb * (peer_s_per_MB + run.wcoef)
+        t = t + peer_mb * (peer_s_per_MB + run.wcoef) / threads
         writes = writes + peer_mb * run.wcoef
     run.setup_write_s = float(np.max(writes) / threads) if len(writes) else 0.0
-    return float(np.max(t) / threads) if len(t) else 0.0
+    return float(np.max(t)) if len(t) else 0.0
 
 
-def _load_together(sysm: System, mb: np.ndarray, n: np.ndarray, threads: int,
-                   open_s: float, write_s_per_MB: float) -> np.ndarray:
+def _load_times(w: Workload, mb: np.ndarray, n: np.ndarray, threads: int,
+                write_s_per_MB: float) -> np.ndarray:
     """When each worker is done loading ``mb[i]`` MB (``n[i]`` reads) from the PFS with
-    ``threads`` threads, every worker starting at 0 (the conserving model's set-up):
+    ``threads`` threads (fetch, then write), every worker starting at 0.  Conserving:
     while k workers load, each thread reads at f(k * threads) (at most b_fs over the
-    worker's threads), then writes; a worker that is done leaves the PFS to the others
-    (processor sharing, solved in order of size)."""
+    worker's threads), and a worker that is done leaves the PFS to the others
+    (processor sharing, solved in order of size).  Thesis: every read at t(N)/N."""
+    sysm = w.system
+    if not sysm.conserving:
+        return (mb * (sysm.pfs_setup_s_per_MB(w.n, threads) + write_s_per_MB)
+                + n * w.open_s) / threads
     order = np.argsort(mb, kind="stable")
     done = np.zeros(len(mb))
-    left = mb[order].astype(np.float64)
-    t = 0.0
-    prev = 0.0
-    for j in range(len(order)):
+    t, prev = 0.0, 0.0
+    for j, left in enumerate(mb[order].tolist()):
         k = len(order) - j
         speed = min(float(sysm.pfs_thread_MBps(k * threads)), sysm.pfs_client_MBps / threads)
-        rate = threads / (1.0 / speed + write_s_per_MB)      # MB/s of one worker
-        t += (left[j] - prev) / rate
-        prev = left[j]
+        t += (left - prev) * (1.0 / speed + write_s_per_MB) / threads
+        prev = left
         done[order[j]] = t
-    return done + n * open_s / threads
+    return done + n * w.open_s / threads
 
 
 def _buckets(w: Workload) -> np.ndarray:
@@ -741,7 +744,8 @@ def nopfs(w: Workload) -> dict[str, Any]:
         out = np.empty(len(ids_i))
         for t, thr in tier_threads.items():
             m = tier_i == t
-            rate = min(fill_rate[(i, t)], sysm.pfs_client_MBps / thr)
+            rate = min(fill_rate[(i, t)], sysm.pfs_client_MBps / thr) if sysm.conserving \
+                else fill_rate[(i, t)]
             out[m] = (cmb_i[m] * (1.0 / rate + write) + cn_i[m] * w.open_s) / thr
         return out
 
@@ -853,14 +857,8 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
     bounds, member = chunk_members(w.sizes, width)
     chunk_mb = np.diff(np.r_[0.0, np.cumsum(w.mb)][bounds])
     # every worker loads its chunk at once
-    if sysm.conserving:
-        run.setup_s = float(_load_together(sysm, chunk_mb, np.diff(bounds).astype(float),
-                                           run.threads, w.open_s,
-                                           sysm.tier_write_s_per_MB("ram")).max())
-    else:
-        chunk_s = chunk_mb * (sysm.pfs_setup_s_per_MB(w.n, run.threads)
-                              + sysm.tier_write_s_per_MB("ram")) + np.diff(bounds) * w.open_s
-        run.setup_s = float(chunk_s.max() / run.threads)
+    run.setup_s = float(_load_times(w, chunk_mb, np.diff(bounds).astype(float), run.threads,
+                                    sysm.tier_write_s_per_MB("ram")).max())
     run.extra_pfs_mb, run.extra_pfs_n = float(w.mb.sum()), float(w.plan.num_samples)
     for e in range(w.plan.epochs):
         for i in range(w.n):
