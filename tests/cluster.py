@@ -102,6 +102,7 @@ class Cluster:
         self.pids: list[int] = []            # each node's holder process
         self._holders: list[subprocess.Popen] = []
         self._daemons: list[subprocess.Popen] = []    # munged, slurmctld, slurmds
+        self._slurmctld: Optional[subprocess.Popen] = None
         self._up = False
 
     # -- names ----------------------------------------------------------------------
@@ -354,30 +355,33 @@ class Cluster:
             f"{nodes}PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
             f"OverSubscribe=YES\n")
         (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
-        self._daemons.append(self.popen(0, ["slurmctld", "-D", "-i"], env=self.env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True))
-        for k in range(self.nodes):
-            self._slurmd(k)
-        self._slurm_idle(timeout)
+        self._slurmctld = self.popen(0, ["slurmctld", "-D", "-i"], env=self.env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self._daemons.append(self._slurmctld)
+        started = [self._slurmd(k) for k in range(self.nodes)]
+        self._slurm_idle(timeout, started)
 
     def slurm_restore(self, k: int, timeout: float = 60.0) -> None:
         """Node ``k``'s slurmd started again (after :meth:`kill_node`); returns once
         Slurm has every node idle again."""
-        self._slurmd(k)
-        self._slurm_idle(timeout)
+        self._slurm_idle(timeout, [self._slurmd(k)])
 
-    def _slurmd(self, k: int) -> None:
+    def _slurmd(self, k: int) -> subprocess.Popen:
         (self.node_dir(k) / "slurmd").mkdir(exist_ok=True)
         self._daemons.append(self.popen(k, ["slurmd", "-D"], env=self.env(),
                                         stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True))
+        return self._daemons[-1]
 
-    def _slurm_idle(self, timeout: float) -> None:
+    def _slurm_idle(self, timeout: float, started: list[subprocess.Popen]) -> None:
+        """Wait until Slurm has every node idle; raise if slurmctld or one of the
+        slurmds just ``started`` exits first."""
         deadline = time.monotonic() + timeout
         state: list[str] = []
         while time.monotonic() < deadline:
-            if self._daemons[1].poll() is not None or self._daemons[-1].poll() is not None:
+            if any(p is not None and p.poll() is not None
+                   for p in [self._slurmctld, *started]):
                 raise RuntimeError(f"Slurm did not start: slurmctld or slurmd exited; logs in "
                                    f"{self.slurm_conf.parent} and {self.local}/slurmd.log "
                                    f"of each node")
