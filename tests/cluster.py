@@ -246,10 +246,12 @@ class Cluster:
 
     def env(self, extra: Optional[dict] = None) -> dict:
         """The environment of a job on the cluster: the caller's, the cluster's
-        directory for :data:`NODE_EXEC`, and the nodes' interface for gloo and MPI."""
+        directory for :data:`NODE_EXEC`, and the nodes' interface for gloo and MPI
+        (MPICH's wheel picks UCX, whose own interface search once failed a job's
+        MPI_Init under srun with "invalid bandwidth 0.00"; OFI's is named too)."""
         e = dict(os.environ, FOREBAY_CLUSTER_DIR=str(self.root), GLOO_SOCKET_IFNAME="eth0",
-                 FI_PROVIDER="tcp", FI_TCP_IFACE="eth0", OMP_NUM_THREADS="1",
-                 SLURM_CONF=str(self.slurm_conf))
+                 UCX_NET_DEVICES="eth0", FI_PROVIDER="tcp", FI_TCP_IFACE="eth0",
+                 OMP_NUM_THREADS="1", SLURM_CONF=str(self.slurm_conf))
         e.update(extra or {})
         return e
 
