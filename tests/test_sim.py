@@ -651,3 +651,27 @@ def test_simulate_cli_refuses_what_it_would_drop_or_misread(cli):
     assert code == 2 and "--target-au is for 'simulate plan'" in err, err
     code, out, err = cli("simulate", "--system", "summit", *base)
     assert code == 2 and "lassen, hdmlp-thesis" in err and "summit" in err, err
+
+
+def test_simulate_cli_capacities_threads_and_plot_names(cli, tmp_path):
+    """Issue R item 5: "--ram 60" ran as 60 bytes; "--ram 60GB" read back as 55.9 GiB;
+    a profile's staging_threads = 0 became 1; "--plot out.jpgx" failed after the whole
+    run; "--plot DIR/" wrote a hidden .png."""
+    base = ["--dataset", "mnist", "--workers", "2", "--epochs", "1", "--scale", "0.01"]
+    code, out, err = cli("simulate", *base, "--ram", "60", "--policies", "staging")
+    assert code == 2 and "--ram 60: give a unit" in err, err
+    code, out, err = cli("simulate", "sweep", *base, "--ram", "0,60GB", "--ssd", "0,2",
+                         "--policies", "nopfs")
+    assert code == 2 and "--ssd 2: give a unit" in err, err
+    code, out, err = cli("simulate", "sweep", *base, "--ram", "0,60GB", "--ssd", "0",
+                         "--policies", "nopfs")
+    assert code == 0 and "60.0 GB" in out and "GiB" not in out, out
+    for bad, why in (("out.jpgx", "must end in one of"), (f"{tmp_path}/", "is a folder")):
+        code, out, err = cli("simulate", *base, "--policies", "staging", "--plot", bad)
+        assert code == 2 and why in err and out == "", (out, err)   # nothing simulated
+    assert list(tmp_path.iterdir()) == []
+    f = tmp_path / "p.toml"
+    f.write_text('[compute]\nMBps = 100.0\n[pfs]\nread_MBps = { "1" = 100.0 }\n'
+                 '[ram]\ncopy_MBps = { "1" = 5000.0 }\n[tiers]\nstaging_threads = 0\n')
+    code, out, err = cli("simulate", "--system", str(f), *base, "--policies", "staging")
+    assert code == 2 and "staging_threads must be >= 1" in err, err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["parse_size", "human_bytes"]
+__all__ = ["parse_size", "human_bytes", "si_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40,
@@ -28,4 +28,14 @@ def human_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+    return f"{n} B"
+
+
+def si_bytes(n: float) -> str:
+    """Bytes in decimal units (``60000000000`` -> ``60.0 GB``), as the simulator's
+    presets and the papers give capacities; ``--ram 60GB`` reads back as 60.0 GB."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
     return f"{n} B"

@@ -52,6 +52,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     if a.system not in PRESETS and not Path(a.system).exists():
         raise InvalidArgumentError(f"--system {a.system!r} is neither a preset "
                                    f"({', '.join(PRESETS)}) nor a system file")
+    if a.plot:
+        _check_plot_path(a.plot)        # before the run, not after it
     sysm = load_system(a.system, compute_MBps=a.compute_MBps,
                        preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps,
                        pfs_open_ms=a.pfs_open_ms)
@@ -71,7 +73,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             raise InvalidArgumentError("simulate sweep needs --ram and --ssd lists, e.g. "
                              "--ram 0,60GB,120GB --ssd 0,450GB,900GB")
         policy = (a.policies or "forebay-clairvoyant").split(",")[0]
-        res = sweep(sysm, a.dataset, ram_bytes=sizes_list(a.ram), ssd_bytes=sizes_list(a.ssd),
+        res = sweep(sysm, a.dataset, ram_bytes=_capacity(a.ram, "ram"),
+                    ssd_bytes=_capacity(a.ssd, "ssd"),
                     policy=policy, **kw)
         print(format_sweep(res))
         if a.plot:
@@ -90,6 +93,30 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         print(f"wrote {a.json}")
     return 0
 
+def _check_plot_path(path: str) -> None:
+    """A plot's file name must end in an image type matplotlib writes, and name a file,
+    not a folder ("out/" wrote a hidden ".png" there)."""
+    p = Path(path)
+    if path.endswith(("/", "\\")) or p.is_dir():
+        raise InvalidArgumentError(f"--plot {path!r} is a folder: give a file name, e.g. "
+                                   f"{(p / 'simulate.png').as_posix()}")
+    known = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
+    if p.suffix.lstrip(".").lower() not in known:
+        raise InvalidArgumentError(f"--plot {path!r}: the name must end in one of "
+                                   f"{', '.join('.' + k for k in known)}")
+
+
+def _capacity(text: str, flag: str) -> list[int]:
+    """Sizes for --ram/--ssd: each with its unit (60GB, 60GiB), or 0.  A bare number
+    is refused: "--ram 60" meant 60 bytes, and the caching policies then failed."""
+    for t in text.split(","):
+        t = t.strip()
+        if t.replace(".", "", 1).isdigit() and float(t) != 0:
+            raise InvalidArgumentError(f"--{flag} {t}: give a unit ({t}GB, {t}GiB, {t}MB); "
+                                       f"a bare number would be {t} bytes")
+    return sizes_list(text)
+
+
 def _capacities(a: argparse.Namespace, sysm: Any) -> Any:
     """``--ram``/``--ssd`` (one size each) override the system's tier capacities; a
     system file without ``[tiers]`` (as `forebay calibrate` writes it) and neither flag
@@ -104,7 +131,7 @@ def _capacities(a: argparse.Namespace, sysm: Any) -> Any:
     for flag, field in (("ram", "ram_bytes"), ("ssd", "ssd_bytes")):
         v = getattr(a, flag)
         if v:
-            sizes = sizes_list(v)
+            sizes = _capacity(v, flag)
             if len(sizes) != 1:
                 raise InvalidArgumentError(f"--{flag} takes one size here (a list is for "
                                            f"'simulate sweep')")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._units import human_bytes
+from .._units import si_bytes
 from ._engine import SOURCES
 
 
@@ -18,7 +18,7 @@ def _secs(x: float) -> str:
 
 def format_table(res: dict[str, Any]) -> str:
     wl = res["workload"]
-    lines = [f"{wl['dataset']}: {wl['samples']:,} samples, {human_bytes(wl['bytes'])}, "
+    lines = [f"{wl['dataset']}: {wl['samples']:,} samples, {si_bytes(wl['bytes'])}, "
              f"{wl['workers']} workers x batch {wl['batch']}, {wl['epochs']} epochs, "
              f"system {res['system']['name']}"
              + (f" (scale {wl['scale']})" if wl["scale"] != 1 else "")
@@ -60,11 +60,11 @@ def format_sweep(res: dict[str, Any]) -> str:
     head = (f"{res['policy']}: total time, rows RAM, columns SSD (per worker"
             + (f", at full scale; simulated at scale {res['scale']:g})"
                if res.get("scale", 1) != 1 else ")"))
-    cols = "".join(f"{human_bytes(s):>12}" for s in res["ssd_bytes"])
+    cols = "".join(f"{si_bytes(s):>12}" for s in res["ssd_bytes"])
     lines = [head, f"{'':>12}{cols}"]
     for r, row in zip(res["ram_bytes"], res["total_s"]):
         cells = "".join(f"{(_secs(t) if t is not None else 'failed'):>12}" for t in row)
-        lines.append(f"{human_bytes(r):>12}{cells}")
+        lines.append(f"{si_bytes(r):>12}{cells}")
     return "\n".join(lines)
 
 
@@ -72,7 +72,7 @@ def format_plan(res: dict[str, Any]) -> str:
     """The answer of :func:`plan_capacity` as text."""
     scale = res.get("scale", 1.0)
     lines = [f"{res['policy']}: the smallest capacity per worker reaching AU >= "
-             f"{res['target_au']:.0%} (dataset {human_bytes(res['dataset_bytes'])}, "
+             f"{res['target_au']:.0%} (dataset {si_bytes(res['dataset_bytes'])}, "
              f"{res['workers']} workers, {res['epochs']} epochs; {res['runs']} simulated runs"
              + (f" at scale {scale:g}, capacities given at full scale" if scale != 1 else "")
              + ")"]
@@ -81,7 +81,7 @@ def format_plan(res: dict[str, Any]) -> str:
         au = o["accelerator_utilization"]
         got = "-" if au is None else f"{au:.1%}"
         if o["reached"]:
-            lines.append(f"  {o['tier'].upper():<4} {human_bytes(o['bytes']):>10} per worker "
+            lines.append(f"  {o['tier'].upper():<4} {si_bytes(o['bytes']):>10} per worker "
                          f"({other}): AU {got}, total {o['total_s']:.1f} s")
         else:
             lines.append(f"  {o['tier'].upper():<4} not reachable: AU {got} even with the whole "
@@ -118,7 +118,7 @@ def _title(res: dict[str, Any]) -> str:
     scale = f" at scale {wl['scale']:g}" if wl.get("scale", 1) != 1 else ""
     comp = f", compute {sysm['compute_MBps']:g} MB/s per worker" \
         if sysm.get("compute_MBps") else ""
-    return (f"{wl['dataset']}{scale} ({wl['samples']:,} samples, {human_bytes(wl['bytes'])}), "
+    return (f"{wl['dataset']}{scale} ({wl['samples']:,} samples, {si_bytes(wl['bytes'])}), "
             f"{wl['workers']} workers, {wl['epochs']} epochs, system {sysm['name']}{comp}")
 
 
@@ -203,8 +203,8 @@ def plot_sweep(res: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
     im = ax.imshow(g, origin="lower", cmap="viridis_r", aspect="auto", norm=norm,
                    vmin=lo, vmax=fin.max() if lo is not None else None)
-    ax.set_xticks(range(len(res["ssd_bytes"])), [human_bytes(s) for s in res["ssd_bytes"]])
-    ax.set_yticks(range(len(res["ram_bytes"])), [human_bytes(r) for r in res["ram_bytes"]])
+    ax.set_xticks(range(len(res["ssd_bytes"])), [si_bytes(s) for s in res["ssd_bytes"]])
+    ax.set_yticks(range(len(res["ram_bytes"])), [si_bytes(r) for r in res["ram_bytes"]])
     ax.set_xlabel("SSD per worker")
     ax.set_ylabel("RAM per worker")
     rgba = np.asarray(im.cmap(np.ma.masked_invalid(im.norm(g))))

@@ -265,9 +265,9 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   staging_bytes=tiers.get("staging_bytes", 256 << 20),
                   ram_bytes=tiers.get("ram_bytes", 0),
                   ssd_bytes=tiers.get("ssd_bytes", 0) if ssd.get("read_MBps") else 0,
-                  staging_threads=max(1, tiers.get("staging_threads", 1)),
-                  ram_threads=max(1, tiers.get("ram_threads", 1)),
-                  ssd_threads=max(1, tiers.get("ssd_threads", 1)),
+                  staging_threads=tiers.get("staging_threads", 1),   # 0 is refused by name
+                  ram_threads=tiers.get("ram_threads", 1),
+                  ssd_threads=tiers.get("ssd_threads", 1),
                   pfs_open_ms=float(pfs_open_ms if pfs_open_ms is not None
                                     else prof.get("pfs", {}).get("open_ms", 0.0)),
                   pfs_client_MBps=float(prof.get("pfs", {}).get("client_MBps", float("inf"))),
