@@ -675,3 +675,8 @@ def test_simulate_cli_capacities_threads_and_plot_names(cli, tmp_path):
                  '[ram]\ncopy_MBps = { "1" = 5000.0 }\n[tiers]\nstaging_threads = 0\n')
     code, out, err = cli("simulate", "--system", str(f), *base, "--policies", "staging")
     assert code == 2 and "staging_threads must be >= 1" in err, err
+    # more workers than samples per step: said at once, not a padded run of hours
+    code, out, err = cli("simulate", "--dataset", "mnist", "--workers", "100000000",
+                         "--epochs", "1", "--scale", "0.01")
+    assert code == 2 and "need 3,200,000,000 samples per step" in err, err
+    assert "Warning" not in err

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .._units import parse_size
 from .._version import __version__
@@ -33,9 +33,14 @@ _EXTRAS = {"lmdb": "models", "msgpack": "models", "safetensors": "models",
            "matplotlib": "plots", "torch": "torch", "mpi4py": "mpi"}
 
 
+#: what matplotlib's Agg backend writes, by file name
+_IMAGE_TYPES = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Output files (``--json``, ``--plot``, ``--html``) go into directories that exist
-    and can be written: checked before any work, not after it."""
+    and can be written, and name files (an image type for ``--plot``): checked before
+    any work, not after it."""
     import os
 
     from ..errors import InvalidArgumentError
@@ -44,6 +49,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
         v = getattr(args, attr, None)
         if not v or not isinstance(v, (str, os.PathLike)):
             continue
+        if str(v).endswith(("/", os.sep)) or Path(v).is_dir():
+            raise InvalidArgumentError(f"--{attr} {v!r} is a folder: give a file name in it")
+        if attr == "plot" and Path(v).suffix.lstrip(".").lower() not in _IMAGE_TYPES:
+            raise InvalidArgumentError(f"--plot {v!r}: the name must end in one of "
+                                       f"{', '.join('.' + k for k in _IMAGE_TYPES)}")
         parent = Path(v).resolve().parent
         if not parent.is_dir():
             raise InvalidArgumentError(f"--{attr} {v}: no directory {parent} to write it in")
@@ -72,9 +82,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if argv is None:           # the forebay command itself (not a library call of main)
         _sigterm_as_interrupt()
+    import warnings
+
+    def one_line(message: Any, category: Any, *rest: Any, **kw: Any) -> None:
+        print(f"forebay {args.command}: warning: {message}", file=sys.stderr)
+
     try:
         _check_outputs(args)
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line      # a line of the command's, not Python's
+            return args.func(args)
     except ChecksumError as e:
         print(f"forebay: CORRUPT: {e}", file=sys.stderr)
         return 1

@@ -64,6 +64,12 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
                       epochs=epochs, seed=seed)
     w = Workload(sizes, plan, sysm, per_file=layout == "files")
+    if workers * batch > len(sizes):
+        raise InvalidArgumentError(
+            f"{workers:,} workers x batch {batch} need {workers * batch:,} samples per step; "
+            f"the dataset has {len(sizes):,}" + (f" at scale {scale:g}" if scale < 1 else "")
+            + ": every step would read samples twice (fewer workers, a smaller --batch or a "
+              "larger --scale)")
     if workers * len(sizes) > 2e9:
         import warnings
 
