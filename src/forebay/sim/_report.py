@@ -140,9 +140,10 @@ def plot_policies(res: dict[str, Any], path: str) -> None:
     stall = [pol[n]["stall_s"] if k else 0.0 for n, k in zip(names, ok)]
     top = max([c + st for c, st in zip(comp, stall)], default=1.0) or 1.0
     unit, div = _unit(top)                       # the axis in the table's unit
-    ax1.barh(names, [c / div for c in comp], label="compute")
+    # greys here, colours for the sources beside: no colour means two things
+    ax1.barh(names, [c / div for c in comp], label="compute", color="0.35")
     ax1.barh(names, [st / div for st in stall], left=[c / div for c in comp],
-             label="stall (incl. set-up)")
+             label="stall (incl. set-up)", color="0.75")
     for i, n in enumerate(names):
         text = _secs(comp[i] + stall[i]) if ok[i] else f"failed: {str(pol[n]['failed'])[:90]}"
         ax1.text((comp[i] + stall[i] + 0.01 * top) / div, i, text, va="center", fontsize=7)
@@ -152,13 +153,18 @@ def plot_policies(res: dict[str, Any], path: str) -> None:
     ax1.legend(fontsize=8, loc="lower right")
     ax1.invert_yaxis()
     left = [0.0] * len(names)
-    top2 = max((sum(pol[n]["by_source"].values()) for n, okk in zip(names, ok) if okk),
-               default=1.0) or 1.0
+    # the set-up phase's loading (wall seconds) first, then the steps' fetches by source
+    setup = [pol[n]["setup_s"] or 0.0 if okk else 0.0 for n, okk in zip(names, ok)]
+    top2 = max((sum(pol[n]["by_source"].values()) + su for n, okk, su in
+                zip(names, ok, setup) if okk), default=1.0) or 1.0
     unit2, div2 = _unit(top2)
-    for k in SOURCES:
-        vals = [pol[n]["by_source"].get(k, 0.0) if okk else 0.0 for n, okk in zip(names, ok)]
+    series = [("set-up load", setup, "0.55")] + [
+        (k, [pol[n]["by_source"].get(k, 0.0) if okk else 0.0 for n, okk in zip(names, ok)],
+         f"C{j}") for j, k in enumerate(SOURCES)]
+    for k, vals, color in series:
         if any(vals):
-            ax2.barh(names, [v / div2 for v in vals], left=[x / div2 for x in left], label=k)
+            ax2.barh(names, [v / div2 for v in vals], left=[x / div2 for x in left], label=k,
+                     color=color)
             left = [a + b for a, b in zip(left, vals)]
     for i in range(len(names)):
         if ok[i]:
@@ -166,8 +172,8 @@ def plot_policies(res: dict[str, Any], path: str) -> None:
             ax2.text((t + 0.01 * top2) / div2, i, "0" if t == 0 else _secs(t) if t >= 0.01
                      else f"{t * 1e3:.2f} ms", va="center", fontsize=7)
     ax2.set_xlim(0, top2 * 1.25 / div2)
-    ax2.set_xlabel(f"prefetch-thread {_UNIT_WORD[unit2]} per worker")
-    ax2.set_title("fetch time by source")
+    ax2.set_xlabel(f"{_UNIT_WORD[unit2]} per worker (set-up: wall; sources: prefetch-thread)")
+    ax2.set_title("fetch time: set-up load, then by source")
     ax2.legend(fontsize=8, loc="lower right")
     ax2.invert_yaxis()
     fig.suptitle(_title(res), fontsize=10)
@@ -218,9 +224,11 @@ def plot_sweep(res: dict[str, Any], path: str) -> None:
     fmt = FormatStrFormatter("%.3g")
     bar.ax.yaxis.set_major_formatter(fmt)
     bar.ax.yaxis.set_minor_formatter(fmt)
+    scale = res.get("scale", 1.0)
     ax.set_title(f"{res['policy']}: total time in {unit}" +
-                 (" (all cells equal)" if len(fin) and fin.min() == fin.max() else ""),
-                 fontsize=10)
+                 (" (all cells equal)" if len(fin) and fin.min() == fin.max() else "") +
+                 (f"\ntimes of the run simulated at scale {scale:g}; capacities at full scale"
+                  if scale != 1 else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
