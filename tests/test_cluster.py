@@ -321,6 +321,16 @@ def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None
     return job.returncode, err, took
 
 
+def _ended_naming(code: int, err: str, took: float, names: str) -> None:
+    """node0's side of the job failed within 30 s, rank 0 with one line saying
+    ``names`` (the node gone and what the probe saw)."""
+    assert code != 0
+    assert took < 30, f"node0's side took {took:.1f} s to end"
+    lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
+    assert len(lines) == 1, err[-4000:]
+    assert names in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled, launcher):
     cmd, env = rank_command(rank_train_exchange, [labelled, "auto"])
@@ -360,12 +370,8 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
 
     code, err, took = _fault_mid_training(_launch(slurm, "srun", cmd, env, mpi=mpi), kill,
                                           lambda: slurm.slurm_restore(1))
-    assert code != 0
-    assert took < 30, f"the survivors took {took:.1f} s to end"
-    lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
-    assert len(lines) == 1, err[-4000:]
-    assert "node1 (rank 1: the node answers, the rank does not: its process is gone)" \
-        in lines[0], lines[0]
+    _ended_naming(code, err, took, "node1 (rank 1: the node answers, the rank does not: "
+                  "its process is gone)")
     assert "Traceback" not in err, err[-4000:]
     r = slurm.run(0, ["sh", "-c", "ls /dev/shm"])
     assert "forebay" not in r.stdout, r.stdout
@@ -402,12 +408,8 @@ def test_a_cut_link_ends_the_job_with_one_error_naming_the_node(cluster, labelle
 
     code, err, took = _fault_mid_training(_launch(cluster, launcher, cmd, env),
                                           lambda: cluster.cut_link(1), restore)
-    assert code != 0
-    assert took < 30, f"node0's side took {took:.1f} s to end"
-    lines = [x for x in err.splitlines() if x.startswith("forebay: rank 0 on node0")]
-    assert len(lines) == 1, err[-4000:]
-    assert "node1 (rank 1: the node does not answer: it is down or its link is cut)" \
-        in lines[0], lines[0]
+    _ended_naming(code, err, took, "node1 (rank 1: the node does not answer: it is down "
+                  "or its link is cut)")
     # no traceback from the ranks (torchrun's agent prints its own for a failed worker)
     agent = 1 if launcher == "torchrun" and "ChildFailedError" in err else 0
     assert err.count("Traceback") == agent, err[-4000:]
