@@ -393,7 +393,7 @@ def test_a_worker_filling_its_tiers_counts_as_a_pfs_reader(model):
     """NoPFS's fill threads read the PFS from time 0; the thesis' simulator counts a
     node whose fill is reading among the PFS clients of the others' demand reads."""
     from forebay.sim._engine import F_PFS, F_RAM
-    from forebay.sim._policies import _prefetching
+    from forebay.sim._run import prefetching as _prefetching
 
     plan = AccessPlan(num_samples=16, world_size=2, batch_size=2, epochs=1)
     w = Workload(np.full(16, 10**6), plan, toy(pfs_MBps={1: 1.0, 2: 1.0}, model=model))

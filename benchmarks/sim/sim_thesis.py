@@ -58,9 +58,9 @@ def main() -> None:
     if a.no_peer_reads:
         import numpy as np
 
-        from forebay.sim import _policies
+        from forebay.sim import _run
         from forebay.sim._engine import F_PFS
-        _policies._Run.peer_or_pfs = lambda self, src: np.full(np.shape(src), F_PFS)
+        _run.Run.peer_or_pfs = lambda self, src: np.full(np.shape(src), F_PFS)
         print("what-if: no reads from peers' copies (every such read from the PFS)")
 
     from forebay.sim import simulate

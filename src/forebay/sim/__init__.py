@@ -15,7 +15,8 @@ from typing import Any, Iterable, Optional
 from ..plan import AccessPlan
 from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
 from ._engine import SOURCES, timeline
-from ._policies import POLICIES, Workload, simulate_policy
+from ._policies import POLICIES, simulate_policy
+from ._run import Workload
 from ._report import format_plan, format_sweep, format_table, plot_policies, plot_sweep
 from ._system import PRESETS, System, hdmlp_thesis, lassen, load_system, system_from_profile
 from ..errors import InvalidArgumentError
