@@ -1,6 +1,10 @@
 """Memory-mapped, fork- and thread-safe reader of packed datasets: the index, sample and
 record access.  System calls on the files are in ``_files.py``, locked pages in
-``_pinned.py``, whole-dataset verification in ``_verify.py``."""
+``_pinned.py``, checksum checks in ``_verify.py``.
+
+Over 600 lines on purpose: :class:`PackedDataset` is one object whose index, record
+access and page-cache hints (warm, advise, release) share the mapped shards and the
+fork-safety state; split across files they would reach into each other's privates."""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-import xxhash
 
 from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, DatasetNotFoundError,
                       InvalidArgumentError, SampleIndexError, TruncatedShardError)
@@ -23,7 +26,7 @@ from ..progress import Progress
 from ._batch import SampleBatch, SampleViews, _native, assemble_batch, assemble_views
 from ._format import ALIGNMENT, IndexLayout, Manifest, checksum
 from ._files import close_all, map_file, open_checked, populate_ranges, pread_ranges, resident
-from ._verify import VerifyReport, verify_files
+from ._verify import VerifyReport, bad_records, verify_files
 
 __all__ = ["PackedDataset", "open_dataset"]
 
@@ -663,22 +666,7 @@ class PackedDataset:
                     offsets: Optional[np.ndarray] = None) -> list[int]:
         """Those of samples ``ids`` whose record bytes fail their checksum: read from
         the dataset's files, or from ``buf`` (uint8) at ``offsets`` (one per id)."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        bad = []
-        rows = self._index[ids]
-        if buf is None:
-            starts = rows[:, IndexLayout.REC_OFF].tolist()
-            srcs = [self._map(s) for s in self._shard_of[ids].tolist()]
-        else:
-            starts = np.asarray(offsets, dtype=np.int64).reshape(-1).tolist()
-            srcs = [buf] * len(ids)
-        for i, src, off, ln, want in zip(ids.tolist(), srcs, starts,
-                                         rows[:, IndexLayout.REC_LEN].tolist(),
-                                         rows[:, IndexLayout.REC_SUM].view(np.uint64).tolist()):
-            if off < 0 or off + ln > len(src) or \
-                    xxhash.xxh3_64_intdigest(src[off:off + ln].data) != want:
-                bad.append(i)
-        return bad
+        return bad_records(self, ids, buf, offsets)
 
     def verify(self, *, progress: "Progress | bool | None" = None,
                raise_on_error: bool = True) -> VerifyReport:

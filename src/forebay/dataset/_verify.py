@@ -3,19 +3,19 @@ shards, and the samples of a shard that fails."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import xxhash
 
 from ..errors import ChecksumError
 from ..progress import Progress, as_progress
-from ._format import checksum
+from ._format import IndexLayout, checksum
 
 if TYPE_CHECKING:
     from ._reader import PackedDataset
 
-__all__ = ["VerifyReport", "verify_files"]
+__all__ = ["VerifyReport", "bad_records", "verify_files"]
 
 class VerifyReport:
     """What :meth:`PackedDataset.verify` found: ``ok``, ``problems``, ``bad_samples``."""
@@ -76,3 +76,25 @@ def verify_files(ds: "PackedDataset", *, progress: "Progress | bool | None" = No
                             (f" (+{len(report.problems) - 10} more)"
                              if len(report.problems) > 10 else ""))
     return report
+
+
+def bad_records(ds: "PackedDataset", ids: np.ndarray, buf: Optional[np.ndarray] = None,
+                offsets: Optional[np.ndarray] = None) -> list[int]:
+    """:meth:`PackedDataset.bad_records`: those of samples ``ids`` whose record bytes
+    fail their checksum, in the dataset's files or in ``buf`` at ``offsets``."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    bad = []
+    rows = ds.index[ids]
+    if buf is None:
+        starts = rows[:, IndexLayout.REC_OFF].tolist()
+        srcs = [ds.shard_buffer(s) for s in ds.shard_of[ids].tolist()]
+    else:
+        starts = np.asarray(offsets, dtype=np.int64).reshape(-1).tolist()
+        srcs = [buf] * len(ids)
+    for i, src, off, ln, want in zip(ids.tolist(), srcs, starts,
+                                     rows[:, IndexLayout.REC_LEN].tolist(),
+                                     rows[:, IndexLayout.REC_SUM].view(np.uint64).tolist()):
+        if off < 0 or off + ln > len(src) or \
+                xxhash.xxh3_64_intdigest(src[off:off + ln].data) != want:
+            bad.append(i)
+    return bad

@@ -16,6 +16,11 @@ new requests, counts them, and broadcasts the ordered list of tensors reported b
 Grouping (§4.2): a tensor of a group is launched only once every tensor of its group is
 ready on every rank; complete groups (and ungrouped tensors, greedily) are fused into flat
 buffers up to the fusion threshold.
+
+Over 600 lines on purpose: a cycle's agreement (bitvector, master exchange), its
+execution (select, fuse, launch, finish) and its failure handling share one thread's
+state; requests, handles and fusion buffers are in ``_requests.py``, the response
+cache in ``_cache.py``.
 """
 from __future__ import annotations
 

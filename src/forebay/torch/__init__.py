@@ -2,7 +2,8 @@
 transform workers."""
 
 from ._collate import collate_graphs, collate_views, default_collate
-from ._loader import DataLoader, Dataset, PlanSampler
+from ._dataset import Dataset, PlanSampler
+from ._loader import DataLoader
 from ._transforms import BatchDecodeCropFlip, DecodeCropFlip
 from ._workers import TransformError, sample_rng, sample_rngs
 
