@@ -289,27 +289,29 @@ class Run:
         whatever the schedule: the PFS's bytes at the table's largest rate, its reads
         at the open latency over every thread, a worker's peer bytes over its link,
         its preprocessing, and compute, epoch by epoch.  An epoch lasts at least its
-        largest need; ``au_bound`` is the compute over the sum of those, and
-        ``binding`` the resource that adds most beyond compute."""
+        largest need, and the run at least its whole PFS bytes at the top rate
+        (background fills belong to no epoch: they read while the epochs run);
+        ``au_bound`` is the compute over the larger of those, and ``binding`` the
+        resource that adds most beyond compute."""
         w, sysm = self.w, self.w.system
-        # outside the steps' deliveries: set-up phases, and what fills read in the run
-        extra_mb, extra_n = self.extra_pfs_mb, self.extra_pfs_n
+        # outside the steps' deliveries: set-up phases (before epoch 0's first step),
+        # and what background fills read while the epochs run
+        fill_mb = fill_n = 0.0
         if self.fill_read is not None:                 # the conserving model's account
-            extra_mb += float(self.fill_read[0].sum())
-            extra_n += float(self.fill_read[1].sum())
+            fill_mb, fill_n = float(self.fill_read[0].sum()), float(self.fill_read[1].sum())
         elif self.fills:                               # thesis: a fill's bytes even in time
             part = np.minimum(1.0, tl.total_s / np.maximum([f[5] for f in self.fills], 1e-12))
-            extra_mb += float((np.array([f[1] for f in self.fills]) * part).sum())
-            extra_n += float((np.array([f[2] for f in self.fills]) * part).sum())
+            fill_mb = float((np.array([f[1] for f in self.fills]) * part).sum())
+            fill_n = float((np.array([f[2] for f in self.fills]) * part).sum())
         top = max(sysm.pfs_MBps.values())
-        # per epoch: what each resource needs at least (set-up and fills in epoch 0)
+        # per epoch: what each resource needs at least (set-up in epoch 0)
         e_, st = w.plan.epochs, w.steps
         per = lambda a: a.reshape(w.n, e_, st).sum(axis=2)       # noqa: E731  [N, E]
         pfs_e = per(self.pfs_mb + self.sync_mb).sum(axis=0)
         n_e = per(self.pfs_n + self.sync_n).sum(axis=0)
-        pfs_e[0] += extra_mb
-        n_e[0] += extra_n
-        pfs_mb = float(pfs_e.sum())
+        pfs_e[0] += self.extra_pfs_mb
+        n_e[0] += self.extra_pfs_n
+        pfs_mb = float(pfs_e.sum()) + fill_mb
         comp_e = w.step_compute_s().reshape(e_, st).sum(axis=1)
         prep_e = (per(self.write_mb) * self.wcoef).max(axis=0) / self.threads
         prep_e[0] += self.setup_write_s
@@ -324,11 +326,18 @@ class Run:
         over = {k: float(np.where(table.argmax(axis=0) == j, worst - comp_e, 0.0).sum())
                 for j, k in enumerate(names)}
         binding = max(over, key=lambda k: over[k]) if max(over.values()) > 0 else "compute"
-        j = names.index(binding)
         bound = float(worst.sum())
+        need = {k: float(v.sum()) for k, v in each.items()}
+        need["PFS bandwidth"] = pfs_mb / top
+        need["PFS requests"] += fill_n * w.open_s / (w.n * self.threads)
+        whole = max(need["PFS bandwidth"], need["PFS requests"])
+        if whole > bound:              # the fills' bytes: the run as a whole is PFS-bound
+            bound = whole
+            binding = max(("PFS bandwidth", "PFS requests"), key=lambda k: need[k])
+        j = names.index(binding)
         return {"pfs_MB": pfs_mb, "pfs_MBps_mean": pfs_mb / tl.total_s if tl.total_s else 0.0,
                 "pfs_MBps_max": top,
-                "need_s": {k: float(v.sum()) for k, v in each.items()},
+                "need_s": need,
                 "binding": binding, "au_bound": tl.compute_s / bound if bound else 1.0,
                 # epochs in which the binding resource needs longer than compute
                 "binding_epochs": int(((table.argmax(axis=0) == j) & (worst > comp_e)).sum())}
