@@ -276,8 +276,24 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
         w, r = _ssd(Path(ssd_dir), ssd_bytes)
         prof["ssd"] = {"path": str(ssd_dir), "write_MBps": w, "read_MBps": r}
     if dataset is not None:
-        bw, rec = _pfs(Path(dataset), threads, samples)
-        prof["pfs"] = {"path": str(dataset), "read_MBps": bw, "record_bytes": round(rec)}
+        # the file system is shared: under MPI rank 0 alone reads it while the others
+        # wait (every rank at once would each see a share of it, not t(k))
+        failure: Optional[BaseException] = None
+        if comm is None or comm.Get_rank() == 0:
+            try:
+                bw, rec = _pfs(Path(dataset), threads, samples)
+                prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
+                               "record_bytes": round(rec)}
+            except Exception as e:            # every rank ends, not only rank 0
+                failure = e
+        if comm is not None:
+            flag = np.array([failure is not None], dtype=np.int32)
+            comm.Bcast(flag, root=0)
+            if flag[0] and failure is None:
+                raise ForebayError("calibrate: rank 0 could not measure the parallel file "
+                                   "system (its error says why)")
+        if failure is not None:
+            raise failure
     if comm is not None and comm.Get_size() >= 2:
         prof["rma"] = {"get_MBps": {comm.Get_size(): _rma(comm, rma_bytes)},
                        "ranks": comm.Get_size()}
