@@ -200,6 +200,10 @@ def _ssd(path: Path, nbytes: int) -> tuple[dict[int, float], dict[int, float]]:
     return {1: w}, {1: r}
 
 
+#: bytes read per reader count when measuring the parallel file system (or the dataset)
+PFS_BYTES = 256 << 20
+
+
 def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, float], float]:
     from ..dataset import open_dataset
 
@@ -212,7 +216,11 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
             fd = os.open(p, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
-        ids = [rng.choice(len(ds), min(samples, len(ds)), replace=False) for _ in range(n)]
+        # the same bytes at every reader count, split between the readers: at least
+        # ``samples`` samples and PFS_BYTES (or the whole dataset), so that a file
+        # system's bursts and first requests do not decide the figure
+        want = max(samples, int(np.ceil(PFS_BYTES / max(float(ds.sample_nbytes.mean()), 1.0))))
+        ids = np.array_split(rng.permutation(len(ds))[:min(want, len(ds))], n)
         nbytes = sum(int(ds.sample_nbytes[i].sum()) for i in ids)
         fresh = open_dataset(dataset)
 
