@@ -69,6 +69,11 @@ PRELUDES = {
     "from forebay.sim import simulate": "",
     "store = DistributedStore.from_arrays(": "",
     "loader = DataLoader(\"photos.fb\", batch_size=16, views=True)": "",
+    "ckpt = Checkpoint(\"file:///scratch/run7\"":
+        "import numpy as np, torch, forebay\n"
+        "forebay.write_dataset('train.fb', [{'x': np.full(4, i, np.float32)} "
+        "for i in range(256)])\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
     "forebay.trace.enable(\"traces/\")          # or:": DATA + "import forebay.torch\nE = 1\n"
                                                        "step = lambda batch: None\n",
 }
@@ -80,6 +85,7 @@ SKIP = {
 #: what the prose leaves open inside a block, replaced before running it
 SUBST = [("file:///local/models", "file://{tmp}/models"),
          ("file:///scratch/models", "file://{tmp}/scratch"),
+         ("file:///scratch/run7", "file://{tmp}/run7"),
          ("forebay.torch.DataLoader(...)", 'forebay.torch.DataLoader("ising.fb", 16)')]
 
 
@@ -139,17 +145,30 @@ with open(f"ids-{rank}.json", "w") as f:
 def test_readme_training_script_runs_as_one_rank_without_a_launcher(tmp_path):
     """README says train.py runs as one rank with plain python: it does."""
     code = next(c for w, c in BLOCKS if "# train.py" in c)
+    assert "every_steps=500" in code
+    code = code.replace("every_steps=500", "every_steps=5")     # 300 samples: ~25 steps
     assert _run(DATA, tmp_path).returncode == 0
     p = _run(code, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert (tmp_path / "ckpt.pt").exists()
+    _assert_saved(tmp_path / "checkpoints")
+
+
+def _assert_saved(path: Path) -> None:
+    from forebay.models import open_repository
+
+    repo = open_repository(str(path), create=False)
+    try:
+        assert len(repo.versions("checkpoint")) == 2        # keep=2, the older pruned
+    finally:
+        repo.close()
 
 
 @pytest.mark.mpi
 def test_readme_training_script_runs_unchanged_under_mpiexec_and_torchrun(tmp_path):
     """The README's train.py as written (plus a check of the batches each rank saw),
     under both launchers: same batches, each rank its own half."""
-    code = next(c for w, c in BLOCKS if "# train.py" in c)
+    code = next(c for w, c in BLOCKS if "# train.py" in c).replace("every_steps=500",
+                                                                   "every_steps=5")
     got = {}
     for name, launcher in (("mpiexec", [str(BIN / "mpiexec"), "-n", "2"]),
                            ("torchrun", [str(BIN / "torchrun"), "--standalone",
@@ -159,7 +178,7 @@ def test_readme_training_script_runs_unchanged_under_mpiexec_and_torchrun(tmp_pa
         assert _run(DATA, d).returncode == 0
         p = _run(code + TRAIN_CHECK, d, launcher)
         assert p.returncode == 0, f"{name}:\n{p.stderr[-3000:]}"
-        assert (d / "ckpt.pt").exists()
+        _assert_saved(d / "checkpoints")
         got[name] = [Path(d, f"ids-{r}.json").read_text() for r in range(2)]
     assert got["mpiexec"] == got["torchrun"]
     assert got["mpiexec"][0] != got["mpiexec"][1]

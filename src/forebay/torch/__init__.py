@@ -3,11 +3,12 @@ transform workers."""
 
 from ._collate import collate_graphs, collate_views, default_collate
 from ._dataset import Dataset, PlanSampler
+from ._checkpoint import Checkpoint
 from ._loader import DataLoader
 from ._transforms import BatchDecodeCropFlip, DecodeCropFlip
 from ._workers import TransformError, sample_rng, sample_rngs
 
-__all__ = ["DataLoader", "Dataset", "PlanSampler", "collate_graphs", "collate_views",
+__all__ = ["Checkpoint", "DataLoader", "Dataset", "PlanSampler", "collate_graphs", "collate_views",
            "default_collate",
            "TransformError", "sample_rng", "sample_rngs", "DecodeCropFlip",
            "BatchDecodeCropFlip"]
