@@ -205,6 +205,8 @@ def worker(a) -> None:
                 touch(batch)
             if compute:
                 time.sleep(compute)
+            if a.sync_steps:       # synchronous SGD's gradient all-reduce, as a barrier
+                dist.all_reduce(torch.zeros(1))
         times.append(slowest(time.perf_counter() - t0))
         counts.append(n)
     total = torch.tensor([counts[0]], dtype=torch.int64)
@@ -262,6 +264,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="the first is cold")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--compute-ms", type=float, default=0.0)
+    p.add_argument("--sync-steps", action="store_true",
+                   help="an all-reduce after every step, as synchronous SGD's gradients "
+                        "(the ranks step together, as the simulator assumes)")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpiexec"],
                    help="mpiexec: forebay on MPI (the timing still meets over gloo)")
     p.add_argument("--touch", action="store_true",
@@ -386,6 +391,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]
             cmd += ["--evict-each-epoch"] if a.evict_each_epoch else []
             cmd += ["--touch"] if a.touch else []
+            cmd += ["--sync-steps"] if a.sync_steps else []
             for name, path in paths.items():
                 cmd += [f"--{name}", str(path)]
             env["MASTER_PORT"] = str(_free_port())     # (mpiexec: the timing's gloo)
@@ -418,7 +424,8 @@ def _report(a, contenders, runs, throttle) -> None:
           + f", {a.epochs} epochs (the first cold, after evicting the "
           f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
           f"), compute {a.compute_ms} ms/step"
-          f"{', every image byte read by the loop (--touch)' if a.touch else ''}, {a.reps} rounds"
+          + (" with an all-reduce after each" if a.sync_steps else "")
+          + f"{', every image byte read by the loop (--touch)' if a.touch else ''}, {a.reps} rounds"
           + (f"; {throttle.describe()}" if throttle is not None else "")
           + (f"; forebay told {a.fs_type} is shared between hosts (FOREBAY_NETWORK_FS)"
              if a.network_fs else ""))

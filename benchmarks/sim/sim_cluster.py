@@ -1,0 +1,251 @@
+"""The simulator against runs measured on the emulated cluster (issue R, item 2): the
+default (conserving) model, calibrated once, predicts each loader's run at 1, 2 and 4
+nodes; the table gives the error per run, epoch 1 and the later epochs.
+
+The runs: ``benchmarks/loader/peers_bench.py --cluster N --throttle MBPS,IOPS
+--evict-each-epoch --network-fs --compute-ms MS --json nN.json`` (root; one rank per node,
+the shared disk capped by a block-I/O cgroup, every epoch read from the disk again).
+
+The calibration, once (root; ``--profile`` reuses it): ``forebay calibrate --dataset``
+under mpiexec across two emulated nodes, inside the same throttled cgroup: RAM copy
+bandwidth, the packed dataset's cold random reads per reader count (the PFS table t(k))
+and one-sided gets from the other node's memory (the link).  torch reads one file per
+sample: its t(k) is measured the same way on those files (cold, k threads, in the
+cgroup).  The preprocessing rate of each path is timed warm (forebay's get_many +
+collate; torch's ``__getitem__`` + per-sample collate; torch with worker processes, a
+warm epoch through them, batches handed back in shared memory).  Nothing is fitted to the times
+under test: compute is the runs' ``--compute-ms`` per step.
+
+    python benchmarks/loader/peers_bench.py --out /tmp/cb --kind imagenet --samples 2000 \\
+        --ranks N --cluster N --launcher mpiexec --reps 2 --epochs 3 --throttle 300,3000 \\
+        --evict-each-epoch --network-fs --compute-ms 10 --json /tmp/rv/nN.json \\
+        --contenders "forebay preload,forebay clairvoyant,forebay direct,torch 0 workers,torch 2 workers"
+    python benchmarks/sim/sim_cluster.py --data /tmp/cb --runs /tmp/rv/n1.json \\
+        /tmp/rv/n2.json /tmp/rv/n4.json --profile /tmp/rv/profile.toml
+
+Which policy models which loader: torch with 0 workers is *naive* (fetch, collate,
+compute in turn) over the files; torch with 2 workers is *staging* with 2 threads and
+its prefetch depth (2 workers x prefetch_factor 4 batches), the main process taking
+each batch back from the workers serially with the step (at the warm rate measured
+through the workers); forebay direct is *staging* with the loader's one prefetch
+thread over the packed dataset; forebay preload and clairvoyant are *forebay-preload*
+and *forebay-clairvoyant* (the runtime's own placement).
+
+forebay direct is left out of the error summary: it keeps the dataset mapped and the
+kernel does not drop mapped pages, so on one machine (one page cache for every
+emulated node) its later epochs read memory, not the disk (its PFS MB column shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1]))                    # _common, _baselines
+sys.path.insert(0, str(HERE.parent))                        # sim_validate
+sys.path.insert(0, str(HERE.parents[2] / "tests"))          # cluster
+from _baselines import image_collate, image_folder_dataset  # noqa: E402
+from _common import machine, throttled  # noqa: E402
+from sim_validate import _cold_MBps, _rate  # noqa: E402
+
+#: torch DataLoader's prefetch: workers x prefetch_factor batches (peers_bench's settings)
+TORCH_WORKERS, PREFETCH_FACTOR = 2, 4
+#: forebay's loader prefetches this many batches ahead on one thread
+FOREBAY_AHEAD = 2
+
+
+def calibrate(packed: Path, spec: str, out: Path, workdir: Path) -> None:
+    """``forebay calibrate --dataset packed`` across two emulated nodes, throttled."""
+    from cluster import Cluster, unavailable
+
+    why = unavailable()
+    if why:
+        raise SystemExit(f"calibration needs the emulated cluster: {why}")
+    with throttled(packed, spec) as th, Cluster(2, workdir / "cluster") as cl:
+        forebay_cli = str(Path(sys.executable).with_name("forebay"))
+        argv = cl.mpiexec_argv([forebay_cli, "calibrate", "--dataset",
+                                str(packed), "--out", str(out)], ppn=1)
+        cmd = cl.on(0, argv)
+        proc = subprocess.run(th.wrap(cmd) if th else cmd, capture_output=True, text=True,
+                              timeout=900, env=cl.env(dict(os.environ)))
+        if proc.returncode:
+            raise SystemExit(f"forebay calibrate failed:\n{proc.stderr[-3000:]}")
+
+
+def files_table(pff: Path, spec: str, readers=(1, 2, 4)) -> dict[int, float]:
+    """Cold reads of one file per sample by k threads, in the throttled cgroup."""
+    ds, files = image_folder_dataset(pff)
+    sizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
+    ids = np.random.default_rng(0).permutation(len(files))   # every file: a stable figure
+    with throttled(pff, spec) as th:
+        if th is not None:
+            th.join()
+        return _cold_MBps(lambda: lambda part: [files[int(i)].read_bytes() for i in part],
+                          files, ids, lambda i: int(sizes[i].sum()), readers)
+
+
+def torch_workers_MBps(pff: Path, bs: int, workers: int) -> float:
+    """MB/s of torch's DataLoader with ``workers`` worker processes over the files, warm
+    (the second of two epochs): reading from the page cache, collating and handing each
+    batch back through shared memory.  The model's preprocessing rate of that path."""
+    import torch
+
+    ds, files = image_folder_dataset(pff)
+    nbytes = sum(f.stat().st_size for f in files)
+    loader = torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
+                                         persistent_workers=True,
+                                         prefetch_factor=PREFETCH_FACTOR,
+                                         collate_fn=image_collate)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for _batch in loader:
+            pass
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e6
+
+
+def _median_run(rows: list[dict]) -> dict:
+    """Per-epoch medians over the repetitions, and the set-up's."""
+    epochs = [statistics.median(r["epoch_s"][e] for r in rows)
+              for e in range(len(rows[0]["epoch_s"]))]
+    return {"setup_s": statistics.median(r["setup_s"] for r in rows), "epoch_s": epochs}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, required=True, help="peers_bench's --out directory")
+    p.add_argument("--runs", type=Path, nargs="+", required=True)
+    p.add_argument("--profile", type=Path, required=True,
+                   help="the calibration (written here when missing)")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+
+    import forebay
+    from forebay.plan import AccessPlan
+    from forebay.sim import System, Workload, simulate_policy
+    from forebay.store import load_profile
+    from forebay.torch import default_collate
+
+    docs = [json.loads(r.read_text()) for r in a.runs]
+    args0 = docs[0]["args"]
+    spec, samples = args0["throttle"], args0["samples"]
+    packed = a.data / f"{args0['kind']}-{samples}.fb"
+    pff = a.data / f"{args0['kind']}-{samples}-pff"
+    if not a.profile.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            calibrate(packed, spec, a.profile, Path(tmp))
+    prof = load_profile(a.profile)
+    t_files = files_table(pff, spec)
+
+    ds = forebay.open_dataset(packed)
+    sizes = np.asarray(ds.sample_nbytes, dtype=np.int64)
+    tds, files = image_folder_dataset(pff)
+    fsizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
+    bs = args0["batch_size"]
+    rng = np.random.default_rng(0)
+    picks = [rng.choice(len(ds), bs, replace=False) for _ in range(20)]
+    beta_fb = _rate(lambda b: default_collate(ds.get_many(b)), picks,
+                    sum(int(sizes[b].sum()) for b in picks))
+    beta_torch = _rate(lambda b: image_collate([tds[int(i)] for i in b]), picks,
+                       sum(int(fsizes[b].sum()) for b in picks))
+    beta_workers = torch_workers_MBps(pff, bs, TORCH_WORKERS)
+    mem = prof["ram"]["copy_MBps"]
+    link = max(prof.get("rma", {}).get("get_MBps", {}).values() or mem.values())
+    t_packed = prof["pfs"]["read_MBps"]
+    print(f"machine: {machine()}")
+    print(f"calibration: packed t(k) {t_packed} MB/s, files t(k) "
+          f"{ {k: round(v) for k, v in t_files.items()} } MB/s, RAM {mem} MB/s, link "
+          f"{link:.0f} MB/s; beta forebay {beta_fb:.0f} MB/s, torch {beta_torch:.0f} MB/s, "
+          f"torch through {TORCH_WORKERS} workers {beta_workers:.0f} MB/s")
+
+    rows = []
+    for doc in docs:
+        ar = doc["args"]
+        n, epochs, cms = ar["ranks"], ar["epochs"], ar["compute_ms"]
+        plan = AccessPlan(len(sizes), n, bs, epochs, seed=0)
+        for name, runs in doc["runs"].items():
+            meas = _median_run(runs)
+            torch_run = name.startswith("torch")
+            sz = fsizes if torch_run else sizes
+            c = bs * sz.mean() / 1e6 / (cms / 1e3) if cms else 1e9
+            base = dict(compute_MBps=c, network_MBps=link, mem_MBps=mem,
+                        ram_threads=1, ssd_threads=1, name="emulated cluster")
+            if torch_run:
+                nw = int(name.split()[1])
+                if nw:   # the main process takes each batch back from shared memory,
+                    # serial with the step: the warm rate through the workers
+                    base["compute_MBps"] = 1 / (1 / c + 1 / beta_workers)
+                sysm = System(preprocess_MBps=beta_torch, pfs_MBps=t_files,
+                              staging_threads=max(nw, 1),
+                              staging_bytes=int(max(nw, 1) * PREFETCH_FACTOR * bs * sz.mean()),
+                              **base)
+                policy = "staging" if nw else "naive"
+            else:
+                mode = name.split()[1]
+                sysm = System(preprocess_MBps=beta_fb, pfs_MBps=t_packed, staging_threads=1,
+                              staging_bytes=int(FOREBAY_AHEAD * bs * sz.mean()),
+                              ram_bytes=int(ar.get("ram_bytes") or sz.sum()), **base)
+                policy = {"direct": "staging", "preload": "forebay-preload",
+                          "clairvoyant": "forebay-clairvoyant"}[mode]
+            wl = Workload(sz, plan if not torch_run else
+                          AccessPlan(len(sz), n, bs, epochs, seed=0), sysm,
+                          per_file=torch_run)
+            res = simulate_policy(policy, wl)
+            if res["failed"]:
+                print(f"{name} at {n}: {res['failed']}")
+                continue
+            m_total = meas["setup_s"] + sum(meas["epoch_s"])
+            m_first = meas["setup_s"] + meas["epoch_s"][0]
+            m_later = sum(meas["epoch_s"][1:])
+            p_first = res["epoch_s"][0]
+            p_later = sum(res["epoch_s"][1:])
+            dev = [r["device_bytes_per_sample"] for r in runs
+                   if r.get("device_bytes_per_sample") is not None]
+            m_mb = statistics.median(dev) * len(sz) * epochs / 1e6 if dev else None
+            rows.append({"nodes": ar.get("cluster") or 1, "loader": name, "policy": policy,
+                         "measured_pfs_MB": m_mb, "predicted_pfs_MB": res.get("pfs_MB"),
+                         "measured_s": m_total, "predicted_s": res["total_s"],
+                         "measured_first_s": m_first, "predicted_first_s": p_first,
+                         "measured_later_s": m_later, "predicted_later_s": p_later,
+                         "binding": res.get("binding")})
+    print("\n| nodes | loader | policy | run measured s | predicted s | error | epoch 1 "
+          "error | later epochs error | PFS MB measured | predicted | bound |\n"
+          "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def err(p_, m_):
+        return f"{100 * (p_ / m_ - 1):+.0f}%"
+
+    for r in rows:
+        print(f"| {r['nodes']} | {r['loader']} | {r['policy']} | {r['measured_s']:.2f} | "
+              f"{r['predicted_s']:.2f} | {err(r['predicted_s'], r['measured_s'])} | "
+              f"{err(r['predicted_first_s'], r['measured_first_s'])} | "
+              f"{err(r['predicted_later_s'], r['measured_later_s'])} | "
+              + (f"{r['measured_pfs_MB']:.0f}" if r["measured_pfs_MB"] is not None else "-")
+              + f" | {r['predicted_pfs_MB']:.0f} | {r['binding']} |")
+    errs = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows
+            if r["loader"] != "forebay direct"]
+    if errs:
+        print(f"\nwhole runs (forebay direct left out): mean |error| {100 * np.mean(errs):.0f}%, max "
+              f"{100 * max(errs):.0f}%; within 10%: {sum(e <= 0.10 for e in errs)} of "
+              f"{len(errs)}, within 15%: {sum(e <= 0.15 for e in errs)}")
+    if a.json:
+        a.json.write_text(json.dumps({"machine": machine(), "profile": prof,
+                                      "files_MBps": t_files, "beta_forebay_MBps": beta_fb,
+                                      "beta_torch_MBps": beta_torch,
+                                      "beta_torch_workers_MBps": beta_workers, "rows": rows}, indent=1,
+                                     default=str))
+
+
+if __name__ == "__main__":
+    main()
