@@ -25,6 +25,15 @@ def dense(tmp_path):
     return tmp_path / "ds"
 
 
+def train_step(model, opt, batch, noise) -> None:
+    """One SGD step on a batch of the dense dataset, ``noise`` (a draw from the random
+    generators) in the loss."""
+    loss = (model(batch["x"]).squeeze(1) - batch["label"].float() / 64).pow(2).mean()
+    opt.zero_grad()
+    (loss + 0.01 * noise).backward()
+    opt.step()
+
+
 def train(path, repo, *, every=5, stop_at=None, keep=2):
     """The README's loop with a Checkpoint; ``stop_at``: the job dies after that step.
     Returns (labels of each step run, final weights, the checkpoint)."""
@@ -40,11 +49,7 @@ def train(path, repo, *, every=5, stop_at=None, keep=2):
     for epoch in range(loader.epoch, EPOCHS):
         loader.set_epoch(epoch)
         for batch in loader:
-            noise = torch.randn(1) + float(np.random.rand())     # uses both RNGs
-            loss = (model(batch["x"]).squeeze(1) - batch["label"].float() / 64).pow(2).mean()
-            opt.zero_grad()
-            (loss + 0.01 * noise).backward()
-            opt.step()
+            train_step(model, opt, batch, torch.randn(1) + float(np.random.rand()))
             seen.append(batch["label"].tolist())
             ckpt.step()
             if stop_at is not None and ckpt.step_count == stop_at:

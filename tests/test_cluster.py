@@ -436,6 +436,111 @@ def test_a_slow_link_only_slows_the_job(cluster, labelled):
                                     for g in plan.global_batches(e)]
 
 
+# -- a lost node costs minutes, not the run (issue T) ----------------------------------
+#: the global batch of the elastic tests: the same at 3 and 2 ranks
+ELASTIC_BATCH = 12
+
+
+def rank_train_checkpointed(path: str, repo: str, out: str) -> None:
+    """DDP training with a Checkpoint every 3 steps over a preloaded store; each step's
+    ids go to ``out/rank-R-attempt-A.jsonl`` as they come; rank 0 says RESTORED <step>
+    and, at the attempt's 7th step, TRAINING (the cue for a fault)."""
+    import torch
+
+    import forebay.reduce as fr
+    from forebay.torch import Checkpoint, DataLoader
+
+    rank, world = fr.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(path, ELASTIC_BATCH // world, seed=1, epochs=3, mode="preload",
+                        collate_fn=lambda b: b.ids.copy())
+    ckpt = Checkpoint(repo, loader=loader, model=model, optimizer=opt, every_steps=3)
+    start = ckpt.restore()
+    if rank == 0:
+        say(f"RESTORED {start} AT WORLD {world}")
+    log = Path(out, f"rank-{rank}-world-{world}-from-{start}.jsonl").open("w")
+    ran = 0
+    for epoch in range(loader.epoch, 3):
+        loader.set_epoch(epoch)
+        for ids in loader:
+            model(torch.ones(1, 1)).sum().backward()
+            opt.step()
+            log.write(json.dumps([ckpt.step_count, ids.tolist()]) + "\n")
+            log.flush()
+            ckpt.step()
+            ran += 1
+            if ran == 7 and rank == 0:
+                say("TRAINING")
+    ckpt.close()
+    loader.close()
+
+
+def _global_steps(out: Path, world: int, start: int) -> dict[int, list[int]]:
+    """Each step's global batch (sorted ids) that an attempt's ranks logged; a step
+    not every rank logged (the attempt died in it) is left out."""
+    steps: dict[int, list[int]] = {}
+    ranks: dict[int, int] = {}
+    for r in range(world):
+        f = out / f"rank-{r}-world-{world}-from-{start}.jsonl"
+        for line in f.read_text().splitlines():
+            step, ids = json.loads(line)
+            steps.setdefault(step, []).extend(ids)
+            ranks[step] = ranks.get(step, 0) + 1
+    return {k: sorted(v) for k, v in steps.items() if ranks[k] == world}
+
+
+def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
+        cluster, labelled, tmp_path):
+    """Issue T item 2 (resubmitting under mpiexec): 3 nodes, node2 killed mid-epoch; the
+    same command on the 2 nodes left restores the last whole checkpoint and, killed in
+    turn, the same command on 3 nodes again finishes. The global sample sequence is the
+    plan's, every step after a restore the uninterrupted run's; only the steps after
+    each last save are seen twice."""
+    out = cluster.shared / "elastic"
+    out.mkdir()
+    repo = str(cluster.shared / "elastic-repo")
+    cmd, env = rank_command(rank_train_checkpointed, [labelled, repo, out])
+    restored = []
+
+    def attempt(nodes: int, kill: "int | None") -> None:
+        jobs = _launch(cluster, "mpiexec", cmd, env, nodes=nodes)
+        if kill is None:
+            got, err = jobs[0].communicate(timeout=240)
+            assert jobs[0].returncode == 0, err[-4000:]
+        else:
+            def fault() -> None:
+                assert cluster.kill_node(kill) > 0
+            code, err, took = _fault_mid_training(jobs, fault)
+            assert code != 0 and took < 30, (code, took, err[-3000:])
+            got = ""
+        m = re.search(r"RESTORED (\d+) AT WORLD (\d+)", got + err) if kill is None else None
+        restored.append(int(m.group(1)) if m else None)
+
+    attempt(3, kill=2)                   # 3 nodes; node2 dies
+    attempt(2, kill=1)                   # resubmitted on the 2 left; node1 dies too
+    attempt(3, kill=None)                # and on 3 nodes again: to the end
+    plan = forebay.AccessPlan(101, 1, ELASTIC_BATCH, 3, seed=1)
+    want = [sorted(g.tolist()) for e in range(3) for g in plan.global_batches(e)]
+    logs = sorted(out.glob("rank-0-*.jsonl"), key=lambda f: f.stat().st_mtime)
+    assert len(logs) == 3, logs
+    seen: dict[int, list[int]] = {}
+    starts = []
+    for f in logs:
+        world, start = (int(x) for x in re.findall(r"\d+", f.name)[1:3])
+        steps = _global_steps(out, world, start)
+        assert min(steps, default=start) == start          # it began where it restored
+        assert start == 0 or start - 1 in seen             # after a step already run
+        for k, ids in steps.items():
+            assert ids == want[k], (f.name, k)              # the plan's global batch
+            seen[k] = ids
+        starts.append((world, start))
+    assert sorted(seen) == list(range(len(want)))        # every step, to the end
+    assert [w for w, _ in starts] == [3, 2, 3]
+    assert starts[1][1] > 0 and starts[2][1] > starts[1][1]   # each went on from a save
+    assert restored[-1] == starts[2][1]
+
+
 # -- every distributed path across nodes ----------------------------------------------
 def rank_load_once_per_node_where(url: str, out: str) -> None:
     import socket
@@ -479,9 +584,10 @@ def test_the_readme_training_script_runs_across_four_nodes(request, cluster, lau
     own, the same under every launcher (srun without MPI)."""
     if launcher == "srun":
         request.getfixturevalue("slurm")
-    from test_readme import BLOCKS, DATA, TRAIN_CHECK
+    from test_readme import BLOCKS, DATA, TRAIN_CHECK, _assert_saved
 
-    code = next(c for _, c in BLOCKS if "# train.py" in c)
+    code = next(c for _, c in BLOCKS if "# train.py" in c).replace("every_steps=500",
+                                                                   "every_steps=5")
     d = cluster.shared / f"readme-{launcher}"
     d.mkdir()
     env = {"PYTHONPATH": str(Path(forebay.__file__).parents[1]), "FOREBAY_TRACE": ""}
@@ -497,7 +603,7 @@ def test_the_readme_training_script_runs_across_four_nodes(request, cluster, lau
         p = _joined(cluster.torchrun(["train.py"], cwd=d, env=env, timeout=400,
                                      port=29421))
     assert p.returncode == 0, _why(p)
-    assert (d / "ckpt.pt").exists()
+    _assert_saved(d / "checkpoints")
     ids = [json.loads((d / f"ids-{r}.json").read_text()) for r in range(4)]
     flat = [tuple(b) for r in ids for b in r]
     assert len(set(flat)) == len(flat)               # no batch seen by two ranks

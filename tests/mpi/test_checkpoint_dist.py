@@ -26,6 +26,7 @@ def rank_train(path: str, repo: str, out: str, stop_at: str) -> None:
     import torch.distributed as dist
 
     from forebay.torch import Checkpoint, DataLoader
+    from test_checkpoint import train_step
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -41,11 +42,7 @@ def rank_train(path: str, repo: str, out: str, stop_at: str) -> None:
     for epoch in range(loader.epoch, EPOCHS):
         loader.set_epoch(epoch)
         for batch in loader:
-            noise = torch.randn(1)
-            loss = (model(batch["x"]).squeeze(1) - batch["label"].float() / 64).pow(2).mean()
-            opt.zero_grad()
-            (loss + 0.01 * noise).backward()
-            opt.step()
+            train_step(model, opt, batch, torch.randn(1))
             seen.append(batch["label"].tolist())
             ckpt.step()
             if stop and ckpt.step_count == stop:
