@@ -417,6 +417,44 @@ def test_a_cut_link_ends_the_job_with_one_error_naming_the_node(cluster, labelle
     assert "forebay" not in r.stdout, r.stdout
 
 
+def rank_ddp_steps(path: str) -> None:
+    """DDP steps over a loader that never waits on a peer (direct reads): a hang can
+    only be in the loop's own all-reduce; rank 0 says when training."""
+    import torch
+
+    import forebay.reduce as fr
+    from forebay.torch import DataLoader
+
+    rank, _ = fr.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    dl = DataLoader(path, 4, seed=1, epochs=1000, mode="direct",
+                    collate_fn=lambda b: b.ids.copy())
+    for epoch in range(1000):
+        dl.set_epoch(epoch)
+        for _ in dl:
+            model(torch.ones(1, 1)).sum().backward()
+            if epoch == 0 and rank == 0:
+                say("TRAINING")
+
+
+def test_a_node_that_stops_answering_mid_all_reduce_ends_the_job_by_name(cluster, labelled):
+    """node1's link cut while the ranks are in DDP's all-reduce (gloo waits 300 s, the
+    process group's timeout): the loader watches the loop's step between two batches,
+    so node0's rank ends within the deadline with one line naming node1 (the recovery
+    benchmark found the job hanging there for minutes)."""
+    cmd, env = rank_command(rank_ddp_steps, [labelled], {"FOREBAY_PEER_TIMEOUT": "5"})
+
+    def restore() -> None:
+        cluster.kill_node(1)
+        cluster.restore_link(1)
+
+    code, err, took = _fault_mid_training(_launch(cluster, "mpiexec", cmd, env),
+                                          lambda: cluster.cut_link(1), restore)
+    _ended_naming(code, err, took, "node1 (rank 1: the node does not answer: it is down "
+                  "or its link is cut)")
+    assert "the training step after batch" in err, err[-3000:]
+
+
 def test_a_slow_link_only_slows_the_job(cluster, labelled):
     """node1's link capped at 4 Mbit/s with a 50 ms queue, and a deadline (0.2 s) shorter
     than its waits: every probe finds node1 alive, so the job runs to the end with the

@@ -193,3 +193,9 @@ def collate_samples(samples: list, collate_fn: Optional[Callable] = None) -> Any
     from torch.utils.data import default_collate as torch_collate
 
     return torch_collate(samples)
+
+
+def pinned_alloc(nbytes: int) -> np.ndarray:
+    """A page-locked uint8 buffer of ``nbytes`` (batches assembled there go to the GPU
+    without a staging copy)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()

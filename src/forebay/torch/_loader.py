@@ -19,9 +19,11 @@ from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
                      available_memory, warm_enabled)
 from ..comm import all_true, is_mpi, mpi_thread_multiple
+from .._liveness import join as join_liveness, waiting
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import check_agreement, node_size
-from ._collate import collate_views, default_collate, is_graph_batch, pin_tree
+from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
+                       pinned_alloc)
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
@@ -29,6 +31,8 @@ from ..errors import InvalidArgumentError, UsageError
 __all__ = ["DataLoader"]
 
 MODES = ("auto", "preload", "clairvoyant", "direct")
+#: what the watchdog names when the loop's own step (between two batches) hangs
+STEP_WAIT = "the training step after batch {} of epoch {} (the loop's code: its all-reduce, a save)"
 
 
 def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
@@ -50,16 +54,11 @@ def _default_ram_bytes(comm: Any) -> int:
     return int((available_memory() or 0) * 0.5 / node_size(comm))
 
 
-def _resolved(out: Any, pin: bool) -> Any:
-    """A fetched batch, waiting for it if a transform worker has it (and copying what
-    it returned into pinned memory when ``pin``)."""
+def resolved(out: Any, pin: bool) -> Any:
+    """A fetched batch, waited for if a transform worker has it (pinned when ``pin``)."""
     if isinstance(out, _Pending):
         return pin_tree(out.result()) if pin else out.result()
     return out
-
-
-def _pinned_alloc(nbytes: int) -> np.ndarray:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 class DataLoader:
@@ -237,6 +236,9 @@ class DataLoader:
             "drop_last": drop_last, "mode": mode, "width": width, "node_aware": node_aware,
             "transport": transport, "verify_on_read": self.ds.verify_on_read,
             "overlap_preload": overlap_preload})
+        # the loop's own step between two batches (DDP's all-reduce, a checkpoint's
+        # save) is watched too: a peer node gone mid-step ends the job by name
+        join_liveness(self.comm)
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
         self.mode = mode
@@ -384,7 +386,7 @@ class DataLoader:
         # them, else what the transform or collate_fn returns is pinned (below)
         pin_late = self.pin_memory and (self.transform is not None or self.collate_fn
                                         is not None or self.batch_transform is not None)
-        alloc: Any = _pinned_alloc if self.pin_memory and not pin_late else self._buffers
+        alloc: Any = pinned_alloc if self.pin_memory and not pin_late else self._buffers
         if self._pool is not None:
             alloc = SharedAlloc()        # gathered straight into shared memory
         rec = _trace.active()
@@ -483,10 +485,11 @@ class DataLoader:
                 for step in range(start, len(batches)):
                     # the first wait includes the epoch's set-up
                     t0 = t_epoch if step == start else time.perf_counter()
-                    out = _resolved(self._fetch(batches[step], epoch, step), self.pin_memory)
+                    out = resolved(self._fetch(batches[step], epoch, step), self.pin_memory)
                     self._step = step + 1
                     self._waited(t0, epoch, step)
-                    yield out
+                    with waiting(STEP_WAIT.format(step, epoch)):
+                        yield out
             else:
                 yield from self._iter_prefetched(batches, start, epoch, t_epoch)
         finally:
@@ -544,12 +547,13 @@ class DataLoader:
                     room.notify()
                 if err is not None:
                     raise err
-                out = _resolved(out, self.pin_memory)  # a batch in a transform worker: wait for it
+                out = resolved(out, self.pin_memory)  # a batch in a transform worker: wait for it
                 self._step = step + 1
                 # the wait ends here, not at q.get: handing the GIL back from the
                 # prefetch thread can take as long as the get itself
                 self._waited(t0, epoch, step)
-                yield out
+                with waiting(STEP_WAIT.format(step, epoch)):
+                    yield out
         finally:
             stop.set()
             t.join()
