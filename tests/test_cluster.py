@@ -397,10 +397,10 @@ def rank_train_exchange(path: str, transport: str) -> None:
 def test_a_cut_link_ends_the_job_with_one_error_naming_the_node(cluster, labelled, launcher,
                                                                  transport):
     """node1's link goes down mid-epoch: the ranks on node0 end within the deadline
-    (FOREBAY_PEER_TIMEOUT, 5 s here) plus a probe, each with one line naming node1
+    (FOREBAY_PEER_TIMEOUT, 3 s here) plus a probe, each with one line naming node1
     and what the probe saw, nothing left in node0's /dev/shm."""
     cmd, env = rank_command(rank_train_exchange, [labelled, transport],
-                            {"FOREBAY_PEER_TIMEOUT": "5"})
+                            {"FOREBAY_PEER_TIMEOUT": "3"})
 
     def restore() -> None:
         cluster.kill_node(1)            # the cut node's launcher may wait on for node0
@@ -442,7 +442,7 @@ def test_a_node_that_stops_answering_mid_all_reduce_ends_the_job_by_name(cluster
     process group's timeout): the loader watches the loop's step between two batches,
     so node0's rank ends within the deadline with one line naming node1 (the recovery
     benchmark found the job hanging there for minutes)."""
-    cmd, env = rank_command(rank_ddp_steps, [labelled], {"FOREBAY_PEER_TIMEOUT": "5"})
+    cmd, env = rank_command(rank_ddp_steps, [labelled], {"FOREBAY_PEER_TIMEOUT": "3"})
 
     def restore() -> None:
         cluster.kill_node(1)

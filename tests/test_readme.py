@@ -166,7 +166,13 @@ def _assert_saved(path: Path) -> None:
 @pytest.mark.mpi
 def test_readme_training_script_runs_unchanged_under_mpiexec_and_torchrun(tmp_path):
     """The README's train.py as written (plus a check of the batches each rank saw),
-    under both launchers: same batches, each rank its own half."""
+    under both launchers: same batches, each rank its own half.  Where the emulated
+    cluster runs (root, CI), test_cluster.py runs the same script across four nodes
+    under mpiexec, torchrun and srun instead (the suite's time)."""
+    from cluster import unavailable
+
+    if not unavailable():
+        pytest.skip("run across four emulated nodes by test_cluster.py instead")
     code = next(c for w, c in BLOCKS if "# train.py" in c).replace("every_steps=500",
                                                                    "every_steps=5")
     got = {}
