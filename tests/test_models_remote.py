@@ -375,6 +375,30 @@ def test_memory_before_authentication_is_bounded(tmp_path):
         _stop(p)
 
 
+def test_a_frame_of_empty_arrays_after_hello_is_refused_without_building_it(tmp_path):
+    """Issue X item 8: after a valid HELLO, 16 arrays of 1 M empty arrays (16 MiB) were
+    unpacked into 16 M Python lists (1.2 GiB, the attack's 60 MiB into 4.4 GiB and 161 s)
+    before the reply said the metadata must be a map."""
+    from forebay.models._wire import MAX_CONTAINERS
+
+    p, url = _serve(tmp_path, "memory://")
+    try:
+        base = _peak_rss_kib(p.pid)
+        inner = b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x90" * (1 << 20)   # array32
+        frame = b"\xdc" + (16).to_bytes(2, "big") + inner * 16                  # array16
+        s = _raw(url)
+        s.sendall(HEADER.pack(MAGIC, 1, OP["LIST"], 0, len(frame), 0) + frame)
+        op, meta = _reply(s)
+        assert op == OP["ERR"] and f"more than {MAX_CONTAINERS} arrays" in meta["error"], meta
+        assert _peak_rss_kib(p.pid) - base < 256 << 10     # KiB: not the 1.2 GiB of lists
+        s.close()                                          # (a protocol error drops it)
+        r = fm.open_repository(url, token=TOKEN)           # the provider serves on
+        assert r.list() == {}
+        r.close()
+    finally:
+        _stop(p)
+
+
 @pytest.mark.parametrize("op, meta", [
     ("DELETE", {"name": "m", "version": float("inf")}),        # OverflowError
     ("DELETE", {"name": "m", "version": [1]}),                  # TypeError

@@ -53,11 +53,32 @@ def _packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+#: arrays and maps in one frame's metadata, in all: the per-container limits above
+#: leave 64 MiB of one-byte empty arrays free to become 4.4 GiB of Python lists
+MAX_CONTAINERS = 1 << 20
+
+
+class _TooMany(Exception):
+    pass
+
+
 def _unpackb(raw: bytes) -> Any:
     import msgpack
 
+    left = [MAX_CONTAINERS]
+
+    def count(obj: Any) -> Any:      # called as each array or map is built: stop early
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooMany
+        return obj
+
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, list_hook=count,
+                               object_hook=count, **_UNPACK_LIMITS)
+    except _TooMany:
+        raise ProtocolError(f"frame metadata holds more than {MAX_CONTAINERS} arrays and "
+                            f"maps") from None
     except Exception as e:  # msgpack raises several kinds on garbage
         raise ProtocolError(f"malformed frame metadata: {type(e).__name__}") from e
 
