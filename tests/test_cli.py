@@ -54,3 +54,18 @@ def test_parse_size(text, value):
     from forebay.cli import parse_size
 
     assert parse_size(text) == value
+
+
+def test_synth_refuses_at_once_what_cannot_fit(cli, tmp_path):
+    """Issue X item 10: `synth --samples 99999999999999999999` ran on (until the disk was
+    full); it is refused before anything is written, saying what it needs and has."""
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    samples = free // (8_691 * 8) + 1                   # mummi: 69,528 bytes at least each
+    code, out, err = cli("synth", "mummi", tmp_path / "m", "--samples", samples)
+    assert code == 2 and f"{samples:,} mummi samples need at least" in err, err
+    assert f"free in {tmp_path}" in err, err
+    code, out, err = cli("synth", "ising", tmp_path / "i", "--samples", "99999999999999999999")
+    assert code == 2 and "ising samples need at least" in err, err
+    assert list(tmp_path.iterdir()) == []                # nothing written, nothing left

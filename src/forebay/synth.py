@@ -245,6 +245,35 @@ def _replace_problem(path: Path) -> "str | None":
     return None
 
 
+def _least_bytes(kind: str, options: dict) -> int:
+    """A lower bound of one sample's bytes on disk (never more than it takes)."""
+    if kind == "mummi":
+        return 8_691 * 8
+    if kind == "imagenet":
+        return int(options.get("mean_bytes") or 110_000) // 2
+    if kind == "cosmoflow":
+        return 4 * int(options.get("size") or 32) ** 3 * 2
+    return 125 * 4 if kind == "ising" else 5 * 4
+
+
+def _check_space(kind: str, samples: int, out: Path, options: dict) -> None:
+    """Refuse at once what cannot fit where it would go (it ran on for hours, or until
+    the disk was full), saying how much it needs and how much is free."""
+    import shutil
+
+    from ._units import human_bytes
+
+    where = out.parent if str(out.parent) else Path(".")
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    need = samples * _least_bytes(kind, options)
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise InvalidArgumentError(
+            f"{samples:,} {kind} samples need at least {human_bytes(need)}; "
+            f"{human_bytes(free)} free in {where}")
+
+
 def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int = 0, *,
                overwrite: bool = False, progress: "Progress | bool | None" = None,
                **options: Any) -> Path:
@@ -264,6 +293,7 @@ def synthesize(kind: str, out: "str | os.PathLike[str]", samples: int, seed: int
         raise InvalidArgumentError(f"samples must be positive, got {samples}")
     out = Path(out)
     check_target(out, overwrite, _replace_problem)
+    _check_space(kind, samples, out, options)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, live = new_tmp_dir(out)
     prog = as_progress(progress)
