@@ -134,7 +134,7 @@ def test_a_stopped_synth_leaves_nothing_half_written(tmp_path, sig):
     import time
 
     out = tmp_path / "blobs"
-    p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "synth", "imagenet", str(out),
+    p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "synth", "ising", str(out),
                           "--samples", "2000000"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
