@@ -134,8 +134,10 @@ def test_a_stopped_synth_leaves_nothing_half_written(tmp_path, sig):
     import time
 
     out = tmp_path / "blobs"
-    p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "synth", "ising", str(out),
-                          "--samples", "2000000"], stdout=subprocess.PIPE,
+    # ~110 KB blobs written one by one: stopped long before the 200,000 (whose 11 GB
+    # lower bound synth checks against the free space first)
+    p = subprocess.Popen([sys.executable, "-m", "forebay.cli", "synth", "imagenet", str(out),
+                          "--samples", "200000"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120   # until it is writing (a condition, not a time)
@@ -147,6 +149,7 @@ def test_a_stopped_synth_leaves_nothing_half_written(tmp_path, sig):
     finally:
         if p.poll() is None:
             p.kill()
+            p.communicate()            # its pipes closed, not left to the collector
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
     assert [q.name for q in tmp_path.iterdir()] == []
