@@ -268,3 +268,128 @@ def test_a_gpu_model_loads_bit_exact_from_a_provider(tmp_path):
         repo.close()
     finally:
         _stop(p)
+
+
+# ----------------------------------------------------------------- training checkpoints
+
+def _busy_step(model, opt) -> None:
+    """One Adam step behind a spinning kernel: the update lands long after the call."""
+    x = torch.randn(32, 256, device="cuda")
+    torch.cuda._sleep(BUSY)
+    loss = model(x).float().pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _optim_tensors(opt) -> list:
+    return [t for st in opt.state_dict()["state"].values() for t in st.values()
+            if isinstance(t, torch.Tensor)]
+
+
+def test_a_checkpoint_of_a_gpu_model_is_the_state_at_save_while_training_goes_on(tmp_path):
+    """``Checkpoint.save()`` returns once the state is staged; the steps queued on the
+    device right after it update the weights and Adam's moments in place while the save
+    is written.  The version restored is the state at ``save()``, bit for bit, on the GPU,
+    the CUDA generator's position included."""
+    pytest.importorskip("lmdb")
+    pytest.importorskip("msgpack")
+    from forebay.torch import Checkpoint
+
+    repo = f"file://{tmp_path / 'ck'}"
+    model = _net_on_gpu(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        _busy_step(model, opt)
+    ckpt = Checkpoint(repo, model=model, optimizer=opt)
+    ckpt.step()
+    ckpt.step()
+    _busy_step(model, opt)           # queued behind the spin when save() stages
+    ckpt.save()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want_opt = [t.clone() for t in _optim_tensors(opt)]
+    next_draw = torch.randn(8, device="cuda")
+    for _ in range(3):
+        _busy_step(model, opt)       # in place, while the save is written
+    ckpt.close()
+    assert not _same_as(model, want)
+
+    fresh = _net_on_gpu(1)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    again = Checkpoint(repo, model=fresh, optimizer=fresh_opt)
+    assert again.restore() == 2
+    assert _same_as(fresh, want)
+    got_opt = _optim_tensors(fresh_opt)
+    assert len(got_opt) == len(want_opt) > 0
+    assert all(g.device == w.device and torch.equal(g, w) for g, w in zip(got_opt, want_opt))
+    assert all(t.is_cuda for t in fresh.state_dict().values())
+    assert torch.equal(torch.randn(8, device="cuda"), next_draw)
+    again.close()
+
+
+def _same_as(model, want: dict) -> bool:
+    sd = model.state_dict()
+    return sd.keys() == want.keys() and all(
+        sd[k].is_cuda and torch.equal(sd[k], want[k]) for k in sd)
+
+
+def rank_ddp_checkpoint(path: str, repo: str, out: str, stop: str) -> None:
+    """DDP over NCCL with a Checkpoint every 3 steps (its own gloo group): ``stop_at``
+    > 0 trains from scratch and dies after that step; 0 restores and trains to the end.
+    Writes the labels of each step run and the final weights to ``out``."""
+    import torch.distributed as dist
+
+    import forebay.reduce as fr
+    from forebay.torch import Checkpoint
+
+    stop_at = int(stop)
+    fr.init_process_group()
+    assert dist.get_backend() == "nccl", dist.get_backend()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(ROW, 4).cuda()
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dl = DataLoader(path, 8, seed=0, pin_memory=True, epochs=2)
+    ckpt = Checkpoint(repo, loader=dl, model=model, optimizer=opt, every_steps=3)
+    ckpt.restore()
+    seen = []
+    for epoch in range(dl.epoch, 2):
+        dl.set_epoch(epoch)
+        for b in dl:
+            x = b["x"].to("cuda", non_blocking=True) / ROWS
+            opt.zero_grad()
+            (model(x).pow(2).mean() + 0.01 * torch.randn((), device="cuda")).backward()
+            opt.step()
+            seen.append(b["label"].tolist())
+            ckpt.step()
+            if stop_at and ckpt.step_count == stop_at:
+                ckpt.wait()
+                break
+        else:
+            continue
+        break
+    ckpt.close()
+    torch.save({"seen": seen, "w": net.weight.detach().cpu(), "steps": ckpt.step_count}, out)
+    say(f"RES steps={ckpt.step_count}")
+    dl.close()
+    dist.destroy_process_group()
+
+
+def test_a_ddp_job_over_nccl_resumes_from_its_checkpoint_under_torchrun(rows, tmp_path):
+    """The job dies after step 16 (saved at 15); the resubmitted job restores and ends
+    with the uninterrupted job's weights, the batches after step 15 the same."""
+    pytest.importorskip("lmdb")
+    pytest.importorskip("msgpack")
+    runs = {}
+    for name, repo, stop in (("whole", "a", 0), ("died", "b", 16), ("resumed", "b", 0)):
+        out = tmp_path / f"{name}.pt"
+        p = run_torchrun(1, rank_ddp_checkpoint, rows, f"file://{tmp_path / repo}",
+                         str(out), stop, timeout=240,
+                         env={"RANK_MAIN_EXIT_AT_ONCE": "1"})
+        assert p.returncode == 0, name + ": " + p.stdout[-3000:] + p.stderr[-4000:]
+        runs[name] = torch.load(out)
+    steps = 2 * ROWS // 8
+    assert runs["whole"]["steps"] == runs["resumed"]["steps"] == steps
+    assert runs["died"]["seen"] == runs["whole"]["seen"][:16]
+    assert runs["resumed"]["seen"] == runs["whole"]["seen"][15:]
+    assert torch.equal(runs["resumed"]["w"], runs["whole"]["w"])
