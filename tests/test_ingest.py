@@ -220,3 +220,134 @@ def test_units_per_task_bounds():
     assert units_per_task(5, 4) == 1
     assert units_per_task(10_000, 4) == 64
     assert units_per_task(100, 2) == 12
+
+
+# ------------------------------------------------ nothing read from outside the source
+
+SECRET = b"root:x:0:0:SECRET" * 64
+
+
+def _secret(tmp_path):
+    """A file outside every source below (stands in for /etc/shadow)."""
+    (tmp_path / "elsewhere").mkdir(exist_ok=True)
+    p = tmp_path / "elsewhere" / "shadow"
+    p.write_bytes(SECRET)
+    return p
+
+
+def _imagefolder_file_link(tmp_path):
+    synthesize("imagenet", tmp_path / "src", 4, seed=3, classes=2, mean_bytes=500)
+    (tmp_path / "src" / "n00000000" / "a.jpeg").symlink_to(_secret(tmp_path))
+    return "imagefolder", tmp_path / "src", "a.jpeg"
+
+
+def _imagefolder_dir_link(tmp_path):
+    synthesize("imagenet", tmp_path / "src", 4, seed=3, classes=2, mean_bytes=500)
+    out = tmp_path / "elsewhere" / "cls"
+    out.mkdir(parents=True)
+    (out / "b.jpeg").write_bytes(SECRET)
+    (tmp_path / "src" / "n00000009").symlink_to(out)
+    return "imagefolder", tmp_path / "src", "n00000009"
+
+
+def _npy_link(tmp_path):
+    (tmp_path / "src").mkdir()
+    np.save(tmp_path / "src" / "0.npy", np.arange(4, dtype=np.uint8))
+    np.save(tmp_path / "elsewhere.npy", np.frombuffer(SECRET, np.uint8))
+    (tmp_path / "src" / "1.npy").symlink_to(tmp_path / "elsewhere.npy")
+    return "npy", tmp_path / "src", "1.npy"
+
+
+def _dlio_link(tmp_path):
+    (tmp_path / "src").mkdir()
+    np.savez(tmp_path / "src" / "img_0_of_2.npz", x=np.zeros((4, 4, 2), np.uint8), y=np.zeros(2))
+    np.savez(tmp_path / "elsewhere.npz", x=np.frombuffer(SECRET[:16], np.uint8).reshape(4, 4, 1),
+             y=np.zeros(1))
+    (tmp_path / "src" / "img_1_of_2.npz").symlink_to(tmp_path / "elsewhere.npz")
+    return "dlio", tmp_path / "src", "img_1_of_2.npz"
+
+
+def _hdf5_external_storage(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    (tmp_path / "src").mkdir()
+    with h5py.File(tmp_path / "src" / "a.h5", "w") as f:
+        f["x"] = np.arange(16)
+        f.create_dataset("z", shape=(16,), dtype="u1",
+                         external=[(str(_secret(tmp_path)), 0, h5py.h5f.UNLIMITED)])
+    return "hdf5", tmp_path / "src", "'z' stores its data in another file"
+
+
+def _hdf5_external_link(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    (tmp_path / "src").mkdir()
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["data"] = np.frombuffer(SECRET[:16], np.uint8)
+    with h5py.File(tmp_path / "src" / "a.h5", "w") as f:
+        f["x"] = np.arange(16)
+        f["y"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/data")
+    return "hdf5", tmp_path / "src", "'y' is an external link"
+
+
+def _hdf5_virtual(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    (tmp_path / "src").mkdir()
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["data"] = np.frombuffer(SECRET[:16], np.uint8)
+    layout = h5py.VirtualLayout(shape=(16,), dtype="u1")
+    layout[:] = h5py.VirtualSource(str(tmp_path / "other.h5"), "data", shape=(16,))
+    with h5py.File(tmp_path / "src" / "a.h5", "w") as f:
+        f["x"] = np.arange(16)
+        f.create_virtual_dataset("v", layout)
+    return "hdf5", tmp_path / "src", "'v' is virtual"
+
+
+OUTSIDE = {"imagefolder file symlink": _imagefolder_file_link,
+           "imagefolder class directory symlink": _imagefolder_dir_link,
+           "npy symlink": _npy_link, "dlio symlink": _dlio_link,
+           "hdf5 external storage": _hdf5_external_storage,
+           "hdf5 external link": _hdf5_external_link, "hdf5 virtual dataset": _hdf5_virtual}
+
+
+@pytest.mark.parametrize("case", list(OUTSIDE))
+def test_ingest_reads_nothing_outside_its_source_unless_told(tmp_path, cli, case):
+    kind, src, names = OUTSIDE[case](tmp_path)
+    keys = ["x", names.split("'")[1]] if kind == "hdf5" else None
+    code, out, err = cli("ingest", src, tmp_path / "ds", "--from", kind,
+                         *(["--keys", ",".join(keys)] if keys else []))
+    assert code == 2 and not out, (out, err)
+    line = err.strip()
+    assert "\n" not in line and names in line and "--follow-links" in line, err
+    assert "Traceback" not in err and not (tmp_path / "ds").exists()
+    # opted in: the same command packs it, the outside bytes included
+    code, out, err = cli("ingest", src, tmp_path / "ds", "--from", kind, "--follow-links",
+                         *(["--keys", ",".join(keys)] if keys else []))
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    packed = b"".join(np.asarray(ds[i][f]).tobytes() for f in ds[0] for i in range(len(ds)))
+    assert SECRET[:16] in packed
+
+
+def test_links_inside_the_source_are_read(tmp_path, cli):
+    """A symlink to a file in the same tree, and an HDF5 external link to a file of the
+    source directory, are the source's own."""
+    h5py = pytest.importorskip("h5py")
+    (tmp_path / "src").mkdir()
+    with h5py.File(tmp_path / "src" / "b.data", "w") as f:   # not an .h5: not listed
+        f["data"] = np.arange(16, 32)
+    with h5py.File(tmp_path / "src" / "a.h5", "w") as f:
+        f["x"] = np.arange(16)
+        f["y"] = h5py.ExternalLink("b.data", "/data")
+    code, out, err = cli("ingest", tmp_path / "src" / "a.h5", tmp_path / "one", "--from",
+                         "hdf5", "--keys", "x,y")
+    assert code == 2 and "outside the source" in err     # the source is that one file
+    code, out, err = cli("ingest", tmp_path / "src", tmp_path / "ds", "--from", "hdf5",
+                         "--keys", "x,y")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert [int(ds[i]["y"]) for i in range(len(ds))] == list(range(16, 32))
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "0.npy", np.arange(3))
+    (tmp_path / "npy" / "1.npy").symlink_to(tmp_path / "npy" / "0.npy")
+    code, out, err = cli("ingest", tmp_path / "npy", tmp_path / "n", "--from", "npy")
+    assert code == 0, err
+    assert len(forebay.open_dataset(tmp_path / "n")) == 2

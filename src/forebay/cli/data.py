@@ -44,7 +44,7 @@ def cmd_ingest(a: argparse.Namespace) -> int:
         ragged[name] = off
     keys = [k for k in a.keys.split(",") if k] if a.keys else None
     source = get_source(a.from_, a.src, keys=keys, layout=a.layout, trust_pickle=a.trust_pickle,
-                        ragged=ragged)
+                        ragged=ragged, follow_links=a.follow_links)
     t0 = time.perf_counter()
     m = ingest(source, a.out, shard_bytes=a.shard_size, workers=a.workers,
                overwrite=a.overwrite, progress=progress())
@@ -183,6 +183,9 @@ def register(sub: Any) -> None:
                         "costs more than writing it, on spare cores)")
     g.add_argument("--trust-pickle", action="store_true",
                    help="allow unpickling the source (runs code stored in it)")
+    g.add_argument("--follow-links", action="store_true",
+                   help="read what symlinks, HDF5 external links, external storage and "
+                        "virtual datasets point to outside SRC (refused by default)")
     g.add_argument("--overwrite", action="store_true")
     g.set_defaults(func=cmd_ingest)
 

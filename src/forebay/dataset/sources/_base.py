@@ -16,7 +16,7 @@ from .._format import Manifest
 from .._writer import DEFAULT_SHARD_BYTES, DatasetWriter
 
 __all__ = ["Source", "SOURCES", "register_source", "get_source", "ingest", "list_files",
-           "units_per_task"]
+           "units_per_task", "confine", "inside"]
 
 
 class Source:
@@ -64,9 +64,37 @@ def get_source(kind: str, root: "str | os.PathLike[str]", **options: Any) -> Sou
     return cls(root, **options)
 
 
-def list_files(root: "str | os.PathLike[str]", suffixes: Iterable[str], what: str) -> list[Path]:
+#: what the error for a path leading outside the source tells the user to do
+OPT_IN = "pass follow_links=True (forebay ingest --follow-links) if you mean it"
+
+
+def inside(root: "str | os.PathLike[str]", target: "str | os.PathLike[str]") -> bool:
+    """Whether ``target``, all links resolved, lies in the source ``root`` (a directory's
+    tree, or the one file ``root`` names)."""
+    base, real = Path(root).resolve(), Path(target).resolve()
+    return real == base if base.is_file() else real.is_relative_to(base)
+
+
+def confine(root: "str | os.PathLike[str]", paths: Iterable[Path],
+            follow_links: bool = False) -> list[Path]:
+    """``paths`` (found under ``root``), refused with a :class:`SourceError` naming the
+    first whose links lead outside ``root`` (``a.jpeg -> /etc/shadow``, a symlinked
+    directory elsewhere): what someone else's dataset points at is not the dataset.
+    ``follow_links``: the user opted in; nothing is checked."""
+    paths = list(paths)
+    if not follow_links:
+        for p in paths:
+            if not inside(root, p):
+                raise SourceError(f"{p} leads outside the source {root} (to {p.resolve()}): "
+                                  f"not read; {OPT_IN}")
+    return paths
+
+
+def list_files(root: "str | os.PathLike[str]", suffixes: Iterable[str], what: str,
+               follow_links: bool = False) -> list[Path]:
     """Files under ``root`` (recursively, sorted by path) whose suffix is in ``suffixes``;
-    ``root`` may also be one such file."""
+    ``root`` may also be one such file.  Links leading outside ``root`` are refused
+    (:func:`confine`) unless ``follow_links``."""
     root = Path(root)
     suffixes = tuple(s.lower() for s in suffixes)
     if not root.exists():
@@ -76,7 +104,7 @@ def list_files(root: "str | os.PathLike[str]", suffixes: Iterable[str], what: st
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in suffixes and p.is_file())
     if not files:
         raise EmptySourceError(f"source {root}: no {what} files ({', '.join(suffixes)}) found")
-    return files
+    return confine(root, files, follow_links)
 
 
 def _die_with_parent(parent: int) -> None:

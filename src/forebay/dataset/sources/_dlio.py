@@ -10,7 +10,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ...errors import DatasetNotFoundError, EmptySourceError, InvalidArgumentError, SourceError
-from ._base import Source, register_source
+from ._base import Source, confine, register_source
+from ._hdf5 import guard_links
 
 __all__ = ["DlioSource", "dlio_files", "source_fingerprint", "DLIO_FORMATS"]
 
@@ -26,9 +27,11 @@ DLIO_FORMATS = {
 }
 
 
-def dlio_files(split_dir: "str | os.PathLike[str]", fmt: Optional[str] = None) -> list[Path]:
+def dlio_files(split_dir: "str | os.PathLike[str]", fmt: Optional[str] = None,
+               follow_links: bool = False) -> list[Path]:
     """The files DLIO reads from a split directory, in DLIO's order: top-level files
-    sorted by path, or, with sub-folders, ``*/*.fmt`` sorted by file name."""
+    sorted by path, or, with sub-folders, ``*/*.fmt`` sorted by file name.  Links
+    leading outside the directory are refused unless ``follow_links``."""
     root = Path(split_dir)
     if not root.is_dir():
         raise DatasetNotFoundError(f"DLIO data directory {root} does not exist")
@@ -43,9 +46,11 @@ def dlio_files(split_dir: "str | os.PathLike[str]", fmt: Optional[str] = None) -
                                    f"({', '.join(DLIO_FORMATS)})")
         fmt = max(set(suffixes), key=suffixes.count)
     if entries[0].is_dir():
-        files = [p for p in root.glob(f"*/*.{fmt}") if p.is_file()]
-        return sorted(files, key=lambda p: p.name)
-    return [p for p in entries if p.is_file() and p.name.endswith(fmt)]
+        files = sorted((p for p in root.glob(f"*/*.{fmt}") if p.is_file()),
+                       key=lambda p: p.name)
+    else:
+        files = [p for p in entries if p.is_file() and p.name.endswith(fmt)]
+    return confine(root, files, follow_links)
 
 
 def source_fingerprint(files: Sequence["str | os.PathLike[str]"], *,
@@ -99,8 +104,9 @@ class DlioSource(Source):
     def __init__(self, root: "str | os.PathLike[str] | None", *,
                  files: Optional[Sequence["str | os.PathLike[str]"]] = None,
                  fmt: Optional[str] = None, content_fingerprint: Optional[str] = None,
-                 **unused: Any) -> None:
+                 follow_links: bool = False, **unused: Any) -> None:
         self.content_fingerprint = content_fingerprint
+        self.follow_links = follow_links
         if files is not None:
             self.files = [Path(f) for f in files]
             if not self.files:
@@ -108,7 +114,7 @@ class DlioSource(Source):
         elif root is None:
             raise InvalidArgumentError("a DLIO source needs a directory or a file list")
         else:
-            self.files = dlio_files(root, fmt)
+            self.files = dlio_files(root, fmt, follow_links)
         self.fmt = (fmt or self.files[0].suffix.lstrip(".")).lower()
         if self.fmt not in DLIO_FORMATS:
             raise InvalidArgumentError(f"DLIO format {self.fmt!r} is not one forebay reads; "
@@ -141,6 +147,8 @@ class DlioSource(Source):
                 import h5py
 
                 with h5py.File(path, "r") as f:
+                    guard_links(f, path, [n for n in ("records", "labels") if n in f],
+                                path, self.follow_links)
                     if "records" not in f:
                         raise SourceError(f"{where}: no dataset 'records' (DLIO's hdf5 layout)")
                     if not isinstance(f["records"], h5py.Dataset):

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ...errors import InvalidArgumentError, SourceError, UnsupportedDtypeError
-from ._base import Source, check_keys, list_files, register_source
+from ._base import OPT_IN, Source, check_keys, inside, list_files, register_source
 
 __all__ = ["Hdf5Source", "OFFSETS_SUFFIX"]
 
@@ -34,11 +34,57 @@ class _FilePlan:
 
 
 def _datasets(f: Any) -> list[str]:
+    """The file's datasets, then its external links (not followed here: what they lead
+    to is checked by :func:`guard_links` before it is opened)."""
     import h5py
 
     names: list[str] = []
     f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    f.visititems_links(lambda name, link: names.append(name)
+                       if isinstance(link, h5py.ExternalLink) else None)
     return names
+
+
+def _dataset(f: Any, path: Path, name: str) -> Any:
+    """``f[name]``, which must be a dataset (an external link may lead to a group)."""
+    import h5py
+
+    obj = f.get(name)
+    if not isinstance(obj, h5py.Dataset):
+        raise SourceError(f"{path}: {name!r} is not a dataset (an external link to "
+                          f"{'nothing' if obj is None else 'a group'}?)")
+    return obj
+
+
+def guard_links(f: Any, path: Path, names: Sequence[str], root: "str | os.PathLike[str]",
+                follow_links: bool) -> None:
+    """Refuse, unless ``follow_links``, datasets ``names`` of the open HDF5 file ``f``
+    whose bytes lie in other files: reached through an external link to a file outside
+    the source ``root``, stored externally (raw data in another file, such as
+    ``/etc/passwd``), or virtual (mapped from other files)."""
+    import h5py
+
+    if follow_links:
+        return
+    for name in names:
+        parts = name.strip("/").split("/")
+        for i in range(1, len(parts) + 1):
+            link = f.get("/".join(parts[:i]), getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                target = Path(link.filename)
+                target = target if target.is_absolute() else path.parent / target
+                if not inside(root, target):
+                    raise SourceError(f"{path}: {name!r} is an external link to {target}, "
+                                      f"outside the source {root}: not read; {OPT_IN}")
+        obj = f.get(name)
+        if isinstance(obj, h5py.Dataset):
+            if obj.external:
+                raise SourceError(f"{path}: dataset {name!r} stores its data in another "
+                                  f"file ({obj.external[0][0]}): not read; {OPT_IN}")
+            if obj.is_virtual:
+                files = sorted({s.file_name for s in obj.virtual_sources()})
+                raise SourceError(f"{path}: dataset {name!r} is virtual, mapped from "
+                                  f"{', '.join(files)}: not read; {OPT_IN}")
 
 
 @register_source
@@ -62,7 +108,8 @@ class Hdf5Source(Source):
 
     def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
                  ragged: Optional[Mapping[str, str]] = None, chunk_bytes: int = _CHUNK_BYTES,
-                 layout: Optional[str] = None, **unused: Any) -> None:
+                 layout: Optional[str] = None, follow_links: bool = False,
+                 **unused: Any) -> None:
         import h5py
 
         if layout not in (None, "stacked", "per-file"):
@@ -72,7 +119,8 @@ class Hdf5Source(Source):
         self.per_file = layout == "per-file"
         self.plans: list[_FilePlan] = []
         self._units: list[tuple[int, int, int]] = []
-        files = list_files(root, [".h5", ".hdf5", ".hdf"], "HDF5")
+        self.root, self.follow_links = root, follow_links
+        files = list_files(root, [".h5", ".hdf5", ".hdf"], "HDF5", follow_links)
         if self.per_file:
             self.files = files
             self._units = [(k, 0, 1) for k in range(len(files))]
@@ -97,9 +145,11 @@ class Hdf5Source(Source):
         hidden = set(offsets_of.values())
         candidates = [n for n in all_names if n not in hidden]
         names = check_keys(candidates if not self.keys else all_names, self.keys, str(path))
+        guard_links(f, path, names + [offsets_of[n] for n in names if n in offsets_of],
+                    self.root, self.follow_links)
         fields, counts, per_sample = [], {}, 0.0
         for name in names:
-            ds = f[name]
+            ds = _dataset(f, path, name)
             if ds.dtype.kind not in "biufc":
                 raise UnsupportedDtypeError(f"{path}: dataset {name!r} has dtype {ds.dtype}; "
                                             f"only numeric or bool datasets can be ingested")
@@ -137,8 +187,9 @@ class Hdf5Source(Source):
         try:
             with h5py.File(path, "r") as f:
                 names = check_keys(_datasets(f), self.keys, str(path))
+                guard_links(f, path, names, self.root, self.follow_links)
                 for n in names:
-                    if f[n].dtype.kind not in "biufc":
+                    if _dataset(f, path, n).dtype.kind not in "biufc":
                         raise UnsupportedDtypeError(f"{path}: dataset {n!r} has dtype "
                                                     f"{f[n].dtype}; only numeric or bool "
                                                     f"datasets can be ingested")

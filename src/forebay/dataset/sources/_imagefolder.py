@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import DatasetNotFoundError, EmptySourceError, SourceError
-from ._base import Source, register_source
+from ._base import Source, confine, register_source
 
 __all__ = ["ImageFolderSource", "IMAGE_EXTENSIONS"]
 
@@ -30,7 +30,7 @@ class ImageFolderSource(Source):
     unit_name = "chunk"
 
     def __init__(self, root: "str | os.PathLike[str]", *, chunk_files: int = 128,
-                 **unused: Any) -> None:
+                 follow_links: bool = False, **unused: Any) -> None:
         root = Path(root)
         if not root.is_dir():
             raise DatasetNotFoundError(f"source {root} is not a directory")
@@ -43,6 +43,7 @@ class ImageFolderSource(Source):
         if not items:
             raise EmptySourceError(f"source {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) "
                                    f"in class subdirectories")
+        confine(root, (p for p, _ in items), follow_links)
         self.chunks = [items[i:i + chunk_files] for i in range(0, len(items), chunk_files)]
 
     def units(self) -> list[list[tuple[Path, int]]]:

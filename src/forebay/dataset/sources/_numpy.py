@@ -60,8 +60,9 @@ class NpzSource(Source):
     kind = "npz"
 
     def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
-                 layout: Optional[str] = None, **unused: Any) -> None:
-        self.files = list_files(root, [".npz"], "npz")
+                 layout: Optional[str] = None, follow_links: bool = False,
+                 **unused: Any) -> None:
+        self.files = list_files(root, [".npz"], "npz", follow_links)
         self.keys = list(keys) if keys else None
         self.layout = _check_layout(layout or "stacked")
 
@@ -92,8 +93,9 @@ class NpySource(Source):
     kind = "npy"
 
     def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
-                 layout: Optional[str] = None, **unused: Any) -> None:
-        self.files = list_files(root, [".npy"], "npy")
+                 layout: Optional[str] = None, follow_links: bool = False,
+                 **unused: Any) -> None:
+        self.files = list_files(root, [".npy"], "npy", follow_links)
         if keys and len(keys) != 1:
             raise InvalidArgumentError(
                 f"an npy source has one field; --keys names it (got {list(keys)})")

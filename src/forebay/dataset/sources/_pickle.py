@@ -42,12 +42,13 @@ class PickleSource(Source):
     kind = "pickle"
 
     def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
-                 trust_pickle: bool = False, chunk_files: int = 256, **unused: Any) -> None:
+                 trust_pickle: bool = False, chunk_files: int = 256,
+                 follow_links: bool = False, **unused: Any) -> None:
         if not trust_pickle:
             raise UntrustedPickleError(
                 f"{root}: reading pickles runs code stored in them; pass --trust-pickle "
                 f"(trust_pickle=True) only for files you trust")
-        files = list_files(root, [".pkl", ".pickle"], "pickle")
+        files = list_files(root, [".pkl", ".pickle"], "pickle", follow_links)
         self.chunks = [files[i:i + chunk_files] for i in range(0, len(files), chunk_files)]
         self.keys = list(keys) if keys else None
         self.num_files = len(files)
