@@ -378,6 +378,75 @@ def test_npz_object_array_and_garbled_file(tmp_path):
         ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
 
 
+def _npy_declaring(shape, body: int = 1024) -> bytes:
+    """An .npy whose header declares ``shape`` of float64, followed by ``body`` bytes."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    return buf.getvalue() + bytes(body)
+
+
+@pytest.mark.parametrize("kind", ["npz", "npy", "dlio npz", "dlio npy"])
+def test_a_declared_shape_beyond_the_stored_bytes_is_refused_before_allocating(
+        tmp_path, cli, kind):
+    """An 8 MB file declaring shape (1, 8e9) made ingest allocate 59.6 GiB (then an
+    ArrayMemoryError traceback): the header is read first, nothing allocated."""
+    import zipfile
+
+    (tmp_path / "src").mkdir()
+    data = _npy_declaring((1, 8_000_000_000), body=8 << 20)
+    if kind.endswith("npz"):
+        with zipfile.ZipFile(tmp_path / "src" / "a.npz", "w") as z:
+            z.writestr("x.npy", data)
+    else:
+        (tmp_path / "src" / "a.npy").write_bytes(data)
+    code, out, err = cli("ingest", tmp_path / "src", tmp_path / "out", "--from",
+                         kind.split()[0])
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "declares shape (1, 8000000000) of float64 (59.6 GiB) but holds 8.0 MiB" in err, err
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_a_declared_shape_beyond_memory_is_refused(tmp_path, monkeypatch):
+    """Stored in full (a real 64 MiB array) but more than the node has: named, not
+    allocated (FOREBAY_MEMORY_LIMIT stands in for a small node)."""
+    (tmp_path / "src").mkdir()
+    np.save(tmp_path / "src" / "a.npy", np.zeros((8, 1 << 20)))
+    monkeypatch.setenv("FOREBAY_MEMORY_LIMIT", str(32 << 20))
+    with pytest.raises(errors.SourceError, match=r"a.npy declares shape \(8, 1048576\) of "
+                       r"float64 \(64.0 MiB\): more than the 32.0 MiB of memory available"):
+        ingest(get_source("npy", tmp_path / "src"), tmp_path / "out")
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "big.h5", "w") as f:     # chunked, nothing written: ~KB
+        f.create_dataset("x", shape=(1 << 40,), dtype="f8", chunks=(1 << 16,))
+    assert (tmp_path / "big.h5").stat().st_size < 1 << 20
+    with pytest.raises(errors.SourceError, match=r"dataset 'x' declares shape \(1099511627776,\)"
+                       r" of float64 \(8.0 TiB\): more than"):
+        ingest(get_source("hdf5", tmp_path / "big.h5", layout="per-file"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_many_tiny_stacked_samples_are_made_one_at_a_time(tmp_path):
+    """A stacked source's unit is a lazy sequence: 2 M one-byte samples are not 2 M
+    dicts held at once (900 MB before)."""
+    from forebay.dataset.sources import Stacked
+
+    (tmp_path / "src").mkdir()
+    x = (np.arange(100_000) % 251).astype(np.uint8).reshape(-1, 1)
+    np.savez(tmp_path / "src" / "a.npz", x=x)
+    unit = get_source("npz", tmp_path / "src").read_unit(tmp_path / "src" / "a.npz")
+    assert isinstance(unit, Stacked) and len(unit) == 100_000
+    assert int(unit[-1]["x"][0]) == x[-1, 0] and len(unit[5:8]) == 3
+    with pytest.raises(IndexError):
+        unit[100_000]
+    ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
+    ds = forebay.open_dataset(tmp_path / "out")
+    assert len(ds) == 100_000 and int(ds[99_999]["x"][0]) == x[-1, 0]
+
+
 def test_hdf5_bad_layouts(tmp_path):
     h5py = pytest.importorskip("h5py")
     with h5py.File(tmp_path / "a.h5", "w") as f:

@@ -669,6 +669,15 @@ def test_simulate_cli_refuses_what_it_would_drop_or_misread(cli):
     assert code == 2 and "lassen, hdmlp-thesis" in err and "summit" in err, err
 
 
+def test_simulate_refuses_a_dataset_it_cannot_hold(cli, monkeypatch):
+    """Issue X item 10: 10^10 samples went on to an ArrayMemoryError traceback."""
+    monkeypatch.setenv("FOREBAY_MEMORY_LIMIT", str(1 << 30))
+    code, out, err = cli("simulate", "--dataset", "normal:1,0.1,10000000000", "--workers",
+                         "100000000", "--epochs", "2")
+    assert code == 2 and not out and "Traceback" not in err, err
+    assert "10,000,000,000 samples need about 596.0 GiB" in err and "--scale" in err, err
+
+
 def test_simulate_cli_capacities_threads_and_plot_names(cli, tmp_path):
     """Issue R item 5: "--ram 60" ran as 60 bytes; "--ram 60GB" read back as 55.9 GiB;
     a profile's staging_threads = 0 became 1; "--plot out.jpgx" failed after the whole

@@ -77,6 +77,25 @@ def dataset_sizes(spec: "str | os.PathLike[str]", *, scale: float = 1.0,
     return sizes, None
 
 
+#: bytes the simulator holds per sample (sizes, draws, each epoch's order, placement)
+SIM_BYTES_PER_SAMPLE = 64
+
+
+def _check_memory(n: int, what: str) -> None:
+    """Refuse, before drawing anything, a dataset of ``n`` samples whose simulation
+    would not fit this node's available memory."""
+    from .._memory import available_memory
+    from .._units import human_bytes
+
+    need = n * SIM_BYTES_PER_SAMPLE
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise ForebayError(f"dataset {what!r}: {n:,} samples need about {human_bytes(need)} "
+                           f"to simulate, more than the {human_bytes(avail)} available; "
+                           f"simulate a fraction with --scale (e.g. --scale "
+                           f"{max(avail / need / 2, 1e-9):.2g})")
+
+
 def _normal(text: str, scale: float, seed: int) -> np.ndarray:
     """``normal:MEAN_MB,SD_MB,COUNT``: COUNT sizes from a normal distribution truncated
     at zero (non-positive draws drawn again, as the HDMLP thesis' simulator does)."""
@@ -92,6 +111,7 @@ def _normal(text: str, scale: float, seed: int) -> np.ndarray:
         raise ForebayError(f"dataset {text!r}: the mean must be positive, the deviation "
                            f"non-negative and the count a positive integer")
     n = max(1, int(round(count * scale)))
+    _check_memory(n, text)
     rng = np.random.default_rng(seed)
     mb = rng.normal(mean, sd, n)
     for _ in range(1000):

@@ -4,11 +4,11 @@ from ._base import SOURCES, Source, get_source, ingest, list_files, register_sou
 from ._dlio import DlioSource, dlio_files, source_fingerprint
 from ._hdf5 import Hdf5Source
 from ._imagefolder import ImageFolderSource
-from ._numpy import NpySource, NpzSource
+from ._numpy import NpySource, NpzSource, Stacked
 from ._pickle import PickleSource
 
 __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
-    "NpySource", "NpzSource", "PickleSource",
+    "NpySource", "NpzSource", "PickleSource", "Stacked",
 ]

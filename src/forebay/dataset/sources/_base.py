@@ -38,7 +38,9 @@ class Source:
     def units(self) -> Sequence[Any]:
         raise NotImplementedError
 
-    def read_unit(self, unit: Any) -> list[dict[str, Any]]:
+    def read_unit(self, unit: Any) -> Sequence[dict[str, Any]]:
+        """The unit's samples, in order (a list, or a lazy sequence that makes each
+        sample when iterated; it must pickle, for reader processes)."""
         raise NotImplementedError
 
     def metadata(self) -> dict[str, Any]:
@@ -126,7 +128,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _read_units(source: Source, units: Sequence[Any]) -> list[list[dict[str, Any]]]:
+def _read_units(source: Source, units: Sequence[Any]) -> list[Sequence[dict[str, Any]]]:
     return [source.read_unit(u) for u in units]
 
 

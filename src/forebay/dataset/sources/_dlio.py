@@ -11,7 +11,8 @@ import numpy as np
 
 from ...errors import DatasetNotFoundError, EmptySourceError, InvalidArgumentError, SourceError
 from ._base import Source, confine, register_source
-from ._hdf5 import guard_links
+from ._hdf5 import check_fits, guard_links
+from ._numpy import check_declared, check_npz
 
 __all__ = ["DlioSource", "dlio_files", "source_fingerprint", "DLIO_FORMATS"]
 
@@ -137,10 +138,13 @@ class DlioSource(Source):
                 with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
                     if "x" not in z.files:
                         raise SourceError(f"{where}: no array 'x' (DLIO's npz records)")
+                    check_npz(fh, ["x", "y"], where)
                     xs = _last_axis(z["x"], where)
                     y = z["y"] if "y" in z.files else np.zeros(len(xs), np.int64)
             elif self.fmt == "npy":
                 with open(path, "rb") as fh:
+                    check_declared(fh, os.fstat(fh.fileno()).st_size, where)
+                    fh.seek(0)
                     xs = _last_axis(np.load(fh, allow_pickle=False), where)
                 y = np.zeros(len(xs), np.int64)
             elif self.fmt in ("hdf5", "h5"):
@@ -154,6 +158,7 @@ class DlioSource(Source):
                     if not isinstance(f["records"], h5py.Dataset):
                         raise SourceError(f"{where}: 'records' is a group, not a dataset "
                                           "(DLIO's hdf5 layout)")
+                    check_fits(f["records"], path, "records")
                     rec = f["records"][()]
                     if np.ndim(rec) == 0:
                         raise SourceError(f"{where}: 'records' is 0-d; DLIO's records lie "

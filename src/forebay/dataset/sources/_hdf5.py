@@ -45,6 +45,20 @@ def _datasets(f: Any) -> list[str]:
     return names
 
 
+def check_fits(ds: Any, path: Path, name: str) -> None:
+    """Refuse a dataset read whole whose declared size exceeds this node's available
+    memory (HDF5 stores unwritten chunks as nothing: a small file may declare TiB)."""
+    from ..._memory import available_memory
+    from ..._units import human_bytes
+
+    nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
+    avail = available_memory()
+    if avail is not None and nbytes > avail:
+        raise SourceError(f"{path}: dataset {name!r} declares shape {ds.shape} of {ds.dtype} "
+                          f"({human_bytes(nbytes)}): more than the {human_bytes(avail)} of "
+                          f"memory available on this node; not read")
+
+
 def _dataset(f: Any, path: Path, name: str) -> Any:
     """``f[name]``, which must be a dataset (an external link may lead to a group)."""
     import h5py
@@ -189,6 +203,7 @@ class Hdf5Source(Source):
                 names = check_keys(_datasets(f), self.keys, str(path))
                 guard_links(f, path, names, self.root, self.follow_links)
                 for n in names:
+                    check_fits(_dataset(f, path, n), path, n)
                     if _dataset(f, path, n).dtype.kind not in "biufc":
                         raise UnsupportedDtypeError(f"{path}: dataset {n!r} has dtype "
                                                     f"{f[n].dtype}; only numeric or bool "

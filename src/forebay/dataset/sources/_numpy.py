@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence as SequenceABC
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 from ...errors import InvalidArgumentError, SourceError, UnsupportedDtypeError
 from ._base import Source, check_keys, list_files, register_source
 
-__all__ = ["NpzSource", "NpySource", "split_stacked"]
+__all__ = ["NpzSource", "NpySource", "Stacked", "check_declared", "check_npz",
+           "split_stacked"]
 
 LAYOUTS = ("stacked", "per-file")
 
@@ -23,7 +25,7 @@ def _check_layout(layout: str) -> str:
     return layout
 
 
-def split_stacked(arrays: dict[str, np.ndarray], where: str) -> list[dict[str, Any]]:
+def split_stacked(arrays: dict[str, np.ndarray], where: str) -> "Stacked":
     """Samples from arrays stacked along axis 0 (all of the same length)."""
     lengths = {}
     for k, a in arrays.items():
@@ -34,10 +36,72 @@ def split_stacked(arrays: dict[str, np.ndarray], where: str) -> list[dict[str, A
     if len(set(lengths.values())) > 1:
         raise SourceError(f"{where}: arrays differ in length along axis 0 (the sample axis): "
                           f"{lengths}")
-    n = next(iter(lengths.values()), 0)
-    keys = list(arrays)
-    cols = [arrays[k] for k in keys]
-    return [dict(zip(keys, row)) for row in zip(*cols)] if n else []
+    return Stacked(arrays, next(iter(lengths.values()), 0))
+
+
+class Stacked(SequenceABC):
+    """``n`` samples stacked along axis 0 of ``arrays``, each made when it is asked
+    for: 2 M one-byte samples cost their 2 MB, not 2 M dicts of views (900 MB)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        self.arrays, self.n = arrays, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(f"sample {i} of {self.n}")
+        return {k: a[i] for k, a in self.arrays.items()}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        keys = list(self.arrays)
+        return (dict(zip(keys, row)) for row in zip(*self.arrays.values()))
+
+
+def check_declared(fh: Any, stored: int, where: str) -> None:
+    """Read the ``.npy`` header at ``fh`` (positioned at the array's start; ``stored``
+    bytes in all, header included) and refuse, before anything is allocated, an array
+    that declares more bytes than are stored (truncated or crafted: an 8 MB file
+    declaring shape (1, 8e9)) or more than this node's available memory.  Headers that
+    cannot be read here are left to ``np.load``'s own errors."""
+    from ..._memory import available_memory
+    from ..._units import human_bytes
+
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fh)
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    except Exception:       # noqa: BLE001 - np.load reports it with its own words
+        return
+    if dtype.hasobject:
+        return
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    body = stored - fh.tell()
+    what = f"{where} declares shape {tuple(shape)} of {dtype} ({human_bytes(nbytes)})"
+    if nbytes > body:
+        raise SourceError(f"{what} but holds {human_bytes(max(body, 0))}: truncated or "
+                          f"crafted; not read")
+    avail = available_memory()
+    if avail is not None and nbytes > avail:
+        raise SourceError(f"{what}: more than the {human_bytes(avail)} of memory available "
+                          f"on this node; not read")
+
+
+def check_npz(fh: Any, names: Sequence[str], where: str) -> None:
+    """:func:`check_declared` for each of ``names`` in the npz archive ``fh``."""
+    with zipfile.ZipFile(fh) as zf:
+        for name in names:
+            try:
+                info = zf.getinfo(name + ".npy")
+            except KeyError:
+                continue
+            with zf.open(info) as m:
+                check_declared(m, info.file_size, f"{where}: array {name!r}")
+    fh.seek(0)
 
 
 def _load_error(path: Path, e: Exception) -> Exception:
@@ -69,11 +133,12 @@ class NpzSource(Source):
     def units(self) -> list[Path]:
         return self.files
 
-    def read_unit(self, path: Path) -> list[dict[str, Any]]:
+    def read_unit(self, path: Path) -> Sequence[dict[str, Any]]:
         try:
             # our own handle: np.load leaks its file when the archive is garbled
             with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
                 names = check_keys(z.files, self.keys, str(path))
+                check_npz(fh, names, str(path))
                 arrays = {k: z[k] for k in names}
         except (SourceError, UnsupportedDtypeError):
             raise
@@ -105,9 +170,11 @@ class NpySource(Source):
     def units(self) -> list[Path]:
         return self.files
 
-    def read_unit(self, path: Path) -> list[dict[str, Any]]:
+    def read_unit(self, path: Path) -> Sequence[dict[str, Any]]:
         try:
             with open(path, "rb") as fh:
+                check_declared(fh, os.fstat(fh.fileno()).st_size, str(path))
+                fh.seek(0)
                 arr = np.load(fh, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:
             raise _load_error(path, e) from None
