@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -494,6 +495,61 @@ def _craft(path, edit_rows=None, edit_doc=None):
     if edit_doc is not None:
         edit_doc(doc)
     m.write_text(seal_manifest(doc))
+
+
+def _craft_index_bytes(path, raw: bytes) -> None:
+    """Replace shard 0's index file with ``raw``, its size and checksum recorded."""
+    def edit(doc):
+        ipath = path / doc["shards"][0]["index"]
+        ipath.write_bytes(raw)
+        doc["shards"][0]["index_nbytes"] = len(raw)
+        doc["shards"][0]["index_checksum"] = checksum(raw)
+    _craft(path, edit_doc=edit)
+
+
+def _npy_bytes(header: dict, body: bytes = b"") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue() + body
+
+
+def _pickled_index() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("raw, words", [
+    (lambda: _npy_bytes({"descr": "<i8", "fortran_order": False, "shape": (10**10, 7)}),
+     "index has shape (10000000000, 7)"),
+    (lambda: _pickled_index(), "index has shape (2,) object"),
+    (lambda: b"\x93NUMPY\x01\x00" + (40).to_bytes(2, "little") + b"{'descr': '<i8', "
+     b"'shape': (1,2" + b" " * 13 + b"\n", "index header unreadable"),
+], ids=["10^10 rows", "pickled", "unparsable header"])
+def test_a_crafted_index_header_is_named_not_loaded(packed, cli, raw, words):
+    """Issue X item 11: with the checksums recomputed, a header declaring 10^10 rows, a
+    pickled object array and a header that is no Python literal reached np.load
+    (TokenError, ValueError tracebacks)."""
+    path, _ = packed
+    _craft_index_bytes(path, raw())
+    with pytest.raises(errors.CorruptDatasetError, match=re.escape(words)):
+        forebay.open_dataset(path)
+    code, out, err = cli("verify", path)
+    assert code == 1 and words in err and "Traceback" not in err, err
+
+
+def test_a_deeply_nested_manifest_is_named_not_a_recursion_error(packed, cli):
+    path, _ = packed
+    m = path / "manifest.json"
+    m.write_text(m.read_text()[:-2] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(errors.ManifestError, match="nested too deeply"):
+        forebay.open_dataset(path)
+    code, out, err = cli("verify", path)
+    assert code == 1 and "nested too deeply" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("column, value", [(0, -4096), (0, 2**63 - 8), (1, 2**63 - 1),

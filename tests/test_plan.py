@@ -137,3 +137,13 @@ def test_cli_plan(cli):
     code, out, _ = cli("plan", "--samples", "1281167", "--world", "16", "--epochs", "90",
                        "--delta", "0.8")
     assert code == 0 and "31,634.7" in out
+
+
+def test_a_monte_carlo_count_beyond_memory_is_refused(cli, monkeypatch):
+    """Issue X item 11: 10^12 samples on 4 ranks went on to a 14.6 TiB allocation and an
+    ArrayMemoryError traceback."""
+    monkeypatch.setenv("FOREBAY_MEMORY_LIMIT", str(1 << 30))
+    code, out, err = cli("plan", "--samples", "1000000000000", "--world", "4", "--epochs",
+                         "2", "--monte-carlo")
+    assert code == 2 and "Traceback" not in err, err
+    assert "needs about 80.0 TiB" in err and "no --monte-carlo" in err, err

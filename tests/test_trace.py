@@ -708,3 +708,13 @@ def test_threads_asking_while_the_environment_starts_a_recorder_all_get_it(tmp_p
         assert got["first"] is not None and got["second"] is got["first"]
     finally:
         trace.disable()
+
+
+@pytest.mark.parametrize("rank", [10**19, 2**31, -1, "7x"])
+def test_a_rank_that_is_no_rank_is_skipped_and_said(tmp_path, cli, rank):
+    """Issue X item 11: a start event whose rank is 10**19 overflowed the int64 rank
+    table (OverflowError traceback); such ranks are malformed events, counted."""
+    _write(tmp_path / "a-0-100.pfw.gz", _rank0(), rank=rank)
+    code, out, err = cli("analyze", tmp_path)
+    assert code == 0 and "Traceback" not in err, err
+    assert "1 malformed event(s) skipped" in out and "1 rank(s)" in out, out

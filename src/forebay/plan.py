@@ -278,8 +278,18 @@ def frequency_tail_monte_carlo(plan: AccessPlan, delta: float, progress=None) ->
     One vectorized pass per epoch counts every (rank, sample) pair at once."""
     from .progress import as_progress
 
+    from ._memory import available_memory
+    from ._units import human_bytes
+
     n, f = plan.world_size, plan.num_samples
     k0 = math.ceil((1 + delta) * plan.epochs / n)
+    need = n * f * 16 + f * 24          # the counts, one epoch's bincount, its order
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise InvalidArgumentError(
+            f"the Monte Carlo count of {f:,} samples on {n:,} ranks needs about "
+            f"{human_bytes(need)} of memory, {human_bytes(avail)} available: use the "
+            f"analytic tail (no --monte-carlo) or fewer samples")
     counts = np.zeros(n * f, dtype=np.int32)
     owner = (np.arange(plan.steps_per_epoch * plan.global_batch) % plan.global_batch) \
         // plan.batch_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -11,13 +12,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import (ChecksumError, DatasetNotFoundError, FormatVersionError, InvalidArgumentError,
-                      ManifestError)
+from ..errors import (ChecksumError, CorruptDatasetError, DatasetNotFoundError,
+                      FormatVersionError, InvalidArgumentError, ManifestError)
 from ._schema import Schema
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
-    "ShardInfo", "Manifest", "checksum", "replace_problem", "seal_manifest",
+    "ShardInfo", "Manifest", "checksum", "load_index", "replace_problem", "seal_manifest",
 ]
 
 FORMAT_NAME = "forebay.packed"
@@ -151,6 +152,8 @@ class Manifest:
             doc = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{mpath}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError(f"{mpath}: nested too deeply to be a manifest") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{mpath}: not a forebay manifest (format is "
                                 f"{doc.get('format') if isinstance(doc, dict) else None!r})")
@@ -195,7 +198,7 @@ def replace_problem(path: Path) -> "str | None":
     mpath = Path(path) / MANIFEST_NAME
     try:
         doc = json.loads(mpath.read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return f"it is not a forebay dataset (no readable {MANIFEST_NAME})"
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         return f"it is not a forebay dataset ({MANIFEST_NAME} is not a forebay manifest)"
@@ -218,3 +221,27 @@ def seal_manifest(doc: dict[str, Any]) -> str:
     doc = {k: v for k, v in doc.items() if k != "manifest_checksum"}
     head = json.dumps(doc, indent=1)[:-2]          # without the closing "\n}"
     return f"{head},\n{_SUM_KEY}\"{checksum((head + chr(10) + '}').encode())}\"\n}}\n"
+
+
+def load_index(raw: bytes, ipath: Path, shape: tuple[int, int]) -> np.ndarray:
+    """A shard's index from its ``.npy`` bytes: the header is read and checked (int64
+    of ``shape``) before any array is made, so a crafted one (an object array, a header
+    declaring 10^10 rows, a header that is no Python literal) is named, not loaded."""
+    fmt = np.lib.format
+    f = io.BytesIO(raw)
+    try:
+        version = fmt.read_magic(f)
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        got, fortran, dtype = read(f)
+    except Exception as e:      # noqa: BLE001 - numpy's header parser raises many kinds
+        raise CorruptDatasetError(f"{ipath}: index header unreadable "
+                                  f"({type(e).__name__}: {e})") from None
+    if dtype != np.dtype("<i8") or tuple(got) != shape or fortran:
+        raise CorruptDatasetError(f"{ipath}: index has shape {tuple(got)} {dtype}"
+                                  f"{' (Fortran order)' if fortran else ''}, expected "
+                                  f"{shape} int64")
+    body = len(raw) - f.tell()
+    if body != shape[0] * shape[1] * 8:
+        raise CorruptDatasetError(f"{ipath}: index holds {body} bytes after its header, "
+                                  f"{shape[0] * shape[1] * 8} expected")
+    return np.frombuffer(raw, dtype="<i8", offset=f.tell()).reshape(shape).copy()

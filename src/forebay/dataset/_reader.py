@@ -8,7 +8,6 @@ fork-safety state; split across files they would reach into each other's private
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import threading
@@ -24,7 +23,7 @@ from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, Dat
 from .._intervals import merge_intervals
 from ..progress import Progress
 from ._batch import SampleBatch, SampleViews, _native, assemble_batch, assemble_views
-from ._format import ALIGNMENT, IndexLayout, Manifest, checksum
+from ._format import ALIGNMENT, IndexLayout, Manifest, checksum, load_index
 from ._files import close_all, map_file, open_checked, populate_ranges, pread_ranges, resident
 from ._verify import VerifyReport, bad_records, verify_files
 
@@ -116,11 +115,7 @@ class PackedDataset:
             raw = ipath.read_bytes()
             if checksum(raw) != s.index_checksum:
                 raise ChecksumError(f"{ipath}: index checksum mismatch")
-            idx = np.load(io.BytesIO(raw), allow_pickle=False)
-            if idx.dtype != np.dtype("<i8") or idx.shape != (s.num_samples, self._layout.ncols):
-                raise CorruptDatasetError(f"{ipath}: index has shape {idx.shape} {idx.dtype}, "
-                                          f"expected ({s.num_samples}, {self._layout.ncols}) int64")
-            parts.append(idx)
+            parts.append(load_index(raw, ipath, (s.num_samples, self._layout.ncols)))
         self._index = np.ascontiguousarray(np.concatenate(parts)) if parts else \
             np.zeros((0, self._layout.ncols), np.int64)
         counts = np.array([s.num_samples for s in self.manifest.shards], dtype=np.int64)

@@ -28,6 +28,9 @@ _NUM_ARGS = ("image_idx", "image_size", "epoch", "step", "owner_rank", "hit", "c
              "size", "offset", "samples")
 _PATTERNS = ("*.pfw", "*.pfw.gz", "*.json", "*.json.gz")
 
+#: ranks at or above this are no job's (a crafted 10**19 overflowed the int64 table)
+MAX_RANK = 1 << 31
+
 
 class Strings:
     """Every distinct string of a trace, numbered in order of first appearance: the
@@ -332,10 +335,11 @@ class Scanner:
                     rank = args.get("rank")
                     if isinstance(rank, str) and rank.isdigit():   # as some tools write it
                         rank = int(rank)
-                    if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+                    if isinstance(rank, int) and not isinstance(rank, bool) and \
+                            0 <= rank < MAX_RANK:
                         procs[p]["rank"] = rank
                     elif rank is not None:
-                        bad_events += 1               # a rank that is no rank: ignored
+                        bad_events += 1               # a rank that is no rank (or 10**19)
                     procs[p]["tool"] = args.get("tool", "dftracer")
                     continue
                 if name == "end" and cat == "dftracer":
