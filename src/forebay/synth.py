@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+# numpy imports numpy.random on first use; a Ctrl-C or SIGTERM that lands inside its
+# extension modules' initialisation is lost (the command wrote on to the end), so it is
+# imported here, before a synth has anything half written
+import numpy.random  # noqa: F401, E402
 
 from ._fs import check_target, commit_dir, new_tmp_dir
 from .progress import Progress, as_progress
