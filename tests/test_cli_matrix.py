@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +154,30 @@ def test_a_stopped_synth_leaves_nothing_half_written(tmp_path, sig):
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
     assert [q.name for q in tmp_path.iterdir()] == []
+
+
+class _InterruptAt:
+    """A meta-path finder that raises KeyboardInterrupt when ``module`` is imported:
+    what SIGINT does to a process that is importing it (Ctrl-C during start-up, which on
+    a busy login node with the environment on a parallel file system takes seconds)."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.module:
+            raise KeyboardInterrupt
+        return None
+
+
+@pytest.mark.parametrize("module", ["numpy", "forebay.dataset"])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, module):
+    """X item 11: a Ctrl-C while the command imports numpy printed a traceback."""
+    code = ("import sys; sys.path.insert(0, {tests!r}); from test_cli_matrix import "
+            "_InterruptAt; sys.meta_path.insert(0, _InterruptAt({module!r})); "
+            "import forebay.cli; sys.exit(forebay.cli.main(['info', {ds!r}]))")
+    p = subprocess.run([sys.executable, "-c", code.format(
+        tests=str(Path(__file__).parent), module=module, ds=str(tmp_path))],
+        capture_output=True, text=True, timeout=120)
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert p.stderr == "forebay: interrupted\n"

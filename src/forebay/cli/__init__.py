@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence
 from .._units import parse_size
 from .._version import __version__
 from ..errors import ChecksumError, ForebayError
-from . import data, models, sim, trace
 
 __all__ = ["main", "build_parser", "parse_size"]
 
@@ -22,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "packed datasets, distributed in-memory stores, clairvoyant "
                                 "caching.")
     p.add_argument("--version", action="version", version=f"forebay {__version__}")
+    from . import data, models, sim, trace      # numpy and the rest: see main()
+
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (data, sim, trace, models):
         group.register(sub)
@@ -78,7 +79,11 @@ def _sigterm_as_interrupt() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()     # the imports: a Ctrl-C there is one line too
+    except KeyboardInterrupt:
+        print("forebay: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     if argv is None:           # the forebay command itself (not a library call of main)
         _sigterm_as_interrupt()

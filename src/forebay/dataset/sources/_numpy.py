@@ -10,7 +10,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ...errors import InvalidArgumentError, SourceError, UnsupportedDtypeError
+from ...errors import (InvalidArgumentError, SampleIndexError, SourceError,
+                       UnsupportedDtypeError)
 from ._base import Source, check_keys, list_files, register_source
 
 __all__ = ["NpzSource", "NpySource", "Stacked", "check_declared", "check_npz",
@@ -53,7 +54,7 @@ class Stacked(SequenceABC):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(self.n))]
         if not -self.n <= i < self.n:
-            raise IndexError(f"sample {i} of {self.n}")
+            raise SampleIndexError(f"sample {i} of {self.n}")
         return {k: a[i] for k, a in self.arrays.items()}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
