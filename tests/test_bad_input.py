@@ -377,6 +377,14 @@ def test_npz_object_array_and_garbled_file(tmp_path):
     (tmp_path / "src" / "obj.npz").write_bytes(b"PK\x03\x04 this is not a zip")
     with pytest.raises(errors.SourceError, match="obj.npz: cannot read"):
         ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
+    # not a zip at all: np.load took it for a pickle ("holds an object array")
+    (tmp_path / "src" / "obj.npz").write_bytes(b"garbage, not an archive")
+    with pytest.raises(errors.SourceError, match=r"obj.npz: not an npz archive \(not a zip"):
+        ingest(get_source("npz", tmp_path / "src"), tmp_path / "out")
+    (tmp_path / "npy").mkdir()
+    (tmp_path / "npy" / "a.npy").write_bytes(b"garbage, not an array")
+    with pytest.raises(errors.SourceError, match=r"a.npy: not an .npy array \(no NumPy header"):
+        ingest(get_source("npy", tmp_path / "npy"), tmp_path / "out")
 
 
 def _npy_declaring(shape, body: int = 1024) -> bytes:

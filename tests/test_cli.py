@@ -69,3 +69,17 @@ def test_synth_refuses_at_once_what_cannot_fit(cli, tmp_path):
     code, out, err = cli("synth", "ising", tmp_path / "i", "--samples", "99999999999999999999")
     assert code == 2 and "ising samples need at least" in err, err
     assert list(tmp_path.iterdir()) == []                # nothing written, nothing left
+
+
+def test_synths_ingest_hint_can_be_pasted_for_a_path_with_spaces(cli, tmp_path):
+    """Issue X item 12: the hint printed the path unquoted."""
+    import shlex
+
+    out_dir = tmp_path / "my data" / "ising src"
+    code, out, err = cli("synth", "ising", out_dir, "--samples", "3")
+    assert code == 0, err
+    hint = out.split("(ingest with: ")[1].rstrip(")\n")
+    argv = shlex.split(hint)
+    assert argv[:3] == ["forebay", "ingest", str(out_dir)], argv
+    code, out, err = cli(*argv[1:3], tmp_path / "ds", *argv[4:])
+    assert code == 0, err

@@ -718,3 +718,30 @@ def test_a_rank_that_is_no_rank_is_skipped_and_said(tmp_path, cli, rank):
     code, out, err = cli("analyze", tmp_path)
     assert code == 0 and "Traceback" not in err, err
     assert "1 malformed event(s) skipped" in out and "1 rank(s)" in out, out
+
+
+def test_runs_one_after_another_in_one_directory_are_said(tmp_path, cli):
+    """Issue X item 12: three runs' files in one directory were merged into one rank's
+    run without a word; one rank's processes one after another are named."""
+    for k, (pid, t0) in enumerate([(100, 0), (200, 100), (300, 190)]):
+        _write(tmp_path / f"run{k}-0-{pid}.pfw.gz", _rank0(t0=t0, pid=pid), rank=0, pid=pid,
+               t0=t0)
+    code, out, err = cli("analyze", tmp_path)
+    assert code == 0, err
+    assert ("warning: rank 0 is 3 processes one after another (run0-0-100.pfw.gz, "
+            "run1-0-200.pfw.gz, run2-0-300.pfw.gz): several runs in one directory?") in out
+    # a worker process of the rank, alive during the rank's run, is not a second run
+    (tmp_path / "run1-0-200.pfw.gz").unlink()
+    (tmp_path / "run2-0-300.pfw.gz").unlink()
+    _write(tmp_path / "worker-0-101.pfw.gz", _rank0(t0=5, pid=101), rank=0, pid=101, t0=5)
+    code, out, err = cli("analyze", tmp_path)
+    assert code == 0 and "warning" not in out, out
+
+
+def test_plots_of_a_plain_dftracer_trace_draw_no_empty_legend(tmp_path, cli):
+    """A trace without forebay's fetch events made matplotlib warn "No artists with
+    labels found to put in legend" through the command's warning line."""
+    pytest.importorskip("matplotlib")
+    code, out, err = cli("analyze", DATA, "--plots", tmp_path / "plots")
+    assert code == 0 and "warning" not in err, err
+    assert len(list((tmp_path / "plots").glob("*.png"))) >= 3

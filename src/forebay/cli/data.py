@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
     if "|" in how:  # pff | cff: the hint for the format just written
         how = [h.split(" (")[0].strip() for h in how.split("|")][a.format == "cff"]
     print(f"wrote {a.samples} {a.kind} samples to {out} in {time.perf_counter() - t0:.1f} s "
-          f"(ingest with: forebay ingest {out} OUT {how})")
+          f"(ingest with: forebay ingest {shlex.quote(str(out))} OUT {how})")
     return 0
 
 def cmd_ingest(a: argparse.Namespace) -> int:

@@ -308,7 +308,23 @@ class _Analysis:
         for p, q in sorted(self.procs.items()):
             by_rank.setdefault(int(rank_of[p]), _Proc()).update(q)
         out: dict[str, Any] = {"files": nfiles, "ranks": len(by_rank), "events": self.events,
-                               "skipped": list(skipped)}
+                               "skipped": list(skipped), "warnings": []}
+        # one rank in processes one after the other: runs (or a job and its restart)
+        # whose files share the directory; their times are added up as one run
+        spans: dict[int, list[tuple[float, float, int]]] = {}
+        for p, q in self.procs.items():
+            if q.t1 >= q.t0:
+                spans.setdefault(int(rank_of[p]), []).append((q.t0, q.t1, p))
+        for r, sp in sorted(spans.items()):
+            sp.sort()
+            if len(sp) > 1 and all(b[0] >= a[1] for a, b in zip(sp, sp[1:])):
+                names = sorted({f for _, _, p in sp for f in procs[p].get("files", ())})
+                out["warnings"].append(
+                    f"rank {r} is {len(sp)} processes one after another ("
+                    f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): several "
+                    f"runs in one directory? They are analysed as one run; give each run a "
+                    f"directory of its own")
+                break
         per_rank = []
         for r, q in sorted(by_rank.items()):
             t: dict[str, Any] = {}
@@ -447,6 +463,8 @@ def format_summary(a: dict[str, Any]) -> str:
     lines = [f"trace: {a['files']} file(s), {a['ranks']} rank(s), {a['events']:,} events"]
     for s in a["skipped"]:
         lines.append(f"  skipped: {s}")
+    for s in a.get("warnings", []):
+        lines.append(f"  warning: {s}")
     lines += [
         "time per rank (mean over ranks; job time = longest rank)",
         f"  job time                 {_t(a['job_time_s'])}",

@@ -51,8 +51,7 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
     ax.set_ylabel("fraction of fetches")
     ax.set_title("Sample fetch latency by source")
     ax.grid(alpha=0.3)
-    if a["fetch_sources"]:
-        ax.legend()
+    _legend(ax)
     paths.append(_save(fig, out / "latency_cdf.png", plt))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -67,8 +66,7 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
     ax.set_xlabel("rank")
     ax.set_ylabel("share of sample fetches")
     ax.set_title("Where samples came from")
-    if a["fetch_sources"]:
-        ax.legend()
+    _legend(ax)
     paths.append(_save(fig, out / "fetch_sources.png", plt))
 
     nr = max(len(set(rank.tolist())), 1)
@@ -92,9 +90,16 @@ def plot_all(ev: Events, a: dict[str, Any], out: "str | Path") -> list[Path]:
     ax.set_yticklabels([f"rank {r}" for r in sorted(set(rank.tolist()))])
     ax.set_xlabel("seconds since the rank's first event")
     ax.set_title("Timeline: set-up, compute, I/O, data stalls")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     paths.append(_save(fig, out / "timeline.png", plt))
     return paths
+
+
+def _legend(ax: Any, **kw: Any) -> None:
+    """A legend where something was drawn with a label (matplotlib warns otherwise:
+    a trace without forebay's fetch events, such as a plain DFTracer one)."""
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(**kw)
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:

@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import DatasetNotFoundError, EmptySourceError, InvalidArgumentError, SourceError
 from ._base import Source, confine, register_source
 from ._hdf5 import check_fits, guard_links
-from ._numpy import check_declared, check_npz
+from ._numpy import check_declared, check_npz, expect_format
 
 __all__ = ["DlioSource", "dlio_files", "source_fingerprint", "DLIO_FORMATS"]
 
@@ -135,6 +135,8 @@ class DlioSource(Source):
         where = str(path)
         try:
             if self.fmt == "npz":
+                with open(path, "rb") as fh:
+                    expect_format(fh, "npz", where)
                 with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
                     if "x" not in z.files:
                         raise SourceError(f"{where}: no array 'x' (DLIO's npz records)")
@@ -143,6 +145,7 @@ class DlioSource(Source):
                     y = z["y"] if "y" in z.files else np.zeros(len(xs), np.int64)
             elif self.fmt == "npy":
                 with open(path, "rb") as fh:
+                    expect_format(fh, "npy", where)
                     check_declared(fh, os.fstat(fh.fileno()).st_size, where)
                     fh.seek(0)
                     xs = _last_axis(np.load(fh, allow_pickle=False), where)

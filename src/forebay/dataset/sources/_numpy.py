@@ -15,7 +15,7 @@ from ...errors import (InvalidArgumentError, SampleIndexError, SourceError,
 from ._base import Source, check_keys, list_files, register_source
 
 __all__ = ["NpzSource", "NpySource", "Stacked", "check_declared", "check_npz",
-           "split_stacked"]
+           "expect_format", "split_stacked"]
 
 LAYOUTS = ("stacked", "per-file")
 
@@ -105,6 +105,18 @@ def check_npz(fh: Any, names: Sequence[str], where: str) -> None:
     fh.seek(0)
 
 
+def expect_format(fh: Any, kind: str, where: str) -> None:
+    """Refuse a file that is not an npz archive (``kind`` "npz") or an ``.npy`` array:
+    np.load takes anything else for a pickle and says "contains pickled data"."""
+    fh.seek(0)
+    head = fh.read(6)
+    fh.seek(0)
+    if kind == "npz" and not head.startswith(b"PK"):
+        raise SourceError(f"{where}: not an npz archive (not a zip file)")
+    if kind == "npy" and head != b"\x93NUMPY":
+        raise SourceError(f"{where}: not an .npy array (no NumPy header)")
+
+
 def _load_error(path: Path, e: Exception) -> Exception:
     msg = str(e)
     if "allow_pickle" in msg or "Object arrays" in msg:
@@ -137,10 +149,12 @@ class NpzSource(Source):
     def read_unit(self, path: Path) -> Sequence[dict[str, Any]]:
         try:
             # our own handle: np.load leaks its file when the archive is garbled
-            with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
-                names = check_keys(z.files, self.keys, str(path))
-                check_npz(fh, names, str(path))
-                arrays = {k: z[k] for k in names}
+            with open(path, "rb") as fh:
+                expect_format(fh, "npz", str(path))
+                with np.load(fh, allow_pickle=False) as z:
+                    names = check_keys(z.files, self.keys, str(path))
+                    check_npz(fh, names, str(path))
+                    arrays = {k: z[k] for k in names}
         except (SourceError, UnsupportedDtypeError):
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
@@ -174,9 +188,12 @@ class NpySource(Source):
     def read_unit(self, path: Path) -> Sequence[dict[str, Any]]:
         try:
             with open(path, "rb") as fh:
+                expect_format(fh, "npy", str(path))
                 check_declared(fh, os.fstat(fh.fileno()).st_size, str(path))
                 fh.seek(0)
                 arr = np.load(fh, allow_pickle=False)
+        except SourceError:
+            raise
         except (OSError, ValueError, EOFError) as e:
             raise _load_error(path, e) from None
         if self.layout == "per-file":
