@@ -211,3 +211,20 @@ def pytest_terminal_summary(terminalreporter) -> None:
         text = ", ".join(f"{n} {k}" for k, n in counts.items())
         terminalreporter.write_line(f"cluster tests (emulated nodes): {text}"
                                     + (f" ({'; '.join(sorted(why))})" if why else ""))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs of its own (root only): a disk that fills up."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a small file system of its own needs root (mount -t tmpfs)")
+    d = tmp_path / "small"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -792,23 +792,6 @@ def test_ingest_workers_die_with_their_parent(tmp_path):
         time.sleep(0.05)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs of its own (root only): a disk that fills up."""
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("a small file system of its own needs root (mount -t tmpfs)")
-    d = tmp_path / "small"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 def test_a_write_that_fills_the_disk_leaves_no_temporary_directory(small_fs):
     """X item 6: on ENOSPC the writer's abort flushed into the same error and never
     removed its temporary directory, keeping the disk full."""

@@ -693,3 +693,40 @@ def test_a_store_opens_under_a_virtual_memory_limit(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert 0 < int(p.stdout.split()[-1]) < 16_000_000_000
+
+
+# ---------------------------------------------------------------- a file system that fills
+
+def test_a_repository_on_a_full_file_system_is_refused_with_the_numbers(small_fs, cli):
+    """X item 5: creating a repository where no byte is free died with SIGBUS (LMDB
+    writes its lock file through a map) and left lock.mdb; now one line, nothing left."""
+    (small_fs / "fill").write_bytes(b"\0" * (1 << 20))      # ENOSPC past what fits
+    code, out, err = cli("models", "ls", f"file://{small_fs}/new")   # a reader: no store
+    assert code == 2 and "no model repository" in err, err
+    p = subprocess.run([sys.executable, "-c", "import forebay.models as fm; "
+                        f"fm.open_repository('file://{small_fs}/repo')"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])        # not -SIGBUS
+    last = p.stderr.strip().splitlines()[-1]
+    assert "ModelRepositoryError" in last and "cannot create a model repository: the file " \
+        "system is full: need about 256.0 KiB, 0 B free" in last, last
+    assert sorted(q.name for q in small_fs.iterdir()) == ["fill"]
+
+
+def test_a_save_that_does_not_fit_says_so_and_keeps_what_was_stored(small_fs):
+    """X item 5: a save on a full file system raised lmdb.Error "Input/output error";
+    now the numbers, and the versions stored before are whole and the repository goes
+    on once there is room."""
+    repo = fm.open_repository(f"file://{small_fs}/repo")
+    torch.manual_seed(0)
+    small = nn.Linear(16, 16)
+    repo.save("small", small)
+    with pytest.raises(ModelRepositoryError, match=r"the file system is full: need about "
+                       r"1\.3 MiB, .* free in .*; nothing of this write was stored"):
+        repo.save("big", nn.Linear(512, 512))
+    assert repo.list() == {"small": [1]}
+    sd = repo.load("small")
+    assert all(torch.equal(sd[k], v) for k, v in small.state_dict().items())
+    repo.save("small2", nn.Linear(8, 8))
+    assert set(repo.list()) == {"small", "small2"}
+    repo.close()

@@ -25,6 +25,11 @@ from typing import Any, ClassVar, Iterator, Optional
 from .._fs import network_fs
 from ..errors import ModelRepositoryError
 
+#: what LMDB's lock file takes with its default 126 reader slots (allocated up front)
+LOCK_FILE_BYTES = 8192
+#: room a write needs beyond its values: LMDB's B-tree, meta and free-list pages
+FREE_MARGIN = 256 << 10
+
 __all__ = ["Backend", "LmdbBackend", "MemoryBackend", "TABLES"]
 
 TABLES = ("tensors", "sizes", "versions", "pending", "locs")
@@ -138,11 +143,15 @@ class Backend:
 class _LmdbTxn(Txn):
     def __init__(self, txn: Any, dbs: dict[str, Any]) -> None:
         self.txn, self.dbs = txn, dbs
+        #: bytes of the values put (what a commit writes, B-tree pages aside)
+        self.written = 0
 
     def get(self, table, key):
         return self.txn.get(key, db=self.dbs[table])
 
     def put(self, table, key, value, overwrite=True, owned=False):
+        self.written += len(key) + (value.nbytes if isinstance(value, memoryview)
+                                    else len(value))
         return self.txn.put(key, value, db=self.dbs[table], overwrite=overwrite)
 
     def delete(self, table, key):
@@ -175,10 +184,12 @@ class LmdbBackend(Backend):
         self.path = Path(path)
         if str(self.path.resolve()) not in self._open:   # (checked when first opened)
             check_local_fs(self.path)
+        made = False
         if not self.path.exists():
             if not create:
                 raise ModelRepositoryError(f"{self.path}: no model repository here")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)  # others may race us
+            made = True
         elif not self.path.is_dir():
             raise ModelRepositoryError(f"{self.path}: not a directory")
         self.key = str(self.path.resolve())
@@ -191,6 +202,8 @@ class LmdbBackend(Backend):
         with self._open_lock:
             entry = self._open.get(self.key)
             if entry is None:
+                if create and not self.data_file.exists():
+                    self._reserve(made)
                 env = self._open_env(map_size)
                 if not create:
                     with env.begin() as txn:
@@ -206,6 +219,32 @@ class LmdbBackend(Backend):
                 self._index_sizes()
             entry[2] += 1
         self.env, self.dbs = entry[0], entry[1]
+
+    def _reserve(self, made: bool) -> None:
+        """Before LMDB creates a store: its lock file allocated here (LMDB maps it and
+        writes through the map: on a full file system that was SIGBUS, a dead process
+        and a lock.mdb left behind) and room for its first pages checked; on failure
+        what was made is removed and the error says "need X, Y free in Z"."""
+        lock = self.path / "lock.mdb"
+        fresh = not lock.exists()
+        full = self._full(0)
+        try:
+            if full is None and fresh:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            full = self._full(LOCK_FILE_BYTES) or f"cannot allocate its lock file ({e})"
+        if full is None:
+            return
+        if fresh:
+            lock.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+        raise ModelRepositoryError(f"{self.path}: cannot create a model repository: {full}")
 
     def _open_env(self, map_size: Optional[int]) -> Any:
         """The LMDB environment, mapped with ``map_size`` bytes of address space (default
@@ -357,8 +396,35 @@ class LmdbBackend(Backend):
 
     @contextmanager
     def write(self):
-        with self.env.begin(write=True, buffers=True) as txn:
-            yield _LmdbTxn(txn, self.dbs)
+        import lmdb
+
+        t: Optional[_LmdbTxn] = None
+        try:
+            with self.env.begin(write=True, buffers=True) as txn:
+                t = _LmdbTxn(txn, self.dbs)
+                yield t
+        except lmdb.Error as e:
+            # a commit the file system had no room for: LMDB reports the short write as
+            # "Input/output error"; nothing of the transaction is stored, what was
+            # stored before is intact (LMDB writes new pages, then the meta page)
+            full = self._full(t.written if t is not None else 0)
+            if full is None:
+                raise
+            raise ModelRepositoryError(f"{self.path}: {full}; nothing of this write was "
+                                       f"stored ({e})") from e
+
+    def _full(self, need: int) -> Optional[str]:
+        """"need X, Y free in Z" when the file system holding the store has less room
+        than ``need`` bytes plus a margin for LMDB's own pages (None: it has room)."""
+        import shutil
+
+        from .._units import human_bytes
+
+        free = shutil.disk_usage(self.path).free
+        if free >= need + FREE_MARGIN:
+            return None
+        return (f"the file system is full: need about {human_bytes(need + FREE_MARGIN)}, "
+                f"{human_bytes(free)} free in {self.path}")
 
     def copy_compacted(self, dest: "str | os.PathLike[str]") -> Path:
         """A consistent copy of the store in ``dest`` (a new or empty directory) without
