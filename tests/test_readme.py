@@ -5,7 +5,10 @@ defines the placeholders the prose leaves to the reader (``model``, ``loader``,
 ``step``...: see :data:`PRELUDES`); paths under /local and /scratch become temporary
 ones.  The README's training script runs unchanged under real ``mpiexec -n 2`` and
 ``torchrun --nproc-per-node 2`` and must give both ranks the same batches under both.
-A block that needs something this machine lacks says why in :data:`SKIP`."""
+A block that needs something this machine lacks says why in :data:`SKIP`; one that a
+prelude completes starts with a ``# fragment: ... are yours`` line, so the reader knows
+too.  Indented blocks (in list items) count.  Every ``forebay`` command of the bash
+blocks is parsed by the CLI, and the quick start for ingest runs."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -69,12 +73,18 @@ PRELUDES = {
     "from forebay.sim import simulate": "",
     "store = DistributedStore.from_arrays(": "",
     "loader = DataLoader(\"photos.fb\", batch_size=16, views=True)": "",
+    "transform=DecodeCropFlip(224),":
+        "from forebay.synth import synthesize\n"
+        "from forebay.dataset.sources import get_source, ingest\n"
+        "if __name__ == '__main__':\n"
+        "    synthesize('imagenet', 'jpg', 128, encode='jpeg')\n"
+        "    ingest(get_source('imagefolder', 'jpg'), 'imagenet.fb')\n",
     "ckpt = Checkpoint(\"file:///scratch/run7\"":
         "import numpy as np, torch, forebay\n"
         "forebay.write_dataset('train.fb', [{'x': np.full(4, i, np.float32)} "
         "for i in range(256)])\n"
         "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
-    "forebay.trace.enable(\"traces/\")          # or:": DATA + "import forebay.torch\nE = 1\n"
+    "forebay.trace.enable(\"traces/\")          # or:": DATA + "E = 1\n"
                                                        "step = lambda batch: None\n",
 }
 #: blocks that do not run here, and why
@@ -93,9 +103,10 @@ def python_blocks() -> list[tuple[str, str]]:
     out = []
     for doc in DOCS:
         text = doc.read_text()
-        for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+        # indented blocks too (inside a list item), their indent removed
+        for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M):
             line = text[:m.start()].count("\n") + 1
-            out.append((f"{doc.relative_to(ROOT)}:{line}", m.group(1)))
+            out.append((f"{doc.relative_to(ROOT)}:{line}", textwrap.dedent(m.group(2))))
     return out
 
 
@@ -120,6 +131,9 @@ def test_every_python_sample_runs(tmp_path, where, code):
         pytest.skip(skip)
     prelude = next((p for key, p in PRELUDES.items() if key in code), None)
     assert prelude is not None, f"{where}: a new sample; give it a prelude in PRELUDES"
+    # a block that leaves something to the reader says so on its first line
+    assert not prelude or code.startswith("# fragment: "), \
+        f"{where}: completed by a prelude, so it must start '# fragment: ... are yours'"
     for a, b in SUBST:
         code = code.replace(a, b.format(tmp=tmp_path))
     p = _run(prelude + "\n" + code, tmp_path)
@@ -188,3 +202,50 @@ def test_readme_training_script_runs_unchanged_under_mpiexec_and_torchrun(tmp_pa
         got[name] = [Path(d, f"ids-{r}.json").read_text() for r in range(2)]
     assert got["mpiexec"] == got["torchrun"]
     assert got["mpiexec"][0] != got["mpiexec"][1]
+
+
+def shell_commands() -> list[tuple[str, str]]:
+    """Every ``forebay ...`` command of the bash blocks of README.md and docs/*.md
+    (continuation lines joined, comments dropped)."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in re.finditer(r"^( *)```bash\n(.*?)^\1```", text, re.S | re.M):
+            line = text[:m.start()].count("\n") + 1
+            body = textwrap.dedent(m.group(2)).replace("\\\n", " ")
+            for cmd in body.splitlines():
+                cmd = cmd.split("  #")[0].strip()
+                if cmd.startswith("forebay "):
+                    out.append((f"{doc.relative_to(ROOT)}:{line}", cmd))
+    return out
+
+
+SHELL = shell_commands()
+
+
+@pytest.mark.parametrize("where, cmd", SHELL, ids=[f"{w} {c[:40]}" for w, c in SHELL])
+def test_every_forebay_command_in_the_docs_parses(where, cmd):
+    """The commands the docs show are ones the CLI takes (flags renamed or dropped
+    fail here); running them is left to the tests of each command, the heavy ones
+    (75 s simulations, DLIO) not repeated."""
+    import shlex
+
+    from forebay.cli import build_parser
+
+    try:
+        build_parser().parse_args(shlex.split(cmd)[1:])
+    except SystemExit:
+        pytest.fail(f"{where}: `{cmd}` is refused by the CLI")
+
+
+def test_the_readme_quick_start_for_ingest_runs(tmp_path):
+    """README's "Quick start: ingest what you have" block, as written (fewer samples)."""
+    block = next(c for w, c in SHELL if c.startswith("forebay synth ising src/"))
+    where = next(w for w, c in SHELL if c == block)
+    cmds = [c for w, c in SHELL if w == where]
+    assert [c.split()[1] for c in cmds] == ["synth", "ingest", "info", "verify"], cmds
+    for c in cmds:
+        c = c.replace("--samples 10000", "--samples 300")
+        p = subprocess.run([str(BIN / "forebay"), *c.split()[1:]], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, f"`{c}`: {p.stderr[-2000:]}"

@@ -233,3 +233,32 @@ def test_the_batched_imagenet_transform_makes_the_per_sample_crops_and_flips(tmp
         a, b = want["image"].float(), got["image"].float()
         assert ((a - b).abs().mean((1, 2, 3)) < 1.0).all()
         assert ((a.flip(-1) - b).abs().mean((1, 2, 3)) > 10.0).all()
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tmp_path):
+    """X item 13 / W item 4: spawned workers import the main script; one that builds
+    the loader at its top level makes each worker die while starting, and the error said
+    only "died with exit code 1"."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "noguard.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, forebay
+        from forebay.torch import DataLoader
+
+        def double(s):
+            return {"x": s["x"] * 2}
+
+        forebay.write_dataset("d.fb", ({"x": np.arange(3) + i} for i in range(16)),
+                              overwrite=True)
+        for b in DataLoader("d.fb", 4, comm=None, transform=double, workers=2):
+            pass
+    """))
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert "died with exit code 1 while starting, before it took a batch" in last, last
+    assert f"imports your script {script}" in last and '__name__ == "__main__"' in last, last

@@ -301,6 +301,7 @@ class WorkerPool:
             raise InvalidArgumentError(f"worker_start must be 'spawn', 'fork' or "
                                        f"'forkserver', got {start_method!r}")
         ctx: Any = mp.get_context(start_method)
+        self.start_method = start_method
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(workers)]
         self._procs = [ctx.Process(target=_worker_main, name=f"forebay-transform-{w}",
@@ -394,11 +395,29 @@ class WorkerPool:
         if cause is not None:
             proc.join(timeout=5)           # the broken hand-over means it is going
         if not proc.is_alive():
+            if p.wid not in self._ready_at:
+                raise TransformError(
+                    f"transform worker {p.wid} (pid {proc.pid}) died with exit code "
+                    f"{proc.exitcode} while starting, before it took a batch"
+                    f"{self._start_hint()}") from cause
             raise TransformError(
                 f"transform worker {p.wid} (pid {proc.pid}) died with exit code "
                 f"{proc.exitcode} while transforming the batch of epoch {p.key[1]} "
                 f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
                 f"{'...' if len(p.ids) > 8 else ''})") from cause
+
+    def _start_hint(self) -> str:
+        """Why a worker dies while starting, where the start method explains it: a
+        spawned worker is a fresh Python that imports the main script first."""
+        import sys
+
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        if self.start_method == "fork" or not main:
+            return " (its error is above)"
+        return (f": with worker_start={self.start_method!r} each worker is a fresh Python "
+                f"that first imports your script {main} (its error is above); a script "
+                f"that builds the loader at its top level must do so under "
+                f"`if __name__ == \"__main__\":`, or pass worker_start='fork'")
 
     def _timed_out(self, p: _Pending) -> None:
         """The worker holding ``p`` returned nothing within the timeout: raise naming it,
