@@ -240,6 +240,11 @@ def main() -> None:
                   f"stall is what a loader can remove; the rest is the model's compute on "
                   f"this CPU, {gf / gb - 1:+.1%} for forebay's padded last steps: "
                   f"{gf:,} graphs computed against {gb:,})")
+            print("  the regime here is the one forebay is not for: 2,000 small graphs on a "
+                  "local disk, in the page cache after the first read, so torch's loader "
+                  "waits little; forebay's gains come where samples come from a slow "
+                  "shared file system every epoch (benchmarks/RESULTS.md: the emulated "
+                  "cluster with a throttled shared file system)")
     if rank == 0 and a.json:
         import json
 
