@@ -19,7 +19,7 @@ import forebay
 from forebay.errors import (ArgumentTypeError, InvalidArgumentError, RankMismatchError,
                             SampleIndexError)
 from forebay.store import (STATS_KEYS, ArrayStore, ClairvoyantStore, DirectStore, DistributedStore,
-                           SampleStore, StoreError)
+                           NodeCache, SampleStore, StoreError)
 from forebay.dataset import can_lock
 from forebay.world import LOCAL
 from conftest import assert_ranks_ok, assert_sample_equal, run_ranks, run_torchrun, say
@@ -40,8 +40,25 @@ def _ssd_dir() -> str:
     return d
 
 
+def _node_cache(ds, filled: bool = False, cap: "int | None" = None) -> NodeCache:
+    """A node cache of ``ds`` in a fresh directory; ``filled``: as the next job finds
+    it (a first job read everything); ``cap``: bytes it may hold."""
+    d = _ssd_dir()
+    if filled:
+        first = NodeCache(d, ds)
+        assert first.ensure(np.arange(len(ds)))
+        first.close()
+    return NodeCache(d, ds, cap_bytes=cap)
+
+
 FACTORIES = {
     "direct": lambda ds, comm: DirectStore(ds),
+    # records read kept in a node-local cache; the next job's; one whose cap is reached
+    "direct-node-cache": lambda ds, comm: DirectStore(ds, node_cache=_node_cache(ds)),
+    "direct-node-cache-reused": lambda ds, comm: DirectStore(
+        ds, node_cache=_node_cache(ds, filled=True)),
+    "direct-node-cache-full": lambda ds, comm: DirectStore(
+        ds, node_cache=_node_cache(ds, cap=int(ds.record_nbytes.sum() // 2))),
     "preload-shm": lambda ds, comm: DistributedStore(ds, comm, transport="shm",
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
@@ -263,6 +280,18 @@ class DistributedStoreContract(StoreContract):
 
 class TestDirect(StoreContract):
     kind = "direct"
+
+
+class TestDirectNodeCache(StoreContract):
+    kind = "direct-node-cache"
+
+
+class TestDirectNodeCacheReused(StoreContract):
+    kind = "direct-node-cache-reused"
+
+
+class TestDirectNodeCacheFull(StoreContract):
+    kind = "direct-node-cache-full"
 
 
 class TestPreloadShm(DistributedStoreContract):

@@ -138,6 +138,50 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 1
 
 
+def _cache_root(a: argparse.Namespace) -> Path:
+    import os
+
+    from ..store import NODE_CACHE_ENV
+
+    root = a.root or os.environ.get(NODE_CACHE_ENV)
+    if not root:
+        raise InvalidArgumentError(f"name the cache's directory, or set {NODE_CACHE_ENV}")
+    return Path(root)
+
+
+def cmd_cache_ls(a: argparse.Namespace) -> int:
+    from ..store import cache_entries
+
+    root = _cache_root(a)
+    entries = cache_entries(root)
+    if a.json:
+        print(json.dumps(entries, indent=1))
+        return 0
+    if not entries:
+        print(f"{root}: empty")
+        return 0
+    print(f"{'dataset version':<18} {'cached':>17} {'on disk':>10}  {'last used':<16}  source")
+    for e in entries:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"]))
+        print(f"{e['fingerprint'][:16]:<18} {e['cached_samples']:>8,}/{e['samples']:<8,} "
+              f"{human_bytes(e['bytes']):>10}  {when:<16}  {e['source']}"
+              f"{'  (in use)' if e['in_use'] else ''}")
+    print(f"{len(entries)} dataset version(s), {human_bytes(sum(e['bytes'] for e in entries))}"
+          f" in {root}")
+    return 0
+
+
+def cmd_cache_clear(a: argparse.Namespace) -> int:
+    from ..store import clear_cache
+
+    root = _cache_root(a)
+    removed, kept = clear_cache(root, a.dataset)
+    print(f"removed {len(removed)} dataset version(s) from {root}"
+          + (f"; kept {len(kept)} a running job uses: {', '.join(k[:16] for k in kept)}"
+             if kept else ""))
+    return 0
+
+
 def register(sub: Any) -> None:
     """Add this group's commands to the ``forebay`` parser."""
     from ..dataset.sources import SOURCES
@@ -189,6 +233,20 @@ def register(sub: Any) -> None:
                         "virtual datasets point to outside SRC (refused by default)")
     g.add_argument("--overwrite", action="store_true")
     g.set_defaults(func=cmd_ingest)
+
+    c = sub.add_parser("cache", help="the node-local cache that keeps records across jobs "
+                       "(DataLoader(node_cache=...), FOREBAY_NODE_CACHE)")
+    cs = c.add_subparsers(dest="cache_command", required=True, metavar="ls|clear")
+    cl = cs.add_parser("ls", help="what the cache holds, most recently used first")
+    cl.add_argument("root", nargs="?", help="the cache's directory (default "
+                    "FOREBAY_NODE_CACHE)")
+    cl.add_argument("--json", action="store_true")
+    cl.set_defaults(func=cmd_cache_ls)
+    cc = cs.add_parser("clear", help="remove what no running job uses")
+    cc.add_argument("root", nargs="?", help="the cache's directory (default "
+                    "FOREBAY_NODE_CACHE)")
+    cc.add_argument("--dataset", metavar="FINGERPRINT", help="only this dataset version")
+    cc.set_defaults(func=cmd_cache_clear)
 
     i = sub.add_parser("info", help="describe a packed dataset")
     i.add_argument("path")

@@ -205,8 +205,11 @@ class DirectStore(SampleStore):
     capabilities = frozenset({"views"})
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", *,
-                 warm: "tuple[int, int] | None" = None) -> None:
+                 warm: "tuple[int, int] | None" = None, node_cache: Any = None) -> None:
         self.ds = dataset if isinstance(dataset, PackedDataset) else open_dataset(dataset)
+        #: a :class:`~forebay.store.NodeCache` of this dataset: batches are made present
+        #: there (read from the dataset's files once, kept for later jobs) and read there
+        self.cache = node_cache
         self._closed = False
         self._lock = threading.Lock()
         self._reads = 0
@@ -232,6 +235,13 @@ class DirectStore(SampleStore):
             raise StoreError("the store is closed")
         if self._warm is not None:
             self._warm.check()
+        if self.cache is not None:
+            ids = self.ds.normalize_ids(ids)
+            misses, nbytes = self.cache.misses, self.cache.miss_bytes
+            if self.cache.ensure(ids):
+                batch = self.cache.dataset.get_many(ids, alloc=alloc)
+                self._count(self.cache.misses - misses, self.cache.miss_bytes - nbytes)
+                return batch
         batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
         self.account(batch.ids)
         return batch
@@ -242,6 +252,13 @@ class DirectStore(SampleStore):
             raise StoreError("the store is closed")
         if self._warm is not None:
             self._warm.check()
+        if self.cache is not None:
+            ids = self.ds.normalize_ids(ids)
+            misses, nbytes = self.cache.misses, self.cache.miss_bytes
+            if self.cache.ensure(ids):
+                views = self.cache.dataset.get_views(ids)
+                self._count(self.cache.misses - misses, self.cache.miss_bytes - nbytes)
+                return views
         views = self.ds.get_views(ids)
         self.account(views.ids)
         return views
@@ -252,6 +269,8 @@ class DirectStore(SampleStore):
         if self._warm is not None:
             self._warm.check()
         j = self.ds.normalize_index(i)
+        if self.cache is not None:
+            return self.get_many([j]).sample(0)
         sample = self.ds.sample(j, copy=True)
         self._count(1, int(self.ds.record_nbytes[j]))
         return sample
@@ -268,15 +287,23 @@ class DirectStore(SampleStore):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"fetches_by_source": {"pfs": self._reads} if self._reads else {},
-                    "pfs_reads": self._reads, "pfs_bytes": self._bytes,
-                    "warmed_bytes": int(self.warmed.get("bytes", 0))}
+            sources = {"pfs": self._reads} if self._reads else {}
+            out: dict[str, Any] = {"fetches_by_source": sources, "pfs_reads": self._reads,
+                                   "pfs_bytes": self._bytes,
+                                   "warmed_bytes": int(self.warmed.get("bytes", 0))}
+        if self.cache is not None:
+            if self.cache.hits:
+                sources["local"] = self.cache.hits      # node-local storage
+            out.update(self.cache.stats())
+        return out
 
     def close(self) -> None:
         self._closed = True
         self._stop.set()
         if self._warm is not None:
             self._warm.join()
+        if self.cache is not None:
+            self.cache.close()
 
     def __repr__(self) -> str:
         return f"DirectStore({self.ds.path})"

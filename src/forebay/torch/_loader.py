@@ -17,11 +17,12 @@ from ..dataset import (BufferPool, IndexLayout, PackedDataset, SampleBatch, Samp
                        open_dataset)
 from ..plan import AccessPlan
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
-                     available_memory, warm_enabled)
-from ..comm import all_true, is_mpi, mpi_thread_multiple
+                     warm_enabled)
+from ..comm import is_mpi, mpi_thread_multiple
 from .._liveness import join as join_liveness, waiting
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
-from ..store import check_agreement, node_size
+from ..store import (NodeCache, check_agreement, choose_mode, default_ram_bytes,
+                     node_cache_root, node_size)
 from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
@@ -33,25 +34,6 @@ __all__ = ["DataLoader"]
 MODES = ("auto", "preload", "clairvoyant", "direct")
 #: what the watchdog names when the loop's own step (between two batches) hangs
 STEP_WAIT = "the training step after batch {} of epoch {} (the loop's code: its all-reduce, a save)"
-
-
-def _choose_mode(ds: PackedDataset, comm: Any, width: Optional[int]) -> str:
-    """``preload`` if every rank's chunk fits its share of the node's memory (decided
-    together: all ranks pick the same), else ``clairvoyant``."""
-    from ..store import tier_nbytes
-    from ..store import MEMORY_HEADROOM
-
-    world = comm.Get_size() if comm is not None else 1
-    w = world if width is None else width
-    need = int(tier_nbytes(ds).sum()) / max(w, 1)
-    avail = available_memory()
-    fits = avail is None or need * node_size(comm) <= MEMORY_HEADROOM * avail
-    return "preload" if all_true(comm, fits) else "clairvoyant"
-
-
-def _default_ram_bytes(comm: Any) -> int:
-    """Half of this node's available memory, shared by the node's ranks."""
-    return int((available_memory() or 0) * 0.5 / node_size(comm))
 
 
 def resolved(out: Any, pin: bool) -> Any:
@@ -118,6 +100,9 @@ class DataLoader:
             (default): for datasets of small records (under 64 KiB on average).
         width, node_aware, transport: replica groups of the store and how peers' memory
             is read (see :class:`~forebay.store.DistributedStore`).
+        node_cache: a node-local directory where the records read are kept for later
+            jobs (default ``FOREBAY_NODE_CACHE``; direct mode, no workers; see
+            :class:`~forebay.store.NodeCache` and ``forebay cache``)
 
     What comes out:
         collate_fn: ``f(SampleBatch) -> batch``; default :func:`default_collate` (dense
@@ -199,9 +184,12 @@ class DataLoader:
                  system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None,
                  warm_files: "bool | str" = "auto", overlap_preload: "bool | str" = "auto",
-                 views: bool = False, ram_tier: str = "auto") -> None:
+                 views: bool = False, ram_tier: str = "auto",
+                 node_cache: "Optional[str | os.PathLike[str]]" = None) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+        cache_root = node_cache_root(node_cache, mode, workers)
+        mode = "direct" if cache_root is not None else mode
         fetch_model = None
         if system is not None:  # a system file's [tiers]; explicit arguments win
             from ..store import FetchModel, load_profile
@@ -245,14 +233,14 @@ class DataLoader:
         self.store: SampleStore
         warm = on_pfs_read is None and warm_enabled(warm_files, self.ds)
         if mode == "auto":
-            mode = self.mode = _choose_mode(self.ds, self.comm, width)
+            mode = self.mode = choose_mode(self.ds, self.comm, width)
         if mode == "preload":
             self.store = DistributedStore(self.ds, self._store_comm, width, node_aware=node_aware,
                                           transport=transport, progress=progress,
                                           on_pfs_read=on_pfs_read, overlap=overlap_preload)
         elif mode == "clairvoyant":
             if ram_bytes is None:
-                ram_bytes = _default_ram_bytes(self.comm)
+                ram_bytes = default_ram_bytes(self.comm)
             self.store = ClairvoyantStore(self.ds, self.plan, self._store_comm, ram_bytes=ram_bytes,
                                           ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
                                           transport=transport, on_pfs_read=on_pfs_read,
@@ -260,7 +248,8 @@ class DataLoader:
                                           ssd_threads=ssd_threads or 1,
                                           warm_files=warm, ram_tier=ram_tier)
         else:
-            self.store = DirectStore(self.ds, warm=self._direct_warm(warm))
+            self.store = DirectStore(self.ds, warm=self._direct_warm(warm), node_cache=None
+                                     if cache_root is None else NodeCache(cache_root, self.ds))
         self.collate_fn = collate_fn
         self.views = bool(views)
         if self.views and collate_fn is None and transform is None and \

@@ -1,0 +1,362 @@
+"""A node-local cache of a dataset's records that outlives the job (issue U, item 1).
+
+The first job on a node reads its samples from the shared file system and keeps each
+record it read in node-local storage (an SSD, a node's scratch); the next job on the
+same node reads them from there.  Layout under the cache's root, one directory per
+dataset *version* (its manifest checksum, :attr:`PackedDataset.fingerprint`)::
+
+    ROOT/.lock                      flock: creating and evicting datasets
+    ROOT/<fingerprint>/manifest.json, shard-*.idx.npy     copies (the dataset's own)
+    ROOT/<fingerprint>/shard-*.bin  sparse: a record at its offset in the shard once read
+    ROOT/<fingerprint>/present      one byte per sample: 1 once its record is written
+    ROOT/<fingerprint>/inuse        flock shared by every job using it
+    ROOT/<fingerprint>/cache.json   the source's path, sizes, last use
+
+So the cached copy is itself a forebay dataset whose shard files hold the records read
+so far: the loader reads it as it reads the original.  Guarantees:
+
+- **Never stale**: a changed dataset has another fingerprint, so another directory;
+  the old one is evicted as the least recently used.
+- **Checked on reuse**: every cached record is checked against its checksum on its
+  first use by a job (xxh3, gigabytes per second); a record that fails is read from the
+  source again.  Records read from the source are checked before they are kept.
+- **Safe to share**: concurrent jobs on the node write the same bytes to the same
+  places; a record's presence byte is set only after its bytes are written.  Locks
+  are ``flock``s, which the kernel drops when a process dies (kill -9 included).
+- **Bounded**: at most ``cap_bytes`` (allocated blocks) under the root; datasets no job
+  uses are evicted least recently used first; when the cap is reached the job reads
+  what is not cached from the source, as without a cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from .._units import human_bytes
+from ..dataset import IndexLayout, PackedDataset, open_dataset
+from ..errors import ChecksumError, InvalidArgumentError
+
+__all__ = ["NodeCache", "cache_entries", "clear_cache", "node_cache_root", "NODE_CACHE_ENV",
+           "NODE_CACHE_BYTES_ENV"]
+
+#: where the cache lives when the loader is not told (unset: no cache)
+NODE_CACHE_ENV = "FOREBAY_NODE_CACHE"
+#: the cap on the cache's bytes under its root (default: half the file system's free
+#: space when the cache is first opened, plus what it already holds)
+NODE_CACHE_BYTES_ENV = "FOREBAY_NODE_CACHE_BYTES"
+
+
+class _Flock:
+    """An flock on ``path`` (created 0600), released by :meth:`release` or by the
+    kernel when the process dies."""
+
+    def __init__(self, path: Path, shared: bool = False, block: bool = True) -> None:
+        self.fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if block else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self.fd, flags)
+        except OSError:
+            os.close(self.fd)
+            self.fd = None
+            raise
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _allocated(d: Path) -> int:
+    """Bytes of disk the files under ``d`` take (sparse shards count what is written)."""
+    total = 0
+    for p in d.rglob("*"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if p.is_file():
+            total += st.st_blocks * 512
+    return total
+
+
+def _read_meta(d: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((d / "cache.json").read_text())
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _in_use(d: Path) -> bool:
+    try:
+        lock = _Flock(d / "inuse", block=False)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    lock.release()
+    return False
+
+
+def cache_entries(root: "str | os.PathLike[str]") -> list[dict[str, Any]]:
+    """What the cache at ``root`` holds, one dict per dataset version: ``fingerprint``,
+    ``source``, ``samples``, ``cached_samples``, ``bytes`` (on disk), ``last_used``
+    (Unix time), ``in_use``; most recently used first."""
+    root = Path(root)
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if not d.is_dir() or d.name.startswith("."):
+            continue
+        meta = _read_meta(d)
+        try:
+            present = np.fromfile(d / "present", dtype=np.uint8)
+        except OSError:
+            present = np.zeros(0, np.uint8)
+        out.append({"fingerprint": d.name, "source": meta.get("source"),
+                    "samples": len(present), "cached_samples": int(np.count_nonzero(present)),
+                    "bytes": _allocated(d), "last_used": float(meta.get("last_used", 0.0)),
+                    "in_use": _in_use(d)})
+    return sorted(out, key=lambda e: -e["last_used"])
+
+
+def clear_cache(root: "str | os.PathLike[str]", fingerprint: Optional[str] = None
+                ) -> tuple[list[str], list[str]]:
+    """Remove the cache's datasets (``fingerprint``: that one only) that no job uses;
+    returns (removed, kept because in use)."""
+    root = Path(root)
+    removed: list[str] = []
+    kept: list[str] = []
+    if not root.is_dir():
+        return removed, kept
+    with _RootLock(root):
+        for e in cache_entries(root):
+            if fingerprint is not None and e["fingerprint"] != fingerprint:
+                continue
+            (kept if not _evict(root / e["fingerprint"]) else removed).append(e["fingerprint"])
+    return removed, kept
+
+
+class _RootLock:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __enter__(self) -> "_RootLock":
+        self.lock = _Flock(self.root / ".lock")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.release()
+
+
+def _evict(d: Path) -> bool:
+    """Remove dataset directory ``d`` unless a job uses it (its inuse lock is held);
+    the caller holds the root lock, so nobody opens it meanwhile."""
+    try:
+        lock = _Flock(d / "inuse", block=False)
+    except BlockingIOError:
+        return False
+    try:
+        trash = d.with_name(f".evicted-{uuid.uuid4().hex[:8]}")
+        d.rename(trash)                   # gone for openers at once, then removed
+    finally:
+        lock.release()
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
+class NodeCache:
+    """The node-local cache of dataset ``src``'s records under ``root``.
+
+    :meth:`ensure` makes a batch's records present (read from the source those that are
+    not, kept while the cap allows); :attr:`dataset` is the cached copy, which then
+    serves them.  :meth:`close` releases the dataset for eviction."""
+
+    def __init__(self, root: "str | os.PathLike[str]", src: PackedDataset, *,
+                 cap_bytes: Optional[int] = None) -> None:
+        self.root = Path(root)
+        self.src = src
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise InvalidArgumentError(f"node cache {self.root}: cannot create it ({e})") from e
+        self.dir = self.root / src.fingerprint
+        with _RootLock(self.root):
+            if not (self.dir / "present").is_file():
+                self._create()
+            self._inuse = _Flock(self.dir / "inuse", shared=True)
+            self.cap_bytes = self._cap(cap_bytes)
+            self._make_room()
+            meta = _read_meta(self.dir)
+            meta.update({"source": str(src.path), "last_used": time.time()})
+            tmp = self.dir / f".cache.json.{os.getpid()}"
+            tmp.write_text(json.dumps(meta) + "\n")
+            tmp.replace(self.dir / "cache.json")
+        self._present = np.memmap(self.dir / "present", dtype=np.uint8, mode="r+",
+                                  shape=(len(src),)) if len(src) else np.zeros(0, np.uint8)
+        #: records checked in this job (a cached record is checked on its first use)
+        self._checked = np.zeros(len(src), dtype=bool)
+        self.dataset = open_dataset(self.dir, verify_on_read=False)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._used = _allocated(self.root)
+        self.full = False
+        #: requests served from the cache / from the source in this job (repeats count)
+        self.hits = self.misses = 0
+        self.miss_bytes = 0
+
+    # -- set-up -----------------------------------------------------------------------
+    def _create(self) -> None:
+        """The dataset's directory, made under a temporary name and renamed into place:
+        its manifest and index files copied, its shards sparse files of their size."""
+        tmp = self.root / f".new-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(mode=0o700)
+        try:
+            shutil.copy2(self.src.path / "manifest.json", tmp / "manifest.json")
+            for s in self.src.manifest.shards:
+                shutil.copy2(self.src.path / s.index, tmp / s.index)
+                with open(tmp / s.data, "wb") as fh:
+                    fh.truncate(s.data_nbytes)
+            with open(tmp / "present", "wb") as fh:
+                fh.truncate(len(self.src))
+            (tmp / "cache.json").write_text(json.dumps({"source": str(self.src.path),
+                                                        "last_used": time.time()}) + "\n")
+            tmp.rename(self.dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _cap(self, cap_bytes: Optional[int]) -> int:
+        if cap_bytes is None:
+            env = os.environ.get(NODE_CACHE_BYTES_ENV)
+            if env:
+                from .._units import parse_size
+
+                cap_bytes = parse_size(env)
+        if cap_bytes is None:
+            return _allocated(self.root) + shutil.disk_usage(self.root).free // 2
+        if cap_bytes <= 0:
+            raise InvalidArgumentError(f"node cache cap must be positive, got {cap_bytes}")
+        return int(cap_bytes)
+
+    def _make_room(self, need: int = 0) -> None:
+        """Evict the least recently used datasets no job uses (this one aside) while the
+        root holds more than the cap less ``need`` (the root lock is held)."""
+        used = _allocated(self.root)
+        for e in reversed(cache_entries(self.root)):          # least recently used first
+            if used + need <= self.cap_bytes:
+                break
+            d = self.root / e["fingerprint"]
+            if d != self.dir and _evict(d):
+                used -= e["bytes"]
+
+    # -- the batch path ---------------------------------------------------------------
+    def ensure(self, ids: np.ndarray) -> bool:
+        """Make the records of samples ``ids`` (normalised) present and checked; False
+        when the cap leaves some of them out (read those from the source)."""
+        asked = len(ids)
+        ids, count = np.unique(ids, return_counts=True)
+        have = self._present[ids].astype(bool)
+        fresh = ids[have & ~self._checked[ids]]
+        if len(fresh):                     # cached by an earlier job (or a peer): check
+            stale = self.dataset.bad_records(fresh)
+            if stale:
+                self._present[np.asarray(stale, dtype=np.int64)] = 0
+                have = self._present[ids].astype(bool)
+            self._checked[fresh] = True
+        missing = ids[~have]
+        if not len(missing):
+            self.hits += asked
+            return True
+        rows = self.src.rows(missing)
+        lens = rows[:, IndexLayout.REC_LEN]
+        need = int(lens.sum())
+        with self._lock:
+            if not self.full and self._used + need > self.cap_bytes:
+                # evict what no job uses, least recently used first, and count again
+                with _RootLock(self.root):
+                    self._make_room(need)
+                    self._used = _allocated(self.root)
+            if self.full or self._used + need > self.cap_bytes:
+                self.full = True          # the caller reads this batch from the source
+                return False
+            self._used += need
+        wanted = int(count[~have].sum())      # requests of the missing (repeats too)
+        self.hits += asked - wanted
+        self.misses += wanted
+        self.miss_bytes += need
+        dst = np.zeros(len(missing), dtype=np.int64)
+        np.cumsum(lens[:-1], out=dst[1:])
+        buf = np.empty(need, dtype=np.uint8)
+        self.src.read_records(missing, rows, buf, dst)          # the shared file system
+        bad = self.src.bad_records(missing, buf, dst)
+        if bad:
+            raise ChecksumError(f"{self.src.path}: sample {bad[0]} fails its checksum as "
+                                f"read for the node cache ({len(bad)} of {len(missing)})")
+        shard = self.src.shard_of[missing]
+        offs = rows[:, IndexLayout.REC_OFF]
+        for k in range(len(missing)):      # one pwrite per record (a batch's, no more)
+            fd = self._fd(int(shard[k]))
+            a, n = int(dst[k]), int(lens[k])
+            os.pwrite(fd, buf[a:a + n].data, int(offs[k]))
+        self._present[missing] = 1          # after the bytes: a reader never sees less
+        self._checked[missing] = True
+        return True
+
+    def _fd(self, k: int) -> int:
+        fd = self._fds.get(k)
+        if fd is None:
+            fd = self._fds[k] = os.open(self.dir / self.src.manifest.shards[k].data, os.O_WRONLY)
+        return fd
+
+    def stats(self) -> dict[str, Any]:
+        return {"node_cache_hits": self.hits, "node_cache_misses": self.misses,
+                "node_cache_full": self.full}
+
+    def describe(self) -> str:
+        return (f"node cache {self.dir}: {int(np.count_nonzero(self._present)):,} of "
+                f"{len(self.src):,} samples, cap {human_bytes(self.cap_bytes)}")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if isinstance(self._present, np.memmap):
+            self._present.flush()
+        meta = _read_meta(self.dir)
+        meta["last_used"] = time.time()
+        try:
+            tmp = self.dir / f".cache.json.{os.getpid()}"
+            tmp.write_text(json.dumps(meta) + "\n")
+            tmp.replace(self.dir / "cache.json")
+        except OSError:
+            pass
+        self._inuse.release()
+
+
+def node_cache_root(root: "str | os.PathLike[str] | None", mode: str,
+                    workers: int) -> Optional[Path]:
+    """The loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``), checked against its
+    mode: the cache serves direct reads (``mode="auto"`` becomes direct with it)."""
+    if root is None:
+        root = os.environ.get(NODE_CACHE_ENV) or None
+        if root is None:
+            return None
+        if mode not in ("auto", "direct"):
+            return None                 # the environment's default does not apply here
+    if mode not in ("auto", "direct"):
+        raise InvalidArgumentError(f"node_cache serves mode='direct' (preload and "
+                                   f"clairvoyant keep their own tiers), not mode={mode!r}")
+    if workers:
+        raise InvalidArgumentError("node_cache with transform workers is not supported yet: "
+                                   "workers=0, or no node_cache")
+    return Path(root)

@@ -1,0 +1,158 @@
+"""The node-local cache that outlives the job (issue U, item 1): a second job on the
+node reads what the first read from node-local storage, bit-exact; a changed dataset
+never uses the old copy; damaged records are read again; the cap evicts the least
+recently used dataset no job uses; a killed job leaves no lock held; ``forebay cache``
+shows and clears it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import forebay  # noqa: E402
+from forebay.errors import InvalidArgumentError  # noqa: E402
+from forebay.store import NodeCache, cache_entries  # noqa: E402
+from forebay.torch import DataLoader  # noqa: E402
+
+SAMPLES, BATCH = 96, 8
+
+
+def _write(path, seed=0, n=SAMPLES, size=1000):
+    rng = np.random.default_rng(seed)
+    forebay.write_dataset(path, ({"x": rng.integers(0, 255, size + i % 7, dtype=np.uint8),
+                                  "label": np.int64(i)} for i in range(n)), overwrite=True)
+    return path
+
+
+def _epoch(path, cache=None, **kw):
+    """One epoch's batches (their bytes) and the loader's stats."""
+    dl = DataLoader(path, BATCH, comm=None, seed=3, mode="direct", node_cache=cache,
+                    collate_fn=lambda b: [bytes(np.asarray(b.sample(k)["x"]))
+                                          for k in range(len(b.ids))], **kw)
+    out = [b for b in dl]
+    st = dl.stats()
+    dl.close()
+    return out, st
+
+
+def test_a_second_job_reads_the_node_cache_bit_exact(tmp_path):
+    ds = _write(tmp_path / "pfs" / "ds")
+    want, plain = _epoch(ds)
+    first, st1 = _epoch(ds, tmp_path / "cache")
+    assert first == want
+    assert st1["pfs_reads"] == SAMPLES and st1["node_cache_misses"] == SAMPLES
+    second, st2 = _epoch(ds, tmp_path / "cache")            # the next job on the node
+    assert second == want
+    assert st2["pfs_reads"] == 0 and st2["fetches_by_source"] == {"local": SAMPLES}
+    [e] = cache_entries(tmp_path / "cache")
+    assert e["cached_samples"] == e["samples"] == SAMPLES and not e["in_use"]
+    assert e["fingerprint"] == forebay.open_dataset(ds).fingerprint
+
+
+def test_the_environment_names_the_cache_and_other_modes_are_told(tmp_path, monkeypatch):
+    ds = _write(tmp_path / "ds")
+    monkeypatch.setenv("FOREBAY_NODE_CACHE", str(tmp_path / "env-cache"))
+    _epoch(ds)
+    assert cache_entries(tmp_path / "env-cache")[0]["cached_samples"] == SAMPLES
+    with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct'"):
+        DataLoader(ds, BATCH, comm=None, mode="preload", node_cache=tmp_path / "c")
+    dl = DataLoader(ds, BATCH, comm=None, mode="preload")     # the variable: direct only
+    assert dl.stats().get("node_cache_hits") is None
+    dl.close()
+
+
+def test_a_changed_dataset_never_uses_the_old_copy(tmp_path):
+    ds = _write(tmp_path / "ds", seed=0)
+    _epoch(ds, tmp_path / "cache")
+    _write(tmp_path / "ds", seed=1)                          # rewritten in place
+    want, _ = _epoch(ds)
+    got, st = _epoch(ds, tmp_path / "cache")
+    assert got == want and st["pfs_reads"] == SAMPLES        # nothing of the old copy
+    assert len(cache_entries(tmp_path / "cache")) == 2
+
+
+def test_a_damaged_cached_record_is_read_again(tmp_path):
+    ds = _write(tmp_path / "ds")
+    want, _ = _epoch(ds)
+    _epoch(ds, tmp_path / "cache")
+    src = forebay.open_dataset(ds)
+    d = tmp_path / "cache" / src.fingerprint
+    off = int(src.index[5, 0])                               # sample 5's record
+    shard = d / src.manifest.shards[int(src.shard_of[5])].data
+    with open(shard, "r+b") as fh:
+        fh.seek(off + 3)
+        b = fh.read(1)
+        fh.seek(off + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    got, st = _epoch(ds, tmp_path / "cache")
+    assert got == want and st["pfs_reads"] == 1
+
+
+def test_the_cap_evicts_the_least_recently_used_and_reads_past_it(tmp_path):
+    a, b = _write(tmp_path / "a", seed=0), _write(tmp_path / "b", seed=1)
+    _epoch(a, tmp_path / "cache")
+    one = cache_entries(tmp_path / "cache")[0]["bytes"]
+    os.environ["FOREBAY_NODE_CACHE_BYTES"] = str(int(one * 1.5))
+    try:
+        want, _ = _epoch(b)
+        got, st = _epoch(b, tmp_path / "cache")              # a (unused, older) goes
+        assert got == want and st["pfs_reads"] == SAMPLES
+        assert [e["source"] for e in cache_entries(tmp_path / "cache")] == [str(b)]
+        # a cap below one dataset: what does not fit is read from the source, right
+        os.environ["FOREBAY_NODE_CACHE_BYTES"] = str(one // 3)
+        want_a, _ = _epoch(a)
+        got_a, st_a = _epoch(a, tmp_path / "cache")
+        assert got_a == want_a and st_a["node_cache_full"]
+        assert 0 < cache_entries(tmp_path / "cache")[0]["cached_samples"] < SAMPLES
+    finally:
+        del os.environ["FOREBAY_NODE_CACHE_BYTES"]
+
+
+def test_a_job_holding_the_cache_keeps_it_and_a_killed_one_does_not(tmp_path, cli):
+    ds = _write(tmp_path / "ds")
+    _epoch(ds, tmp_path / "cache")
+    code = ("import sys, time, forebay; from forebay.store import NodeCache; "
+            f"c = NodeCache({str(tmp_path / 'cache')!r}, forebay.open_dataset({str(ds)!r})); "
+            "print('open', flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "open\n"
+        assert cache_entries(tmp_path / "cache")[0]["in_use"]
+        code_, out, err = cli("cache", "clear", tmp_path / "cache")
+        assert code_ == 0 and "removed 0" in out and "kept 1 a running job uses" in out, out
+        p.send_signal(signal.SIGKILL)                        # its locks go with it
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+    code_, out, err = cli("cache", "ls", tmp_path / "cache")
+    assert code_ == 0 and "in use" not in out and "1 dataset version(s)" in out, out
+    code_, out, err = cli("cache", "clear", tmp_path / "cache")
+    assert code_ == 0 and "removed 1 dataset version(s)" in out, out
+    assert cache_entries(tmp_path / "cache") == []
+    code_, out, err = cli("cache", "ls", tmp_path / "cache")
+    assert code_ == 0 and "empty" in out
+
+
+def test_views_and_single_samples_come_from_the_cache_too(tmp_path):
+    ds = _write(tmp_path / "ds")
+    src = forebay.open_dataset(ds)
+    dl = DataLoader(ds, BATCH, comm=None, mode="direct", node_cache=tmp_path / "cache",
+                    views=True, collate_fn=lambda v: [bytes(x) for x in v["x"]])
+    got = [b for b in dl]
+    dl.close()
+    order = [i for b in DataLoader(ds, BATCH, comm=None, mode="direct",
+                                   collate_fn=lambda b: b.ids.tolist()) for i in b]
+    assert [x for b in got for x in b] == [bytes(src[i]["x"]) for i in order]
+    cache = NodeCache(tmp_path / "cache", src)
+    assert cache.ensure(np.arange(SAMPLES)) and cache.hits == SAMPLES and cache.misses == 0
+    cache.close()
