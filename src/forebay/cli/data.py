@@ -45,7 +45,7 @@ def cmd_ingest(a: argparse.Namespace) -> int:
         ragged[name] = off
     keys = [k for k in a.keys.split(",") if k] if a.keys else None
     source = get_source(a.from_, a.src, keys=keys, layout=a.layout, trust_pickle=a.trust_pickle,
-                        ragged=ragged, follow_links=a.follow_links)
+                        ragged=ragged, follow_links=a.follow_links, nulls=a.nulls)
     t0 = time.perf_counter()
     m = ingest(source, a.out, shard_bytes=a.shard_size, workers=a.workers,
                overwrite=a.overwrite, progress=progress())
@@ -213,8 +213,8 @@ def register(sub: Any) -> None:
     g.add_argument("out")
     g.add_argument("--from", dest="from_", required=True, choices=sorted(SOURCES),
                    help="kind of source")
-    g.add_argument("--keys", help="comma-separated arrays/datasets to keep (npz, hdf5, pickle), "
-                   "or the field name (npy)")
+    g.add_argument("--keys", help="comma-separated arrays/datasets/columns to keep (npz, hdf5, "
+                   "pickle, parquet), or the field name (npy)")
     g.add_argument("--layout", choices=["stacked", "per-file"],
                    help="npz, hdf5: samples stacked along axis 0 (default) or one per file; "
                    "npy: one per file (default) or stacked")
@@ -228,6 +228,8 @@ def register(sub: Any) -> None:
                         "costs more than writing it, on spare cores)")
     g.add_argument("--trust-pickle", action="store_true",
                    help="allow unpickling the source (runs code stored in it)")
+    g.add_argument("--nulls", choices=["refuse", "zero"],
+                   help="parquet: a null is refused (default) or stored as 0, False or empty")
     g.add_argument("--follow-links", action="store_true",
                    help="read what symlinks, HDF5 external links, external storage and "
                         "virtual datasets point to outside SRC (refused by default)")

@@ -5,10 +5,11 @@ from ._dlio import DlioSource, dlio_files, source_fingerprint
 from ._hdf5 import Hdf5Source
 from ._imagefolder import ImageFolderSource
 from ._numpy import NpySource, NpzSource, Stacked
+from ._parquet import ArrowSource, ParquetSource
 from ._pickle import PickleSource
 
 __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
-    "NpySource", "NpzSource", "PickleSource", "Stacked",
+    "NpySource", "NpzSource", "ParquetSource", "ArrowSource", "PickleSource", "Stacked",
 ]

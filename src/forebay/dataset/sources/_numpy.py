@@ -44,7 +44,9 @@ class Stacked(SequenceABC):
     """``n`` samples stacked along axis 0 of ``arrays``, each made when it is asked
     for: 2 M one-byte samples cost their 2 MB, not 2 M dicts of views (900 MB)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], n: int) -> None:
+    def __init__(self, arrays: dict[str, Any], n: int) -> None:
+        """``arrays``: name -> an array stacked along axis 0, or a list of per-sample
+        arrays (ragged)."""
         self.arrays, self.n = arrays, n
 
     def __len__(self) -> int:

@@ -1,0 +1,111 @@
+"""More ingest sources (issue S, item 1): files made by their own libraries, ingested
+bit-exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.dataset.sources import get_source
+from forebay.errors import SourceError, UnsupportedDtypeError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+N = 500
+
+
+def _table(n=N, seed=0, nulls=False):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 9, n)
+    ragged = [rng.normal(size=k).astype(np.float32) for k in lengths]
+    blobs = [rng.bytes(int(k)) for k in rng.integers(0, 40, n)]
+    cols = {
+        "id": pa.array(np.arange(n, dtype=np.int64)),
+        "y": pa.array(rng.normal(size=n)),
+        "flag": pa.array(rng.random(n) > 0.5),
+        "tokens": pa.array([r.tolist() for r in ragged], type=pa.list_(pa.float32())),
+        "xyz": pa.FixedSizeListArray.from_arrays(pa.array(rng.normal(size=3 * n)), 3),
+        "blob": pa.array(blobs, type=pa.binary()),
+        "text": pa.array([f"sample {i} é" for i in range(n)]),
+        "cls": pa.array([["cat", "dog"][i % 2] for i in range(n)]).dictionary_encode(),
+    }
+    if nulls:
+        cols["maybe"] = pa.array([None if i % 7 == 0 else float(i) for i in range(n)])
+    return pa.table(cols), ragged, blobs
+
+
+def test_parquet_rows_become_samples_bit_exact(tmp_path, cli):
+    table, ragged, blobs = _table()
+    (tmp_path / "src").mkdir()
+    pq.write_table(table.slice(0, 300), tmp_path / "src" / "a.parquet", row_group_size=64)
+    pq.write_table(table.slice(300), tmp_path / "src" / "b.parquet", row_group_size=64)
+    code, out, err = cli("ingest", tmp_path / "src", tmp_path / "ds", "--from", "parquet",
+                         "--workers", "2")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert len(ds) == N and ds.metadata["columns"] == list(table.column_names)
+    y, xyz = table.column("y").to_numpy(), table.column("xyz").combine_chunks()
+    xyz = xyz.flatten().to_numpy().reshape(N, 3)
+    for i in range(N):
+        s = ds[i]
+        assert int(s["id"]) == i and float(s["y"]) == y[i] and bool(s["flag"]) == \
+            table.column("flag")[i].as_py()
+        assert s["tokens"].dtype == np.float32 and np.array_equal(s["tokens"], ragged[i])
+        assert np.array_equal(s["xyz"], xyz[i])
+        assert s["blob"].tobytes() == blobs[i]
+        assert s["text"].tobytes().decode() == f"sample {i} é"
+        assert s["cls"].tobytes().decode() == ["cat", "dog"][i % 2]
+
+
+def test_parquet_keys_nulls_and_types_it_cannot_store(tmp_path, cli):
+    table, _, _ = _table(nulls=True)
+    pq.write_table(table, tmp_path / "n.parquet", row_group_size=100)
+    code, out, err = cli("ingest", tmp_path / "n.parquet", tmp_path / "ds", "--from",
+                         "parquet")
+    assert code == 2 and "column 'maybe' has 72 null value(s)" in err and "--nulls zero" \
+        in err, err
+    code, out, err = cli("ingest", tmp_path / "n.parquet", tmp_path / "ds", "--from",
+                         "parquet", "--nulls", "zero", "--keys", "maybe,id")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert list(ds.schema.names) == ["maybe", "id"]
+    assert [float(ds[i]["maybe"]) for i in range(8)] == [0.0, 1, 2, 3, 4, 5, 6, 0.0]
+    stamps = pa.table({"t": pa.array(np.arange(5).astype("datetime64[s]"))})
+    pq.write_table(stamps, tmp_path / "t.parquet")
+    with pytest.raises(UnsupportedDtypeError, match=r"t.parquet: column 't' has type "
+                       r"timestamp\[ms\]; forebay stores numbers"):
+        get_source("parquet", tmp_path / "t.parquet")
+    assert len(get_source("parquet", tmp_path / "n.parquet", keys=["id"]).units()) == 5
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(SourceError, match="bad.parquet: cannot read as Parquet"):
+        get_source("parquet", tmp_path / "bad.parquet")
+    with pytest.raises(SourceError, match=r"no 'nope'"):
+        get_source("parquet", tmp_path / "n.parquet", keys=["nope"])
+
+
+def test_arrow_streams_as_hugging_face_saves_them_and_ipc_files(tmp_path, cli):
+    """``datasets.Dataset.save_to_disk`` writes Arrow IPC *streams*
+    (data-00000-of-00002.arrow ...); an IPC file (random access) reads the same."""
+    table, ragged, blobs = _table()
+    d = tmp_path / "hf" / "train"
+    d.mkdir(parents=True)
+    for k, part in enumerate((table.slice(0, 250), table.slice(250))):
+        with pa.ipc.new_stream(d / f"data-{k:05d}-of-00002.arrow", part.schema) as w:
+            for batch in part.to_batches(max_chunksize=100):
+                w.write_batch(batch)
+    (d / "dataset_info.json").write_text("{}")
+    code, out, err = cli("ingest", tmp_path / "hf", tmp_path / "ds", "--from", "arrow",
+                         "--keys", "id,tokens,blob")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert len(ds) == N
+    for i in (0, 249, 250, N - 1):
+        assert int(ds[i]["id"]) == i and np.array_equal(ds[i]["tokens"], ragged[i])
+        assert ds[i]["blob"].tobytes() == blobs[i]
+    with pa.ipc.new_file(tmp_path / "one.arrow", table.schema) as w:
+        w.write_table(table)
+    src = get_source("arrow", tmp_path / "one.arrow", keys=["text"])
+    assert [s["text"].tobytes().decode() for s in src.read_unit(tmp_path / "one.arrow")][:2] \
+        == ["sample 0 é", "sample 1 é"]
