@@ -18,7 +18,8 @@ def _by_name(sample):
 
 
 def test_registry_lists_every_kind():
-    assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio"}
+    assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio", "parquet",
+                            "arrow"}
 
 
 @pytest.mark.parametrize("kind, gen", [("ising", ising_samples), ("molecules", molecule_samples)])
@@ -186,7 +187,20 @@ def _many_unit_sources(root):
     for i in range(30):
         np.savez(root / "dlio" / f"img_{i:02d}_of_30.npz",
                  x=np.full((3, 2, 4), i, dtype=np.uint8), y=[i] * 4)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"i": pa.array(np.arange(400)),
+                      "v": pa.array([list(range(k % 5)) for k in range(400)],
+                                    type=pa.list_(pa.int32()))})
+    pq.write_table(table, root / "t.parquet", row_group_size=16)          # 25 row groups
+    (root / "arrow").mkdir()
+    for k in range(30):
+        with pa.ipc.new_stream(root / "arrow" / f"data-{k:05d}.arrow", table.schema) as w:
+            w.write_table(table.slice(10 * k, 10))
     return {
+        "parquet": get_source("parquet", root / "t.parquet"),
+        "arrow": get_source("arrow", root / "arrow"),
         "dlio": get_source("dlio", root / "dlio"),
         "pickle": get_source("pickle", root / "pff", trust_pickle=True, chunk_files=4),
         "hdf5": get_source("hdf5", root / "cff", chunk_bytes=20_000),
