@@ -156,3 +156,38 @@ def test_views_and_single_samples_come_from_the_cache_too(tmp_path):
     cache = NodeCache(tmp_path / "cache", src)
     assert cache.ensure(np.arange(SAMPLES)) and cache.hits == SAMPLES and cache.misses == 0
     cache.close()
+
+
+def tagged(s):
+    """A per-sample transform for the workers (module level: spawned workers import it)."""
+    return {"x": bytes(np.asarray(s["x"])), "label": int(s["label"])}
+
+
+def as_list(samples):
+    return samples
+
+
+def test_transform_workers_read_the_node_cache(tmp_path):
+    """In direct mode the workers read their batches themselves: from the cache's copy,
+    which the loader fills before it hands them the ids."""
+    ds = _write(tmp_path / "ds")
+
+    def run(cache):
+        dl = DataLoader(ds, BATCH, comm=None, seed=3, mode="direct", node_cache=cache,
+                        transform=tagged, workers=2, collate_fn=as_list)
+        out = [[(s["label"], s["x"]) for s in b] for b in dl]
+        st = dl.stats()
+        dl.close()
+        return out, st
+
+    want, _ = run(None)
+    first, st1 = run(tmp_path / "cache")
+    second, st2 = run(tmp_path / "cache")
+    assert first == want and second == want
+    assert st1["pfs_reads"] == SAMPLES and st2["pfs_reads"] == 0
+    os.environ["FOREBAY_NODE_CACHE_BYTES"] = "20000"      # past the cap: the loader reads
+    try:
+        full, st3 = run(tmp_path / "small-cache")
+    finally:
+        del os.environ["FOREBAY_NODE_CACHE_BYTES"]
+    assert full == want and st3["node_cache_full"]

@@ -275,6 +275,25 @@ class DirectStore(SampleStore):
         self._count(1, int(self.ds.record_nbytes[j]))
         return sample
 
+    @property
+    def read_path(self) -> Any:
+        """The dataset directory another process reads this store's batches from
+        (after :meth:`prepare`): the node cache's copy, or the dataset itself."""
+        return self.cache.dir if self.cache is not None else self.ds.path
+
+    def prepare(self, ids: np.ndarray) -> bool:
+        """Make samples ``ids`` (normalised) readable at :attr:`read_path` by another
+        process (the loader's transform workers), counting the reads; False when the
+        node cache's cap leaves some out (read that batch with :meth:`get_many`)."""
+        if self.cache is None:
+            self.account(ids)
+            return True
+        misses, nbytes = self.cache.misses, self.cache.miss_bytes
+        if not self.cache.ensure(ids):
+            return False
+        self._count(self.cache.misses - misses, self.cache.miss_bytes - nbytes)
+        return True
+
     def account(self, ids: np.ndarray) -> None:
         """Count reads of ``ids`` done on this store's behalf by another process that
         opened the same dataset (the loader's transform workers in direct mode)."""

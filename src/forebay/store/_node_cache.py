@@ -343,8 +343,7 @@ class NodeCache:
         self._inuse.release()
 
 
-def node_cache_root(root: "str | os.PathLike[str] | None", mode: str,
-                    workers: int) -> Optional[Path]:
+def node_cache_root(root: "str | os.PathLike[str] | None", mode: str) -> Optional[Path]:
     """The loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``), checked against its
     mode: the cache serves direct reads (``mode="auto"`` becomes direct with it)."""
     if root is None:
@@ -356,7 +355,4 @@ def node_cache_root(root: "str | os.PathLike[str] | None", mode: str,
     if mode not in ("auto", "direct"):
         raise InvalidArgumentError(f"node_cache serves mode='direct' (preload and "
                                    f"clairvoyant keep their own tiers), not mode={mode!r}")
-    if workers:
-        raise InvalidArgumentError("node_cache with transform workers is not supported yet: "
-                                   "workers=0, or no node_cache")
     return Path(root)

@@ -101,7 +101,7 @@ class DataLoader:
         width, node_aware, transport: replica groups of the store and how peers' memory
             is read (see :class:`~forebay.store.DistributedStore`).
         node_cache: a node-local directory where the records read are kept for later
-            jobs (default ``FOREBAY_NODE_CACHE``; direct mode, no workers; see
+            jobs (default ``FOREBAY_NODE_CACHE``; direct mode; see
             :class:`~forebay.store.NodeCache` and ``forebay cache``)
 
     What comes out:
@@ -188,7 +188,7 @@ class DataLoader:
                  node_cache: "Optional[str | os.PathLike[str]]" = None) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-        cache_root = node_cache_root(node_cache, mode, workers)
+        cache_root = node_cache_root(node_cache, mode)
         mode = "direct" if cache_root is not None else mode
         fetch_model = None
         if system is not None:  # a system file's [tiers]; explicit arguments win
@@ -268,7 +268,7 @@ class DataLoader:
             if transform is not None and batch_transform is not None:
                 raise InvalidArgumentError("give transform or batch_transform, not both")
             # direct mode: the workers read the dataset themselves, as torch's read files
-            own = (str(self.ds.path), self.ds.verify_on_read) \
+            own = (str(self.store.read_path), self.ds.verify_on_read) \
                 if isinstance(self.store, DirectStore) else None
             self._pool = WorkerPool(int(workers), self.ds.schema, transform,
                                     batch_transform, collate_fn, seed, worker_start,
@@ -362,9 +362,8 @@ class DataLoader:
 
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
-        if self._pool is not None and isinstance(self.store, DirectStore):
-            ids = self.ds.normalize_ids(ids)
-            self.store.account(ids)                             # read by the worker
+        if self._pool is not None and isinstance(self.store, DirectStore) and \
+                self.store.prepare(ids := self.ds.normalize_ids(ids)):   # read by the worker
             pending = self._pool.submit_ids(epoch, step, ids)
             rec = _trace.active()
             if rec is not None:   # its reads, as this rank's, when the batch comes back

@@ -223,7 +223,7 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
         key, payload = msg
         read = None
         try:
-            if ds is not None:        # its file reads, for the loader's trace
+            if ds is not None and not isinstance(payload, dict):   # ids: it reads them
                 t0 = time.perf_counter()
                 batch = ds.get_many(payload.numpy())
                 read = (t0, time.perf_counter())
