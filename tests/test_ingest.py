@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import numpy as np
@@ -19,7 +20,7 @@ def _by_name(sample):
 
 def test_registry_lists_every_kind():
     assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio", "parquet",
-                            "arrow"}
+                            "arrow", "webdataset"}
 
 
 @pytest.mark.parametrize("kind, gen", [("ising", ising_samples), ("molecules", molecule_samples)])
@@ -198,7 +199,18 @@ def _many_unit_sources(root):
     for k in range(30):
         with pa.ipc.new_stream(root / "arrow" / f"data-{k:05d}.arrow", table.schema) as w:
             w.write_table(table.slice(10 * k, 10))
+    import tarfile
+
+    (root / "wds").mkdir()
+    for k in range(30):
+        with tarfile.open(root / "wds" / f"s-{k:04d}.tar", "w") as t:
+            for i in range(3):
+                for ext, data in (("bin", bytes([k, i]) * (i + 1)), ("cls", b"%d" % i)):
+                    info = tarfile.TarInfo(f"k{k:02d}{i}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
     return {
+        "webdataset": get_source("webdataset", root / "wds"),
         "parquet": get_source("parquet", root / "t.parquet"),
         "arrow": get_source("arrow", root / "arrow"),
         "dlio": get_source("dlio", root / "dlio"),

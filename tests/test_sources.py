@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import forebay
-from forebay.dataset.sources import get_source
+from forebay.dataset.sources import get_source, ingest
 from forebay.errors import SourceError, UnsupportedDtypeError
 
 pa = pytest.importorskip("pyarrow")
@@ -109,3 +109,64 @@ def test_arrow_streams_as_hugging_face_saves_them_and_ipc_files(tmp_path, cli):
     src = get_source("arrow", tmp_path / "one.arrow", keys=["text"])
     assert [s["text"].tobytes().decode() for s in src.read_unit(tmp_path / "one.arrow")][:2] \
         == ["sample 0 é", "sample 1 é"]
+
+
+# ----------------------------------------------------------------------------- WebDataset
+
+def test_webdataset_shards_written_by_webdataset_ingest_bit_exact(tmp_path, cli):
+    wds = pytest.importorskip("webdataset")
+    import json
+
+    rng = np.random.default_rng(1)
+    want = []
+    (tmp_path / "shards").mkdir()
+    for shard in range(3):
+        with wds.TarWriter(str(tmp_path / "shards" / f"train-{shard:04d}.tar")) as w:
+            for i in range(40):
+                k = shard * 40 + i
+                s = {"__key__": f"sample{k:06d}", "jpg": rng.bytes(int(rng.integers(50, 500))),
+                     "cls": int(k % 10), "json": {"k": k, "name": f"n{k}"},
+                     "seg.png": rng.bytes(30), "npy": rng.normal(size=(2, k % 4 + 1))}
+                w.write(s)
+                want.append(s)
+    code, out, err = cli("ingest", tmp_path / "shards", tmp_path / "ds", "--from",
+                         "webdataset", "--workers", "2")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert len(ds) == 120 and ds.metadata["fields"] == ["cls", "jpg", "json", "npy", "seg.png"]
+    for k, s in enumerate(want):
+        got = ds[k]
+        assert got["jpg"].tobytes() == s["jpg"] and got["seg.png"].tobytes() == s["seg.png"]
+        assert int(got["cls"]) == s["cls"] and json.loads(got["json"].tobytes()) == s["json"]
+        assert np.array_equal(got["npy"], s["npy"])
+
+
+def test_webdataset_shards_that_do_not_fit_are_named(tmp_path):
+    import io
+    import tarfile
+
+    def shard(path, members):
+        with tarfile.open(path, "w") as t:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                if data is None:
+                    info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
+                    t.addfile(info)
+                else:
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+
+    shard(tmp_path / "a.tar", [("x.jpg", b"1"), ("x.cls", b"1"), ("y.jpg", b"2")])
+    with pytest.raises(SourceError, match=r"a sample lacks .cls \(has .jpg\)"):
+        ingest(get_source("webdataset", tmp_path / "a.tar"), tmp_path / "o")
+    src = get_source("webdataset", tmp_path / "a.tar", keys=["jpg"])
+    assert [s["jpg"] for s in src.read_unit(tmp_path / "a.tar")] == [b"1", b"2"]
+    shard(tmp_path / "b.tar", [("x.jpg", b"1"), ("x.txt", None)])
+    with pytest.raises(SourceError, match=r"member 'x.txt' is a link or a device"):
+        get_source("webdataset", tmp_path / "b.tar")
+    shard(tmp_path / "c.tar", [("x.cls", b"cat")])
+    with pytest.raises(SourceError, match=r"\.cls should hold an integer"):
+        get_source("webdataset", tmp_path / "c.tar")
+    (tmp_path / "d.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(SourceError, match="d.tar: cannot read as a tar shard"):
+        get_source("webdataset", tmp_path / "d.tar")
