@@ -92,8 +92,47 @@ def _storable(t: Any) -> bool:
     return False
 
 
+class _Columnar(Source):
+    """What the Parquet and Arrow sources share: the columns chosen and checked the same
+    way in every file, a null policy, a table read into samples."""
+
+    keys: Optional[list[str]]
+
+    def _setup(self, keys: Optional[Sequence[str]], nulls: Optional[str]) -> None:
+        self.nulls = nulls or "refuse"
+        if self.nulls not in NULLS:
+            raise InvalidArgumentError(f"nulls must be one of {NULLS}, got {nulls!r}")
+        self._asked = keys
+        self.keys = None
+
+    def _choose(self, path: Path, schema: Any) -> list[str]:
+        """The chosen columns of the file at ``path`` (its Arrow ``schema``): present,
+        storable, and the first file's."""
+        chosen = check_keys(list(dict.fromkeys(schema.names)), self._asked, str(path))
+        for name in chosen:
+            if not _storable(schema.field(name).type):
+                raise UnsupportedDtypeError(
+                    f"{path}: column {name!r} has type {schema.field(name).type}; forebay "
+                    f"stores numbers, booleans, lists of them, binary and strings "
+                    f"(--keys leaves it out)")
+        if self.keys is None:
+            self.keys = chosen
+        elif chosen != self.keys:
+            raise SourceError(f"{path}: columns {chosen} differ from the first file's "
+                              f"{self.keys}")
+        return chosen
+
+    def _samples(self, table: Any, where: str) -> Stacked:
+        n = table.num_rows
+        return Stacked({name: _column(table.column(name), name, n, self.nulls, where)
+                        for name in table.column_names}, n)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"source_kind": self.kind, "columns": self.keys}
+
+
 @register_source
-class ParquetSource(Source):
+class ParquetSource(_Columnar):
     """One Parquet file, or a directory of them (sorted by path): each row a sample,
     each column a field (``keys`` selects and orders columns).  Numbers and booleans are
     0-d fields; list columns ragged 1-d fields; fixed-size lists fixed shapes; binary
@@ -109,11 +148,8 @@ class ParquetSource(Source):
                  **unused: Any) -> None:
         import pyarrow.parquet as pq
 
-        self.nulls = nulls or "refuse"
-        if self.nulls not in NULLS:
-            raise InvalidArgumentError(f"nulls must be one of {NULLS}, got {nulls!r}")
+        self._setup(keys, nulls)
         self.files = list_files(root, [".parquet", ".pq"], "Parquet", follow_links)
-        self.keys: Optional[list[str]] = None
         self._units: list[tuple[Path, int]] = []
         for path in self.files:
             try:
@@ -122,20 +158,7 @@ class ParquetSource(Source):
             except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
                 raise SourceError(f"{path}: cannot read as Parquet ({type(e).__name__}: "
                                   f"{e})") from None
-            names = [md.schema.column(i).path.split(".")[0] for i in range(md.num_columns)]
-            names = list(dict.fromkeys(names))
-            chosen = check_keys(names, keys, str(path))
-            if self.keys is None:
-                self.keys = chosen
-            elif chosen != self.keys:
-                raise SourceError(f"{path}: columns {chosen} differ from the first file's "
-                                  f"{self.keys}")
-            for name in chosen:
-                if not _storable(schema.field(name).type):
-                    raise UnsupportedDtypeError(
-                        f"{path}: column {name!r} has type {schema.field(name).type}; forebay "
-                        f"stores numbers, booleans, lists of them, binary and strings "
-                        f"(--keys leaves it out)")
+            chosen = self._choose(path, schema)
             if self.nulls == "refuse":
                 self._no_nulls(md, path, chosen)
             self._units += [(path, g) for g in range(md.num_row_groups)
@@ -172,12 +195,7 @@ class ParquetSource(Source):
             table = pq.ParquetFile(path).read_row_group(group, columns=self.keys)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
             raise SourceError(f"{where}: cannot read ({type(e).__name__}: {e})") from None
-        n = table.num_rows
-        return Stacked({name: _column(table.column(name), name, n, self.nulls, where)
-                        for name in table.column_names}, n)
-
-    def metadata(self) -> dict[str, Any]:
-        return {"source_kind": self.kind, "columns": self.keys}
+        return self._samples(table, where)
 
 
 def _open_ipc(path: Path) -> Any:
@@ -192,7 +210,7 @@ def _open_ipc(path: Path) -> Any:
 
 
 @register_source
-class ArrowSource(Source):
+class ArrowSource(_Columnar):
     """Arrow IPC files or streams (``.arrow``; a Hugging Face ``datasets`` directory
     saved with ``save_to_disk``, or its hub cache): as :class:`ParquetSource`, a file
     being the unit read in parallel."""
@@ -202,29 +220,15 @@ class ArrowSource(Source):
     def __init__(self, root: "str | os.PathLike[str]", *, keys: Optional[Sequence[str]] = None,
                  nulls: Optional[str] = None, follow_links: bool = False,
                  **unused: Any) -> None:
-        self.nulls = nulls or "refuse"
-        if self.nulls not in NULLS:
-            raise InvalidArgumentError(f"nulls must be one of {NULLS}, got {nulls!r}")
+        self._setup(keys, nulls)
         self.files = list_files(root, [".arrow"], "Arrow", follow_links)
-        self.keys: Optional[list[str]] = None
         for path in self.files:
             try:
                 schema = _open_ipc(path).schema
             except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
                 raise SourceError(f"{path}: cannot read as Arrow IPC ({type(e).__name__}: "
                                   f"{e})") from None
-            chosen = check_keys(schema.names, keys, str(path))
-            for name in chosen:
-                if not _storable(schema.field(name).type):
-                    raise UnsupportedDtypeError(
-                        f"{path}: column {name!r} has type {schema.field(name).type}; forebay "
-                        f"stores numbers, booleans, lists of them, binary and strings "
-                        f"(--keys leaves it out)")
-            if self.keys is None:
-                self.keys = chosen
-            elif chosen != self.keys:
-                raise SourceError(f"{path}: columns {chosen} differ from the first file's "
-                                  f"{self.keys}")
+            self._choose(path, schema)
 
     def units(self) -> list[Path]:
         return self.files
@@ -234,9 +238,4 @@ class ArrowSource(Source):
             table = _open_ipc(path).read_all().select(self.keys)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
             raise SourceError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-        n = table.num_rows
-        return Stacked({name: _column(table.column(name), name, n, self.nulls, str(path))
-                        for name in table.column_names}, n)
-
-    def metadata(self) -> dict[str, Any]:
-        return {"source_kind": self.kind, "columns": self.keys}
+        return self._samples(table, str(path))
