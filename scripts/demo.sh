@@ -30,6 +30,10 @@ mpiexec -n 2 python benchmarks/loader/train_gnn.py --packed "$OUT/ising.fb" --pf
     --mode clairvoyant --ram-share 0.6 --reduce bitvector --trace "$OUT/trace" \
     --repo "file://$(cd "$OUT" && pwd)/models" --json "$OUT/train.json"
 
+step "7b. the same on a slow shared file system (emulated: 2 ms a request, 100 MB/s), 3 epochs: the regime forebay is for"
+mpiexec -n 2 python benchmarks/loader/train_gnn.py --packed "$OUT/ising.fb" --pff "$OUT/ising-pff" --epochs 3 \
+    --mode clairvoyant --ram-share 0.6 --reduce bitvector --slow-fs 100,2
+
 step "8. what the trace of that forebay run says (DFTracer-format files, one per rank)"
 forebay analyze "$OUT/trace" --json "$OUT/trace-analysis.json" --plots "$OUT/trace-plots"
 

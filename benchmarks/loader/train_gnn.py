@@ -125,6 +125,10 @@ def main() -> None:
                    "dataset per rank, filled in the background)")
     p.add_argument("--ram-share", type=float, default=0.6,
                    help="clairvoyant: each rank's RAM tier as a share of the dataset")
+    p.add_argument("--slow-fs", metavar="MBPS,MS",
+                   help="emulate a slow shared file system for both loaders: every read of "
+                        "the dataset's files (forebay's store, the baseline's pickles) "
+                        "waits MS per request plus its bytes at MBPS")
     p.add_argument("--json", type=Path, help="write the measured epochs (for the simulator "
                    "comparison: benchmarks/sim/sim_validate.py)")
     p.add_argument("--repo", help="save the forebay-trained model into this model repository "
@@ -169,7 +173,15 @@ def main() -> None:
         from forebay.store import tier_nbytes
 
         ram = int(tier_nbytes(forebay.open_dataset(a.packed)).sum() * a.ram_share)
-    extra = {} if a.prefetch is None else {"prefetch": a.prefetch}
+    extra: dict = {} if a.prefetch is None else {"prefetch": a.prefetch}
+    slow = None
+    if a.slow_fs:
+        mbps, ms = (float(v) for v in a.slow_fs.split(","))
+
+        def slow(nbytes: int, requests: int, seconds: float = 0.0) -> None:
+            """The emulated file system's time for what was read, beyond what it took."""
+            time.sleep(max(0.0, requests * ms / 1e3 + nbytes / (mbps * 1e6) - seconds))
+        extra["on_pfs_read"] = slow
     loader = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
                         progress=False, mode=a.mode, ram_bytes=ram, **extra)
     y_scale = 100.0
@@ -200,7 +212,15 @@ def main() -> None:
     results[forebay_name] = per_epoch
 
     if a.pff is not None:
-        ds, _ = pff_dataset(a.pff)
+        ds, files = pff_dataset(a.pff)
+        if slow is not None:
+            plain = ds.__class__.__getitem__
+
+            def slowed(self, i):               # one file, one request
+                out = plain(self, i)
+                slow(files[i].stat().st_size, 1)
+                return out
+            ds.__class__.__getitem__ = slowed
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
         tl = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, sampler=sampler,
                                          collate_fn=list_collate)
@@ -240,11 +260,20 @@ def main() -> None:
                   f"stall is what a loader can remove; the rest is the model's compute on "
                   f"this CPU, {gf / gb - 1:+.1%} for forebay's padded last steps: "
                   f"{gf:,} graphs computed against {gb:,})")
-            print("  the regime here is the one forebay is not for: 2,000 small graphs on a "
-                  "local disk, in the page cache after the first read, so torch's loader "
-                  "waits little; forebay's gains come where samples come from a slow "
-                  "shared file system every epoch (benchmarks/RESULTS.md: the emulated "
-                  "cluster with a throttled shared file system)")
+            if a.slow_fs:
+                print(f"  the regime forebay is for: every read of the files costs what a "
+                      f"busy shared file system charges (emulated: {a.slow_fs.split(',')[1]} "
+                      f"ms a request, {a.slow_fs.split(',')[0]} MB/s); torch's loader pays "
+                      f"it every epoch, forebay's clairvoyant tiers after the first only for "
+                      f"what they do not hold (torch's worker processes, num_workers, would "
+                      f"overlap its waits, not remove them)")
+            else:
+                print("  the regime here is the one forebay is not for: 2,000 small graphs "
+                      "on a local disk, in the page cache after the first read, so torch's "
+                      "loader waits little; forebay's gains come where samples come from a "
+                      "slow shared file system every epoch (the next step, and "
+                      "benchmarks/RESULTS.md: the emulated cluster with a throttled shared "
+                      "file system)")
     if rank == 0 and a.json:
         import json
 
