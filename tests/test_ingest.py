@@ -20,7 +20,7 @@ def _by_name(sample):
 
 def test_registry_lists_every_kind():
     assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio", "parquet",
-                            "arrow", "webdataset"}
+                            "arrow", "webdataset", "zarr"}
 
 
 @pytest.mark.parametrize("kind, gen", [("ising", ising_samples), ("molecules", molecule_samples)])
@@ -209,7 +209,13 @@ def _many_unit_sources(root):
                     info = tarfile.TarInfo(f"k{k:02d}{i}.{ext}")
                     info.size = len(data)
                     t.addfile(info, io.BytesIO(data))
+    import zarr
+
+    z = zarr.open_array(str(root / "z.zarr"), mode="w", shape=(400, 3), chunks=(10, 3),
+                        dtype="i4")
+    z[:] = np.arange(1200, dtype=np.int32).reshape(400, 3)
     return {
+        "zarr": get_source("zarr", root / "z.zarr", unit_bytes=1),      # a chunk per unit
         "webdataset": get_source("webdataset", root / "wds"),
         "parquet": get_source("parquet", root / "t.parquet"),
         "arrow": get_source("arrow", root / "arrow"),

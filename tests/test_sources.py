@@ -170,3 +170,48 @@ def test_webdataset_shards_that_do_not_fit_are_named(tmp_path):
     (tmp_path / "d.tar").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(SourceError, match="d.tar: cannot read as a tar shard"):
         get_source("webdataset", tmp_path / "d.tar")
+
+
+# ---------------------------------------------------------------------------------- Zarr
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_zarr_stores_written_by_zarr_ingest_bit_exact(tmp_path, cli, fmt):
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(fmt)
+    x = rng.normal(size=(300, 4, 3)).astype(np.float32)
+    y = np.arange(300, dtype=np.int64)
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="w", zarr_format=fmt)
+    g.create_array("x", shape=x.shape, chunks=(32, 4, 3), dtype=x.dtype)[:] = x
+    g.create_group("meta").create_array("y", shape=y.shape, chunks=(50,), dtype=y.dtype)[:] = y
+    code, out, err = cli("ingest", tmp_path / "s.zarr", tmp_path / "ds", "--from", "zarr",
+                         "--workers", "2", "--keys", "x,meta/y")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "ds")
+    assert len(ds) == 300 and list(ds.schema.names) == ["x", "meta/y"]
+    every = ds.get_many(np.arange(300))
+    assert np.array_equal(every.field("x").stacked(), x)
+    assert np.array_equal(every.field("meta/y").stacked(), y)
+    one = zarr.open_array(str(tmp_path / "a.zarr"), mode="w", shape=(40, 2), chunks=(8, 2),
+                          dtype="u2", zarr_format=fmt)
+    one[:] = np.arange(80, dtype=np.uint16).reshape(40, 2)
+    src = get_source("zarr", tmp_path / "a.zarr", keys=["pair"])
+    assert len(src.units()) == 1 and [s["pair"].tolist() for s in src.read_unit(
+        src.units()[0])][:2] == [[0, 1], [2, 3]]
+
+
+def test_zarr_stores_that_do_not_fit_are_named(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    g.create_array("x", shape=(10, 2), chunks=(5, 2), dtype="f4")
+    g.create_array("y", shape=(9,), chunks=(5,), dtype="i4")
+    with pytest.raises(SourceError, match=r"different numbers of rows .*'x': 10, 'y': 9"):
+        get_source("zarr", tmp_path / "s.zarr")
+    (tmp_path / "secret").write_bytes(b"s" * 8)
+    (tmp_path / "s.zarr" / "x" / "c" / "0").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "s.zarr" / "x" / "c" / "0" / "9").symlink_to(tmp_path / "secret")
+    with pytest.raises(SourceError, match="leads outside the source"):
+        get_source("zarr", tmp_path / "s.zarr", keys=["x"])
+    (tmp_path / "t.zarr").mkdir()
+    (tmp_path / "t.zarr" / "zarr.json").write_text("{not json")
+    with pytest.raises(SourceError, match="cannot open as a Zarr store"):
+        get_source("zarr", tmp_path / "t.zarr")

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: optional dependencies -> the pip extra that brings them (pyproject.toml)
 _EXTRAS = {"lmdb": "models", "msgpack": "models", "safetensors": "models",
-           "matplotlib": "plots", "torch": "torch", "mpi4py": "mpi", "pyarrow": "sources"}
+           "matplotlib": "plots", "torch": "torch", "mpi4py": "mpi", "pyarrow": "sources",
+           "zarr": "sources"}
 
 
 #: what matplotlib's Agg backend writes, by file name

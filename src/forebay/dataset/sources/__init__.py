@@ -8,10 +8,11 @@ from ._numpy import NpySource, NpzSource, Stacked
 from ._parquet import ArrowSource, ParquetSource
 from ._pickle import PickleSource
 from ._webdataset import WebDatasetSource
+from ._zarr import ZarrSource
 
 __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
     "NpySource", "NpzSource", "ParquetSource", "ArrowSource", "PickleSource", "Stacked",
-    "WebDatasetSource",
+    "WebDatasetSource", "ZarrSource",
 ]
