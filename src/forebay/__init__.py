@@ -17,19 +17,20 @@ from .errors import ForebayError  # noqa: E402
 
 if TYPE_CHECKING:
     from .dataset import (DatasetWriter, PackedDataset, SampleBatch, Schema,  # noqa: F401
-                          open_dataset, write_dataset)
+                          append, open_dataset, write_dataset)
     from .plan import AccessPlan  # noqa: F401
 
 __all__ = [
     "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "PackedDataset",
     "SampleBatch",
-    "Schema", "open_dataset", "write_dataset",
+    "Schema", "append", "open_dataset", "write_dataset",
 ]
 
 #: names made on first use (``import forebay`` stays light: the ``forebay`` command
 #: imports numpy and the rest inside the part that turns Ctrl-C into one line)
 _LAZY = {"DatasetWriter": "dataset", "PackedDataset": "dataset", "SampleBatch": "dataset",
          "Schema": "dataset", "open_dataset": "dataset", "write_dataset": "dataset",
+         "append": "dataset",
          "AccessPlan": "plan"}
 
 

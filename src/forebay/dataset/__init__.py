@@ -9,6 +9,7 @@ from ._reader import PackedDataset, open_dataset
 from ._verify import VerifyReport
 from ._schema import KIND_BYTES, Field, Schema
 from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
+from ._append import append, generations
 
 __all__ = [
     "ALIGNMENT", "BufferPool", "DEFAULT_SHARD_BYTES", "FORMAT_VERSION", "KIND_BYTES",
@@ -16,5 +17,5 @@ __all__ = [
     "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "PinnedPages", "ReadOnly",
     "SampleBatch", "SampleViews", "Schema", "VerifyReport", "assemble_batch",
     "assemble_views", "can_lock", "checksum", "gather_ranges", "open_dataset", "seal_manifest",
-    "write_dataset",
+    "write_dataset", "append", "generations",
 ]
