@@ -173,8 +173,9 @@ def test_transform_workers_read_the_node_cache(tmp_path):
     ds = _write(tmp_path / "ds")
 
     def run(cache):
+        # fork: the workers start at once (the start method is not what is tested here)
         dl = DataLoader(ds, BATCH, comm=None, seed=3, mode="direct", node_cache=cache,
-                        transform=tagged, workers=2, collate_fn=as_list)
+                        transform=tagged, workers=2, collate_fn=as_list, worker_start="fork")
         out = [[(s["label"], s["x"]) for s in b] for b in dl]
         st = dl.stats()
         dl.close()

@@ -253,7 +253,7 @@ def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tmp_path):
 
         forebay.write_dataset("d.fb", ({"x": np.arange(3) + i} for i in range(16)),
                               overwrite=True)
-        for b in DataLoader("d.fb", 4, comm=None, transform=double, workers=2):
+        for b in DataLoader("d.fb", 4, comm=None, transform=double, workers=1):
             pass
     """))
     p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,

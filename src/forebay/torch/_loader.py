@@ -248,8 +248,9 @@ class DataLoader:
                                           ssd_threads=ssd_threads or 1,
                                           warm_files=warm, ram_tier=ram_tier)
         else:
-            self.store = DirectStore(self.ds, warm=self._direct_warm(warm), node_cache=None
-                                     if cache_root is None else NodeCache(cache_root, self.ds))
+            self.store = DirectStore(   # with a node cache, nothing to warm in the files
+                self.ds, warm=self._direct_warm(warm) if cache_root is None else None,
+                node_cache=None if cache_root is None else NodeCache(cache_root, self.ds))
         self.collate_fn = collate_fn
         self.views = bool(views)
         if self.views and collate_fn is None and transform is None and \
