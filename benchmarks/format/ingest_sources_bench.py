@@ -1,0 +1,106 @@
+"""Ingest throughput per source on the same data (issue S, item 4, first figures): the
+same samples (a 4 KiB byte blob, a label, 128 float32s) written by each source's own
+library (NumPy's npz, pyarrow's Parquet and Arrow IPC, webdataset's TarWriter, zarr),
+then packed by ``forebay.dataset.sources.ingest`` (one reader; interleaved rounds; the
+output written back with ``os.sync`` inside each timing).
+
+    python benchmarks/format/ingest_sources_bench.py --out /tmp/isb --samples 20000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import statistics
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import machine  # noqa: E402
+
+from forebay.dataset.sources import get_source, ingest  # noqa: E402
+
+
+def make(out: Path, n: int) -> dict[str, tuple[Path, dict]]:
+    """The same samples in every format; returns kind -> (path, options)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zarr
+
+    rng = np.random.default_rng(0)
+    blob = rng.integers(0, 255, (n, 4096), dtype=np.uint8)
+    label = np.arange(n, dtype=np.int64) % 1000
+    vec = rng.normal(size=(n, 128)).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "data.npz", blob=blob, label=label, vec=vec)
+    table = pa.table({"blob": pa.array([b.tobytes() for b in blob], type=pa.binary()),
+                      "label": label,
+                      "vec": pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel()), 128)})
+    pq.write_table(table, out / "data.parquet", row_group_size=2048)
+    with pa.ipc.new_file(out / "data.arrow", table.schema) as w:
+        w.write_table(table, max_chunksize=2048)
+    (out / "wds").mkdir(exist_ok=True)
+    per = 2048
+    for s in range(0, n, per):
+        with tarfile.open(out / "wds" / f"shard-{s // per:05d}.tar", "w") as t:
+            for k in range(s, min(s + per, n)):
+                for ext, data in (("bin", blob[k].tobytes()), ("cls", b"%d" % label[k]),
+                                  ("npy", _npy(vec[k]))):
+                    info = tarfile.TarInfo(f"s{k:08d}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+    g = zarr.open_group(str(out / "data.zarr"), mode="w")
+    for name, arr in (("blob", blob), ("label", label), ("vec", vec)):
+        g.create_array(name, shape=arr.shape, chunks=(2048, *arr.shape[1:]),
+                       dtype=arr.dtype)[:] = arr
+    return {"npz": (out / "data.npz", {}), "parquet": (out / "data.parquet", {}),
+            "arrow": (out / "data.arrow", {}), "webdataset": (out / "wds", {}),
+            "zarr": (out / "data.zarr", {})}
+
+
+def _npy(a: np.ndarray) -> bytes:
+    b = io.BytesIO()
+    np.save(b, a)
+    return b.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/forebay-isb"))
+    p.add_argument("--samples", type=int, default=20000)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    sources = make(a.out / "src", a.samples)
+    times: dict[str, list[float]] = {k: [] for k in sources}
+    nbytes = 0
+    for r in range(a.rounds):
+        for kind in (list(sources) if r % 2 == 0 else list(sources)[::-1]):
+            path, opts = sources[kind]
+            dst = a.out / f"{kind}.fb"
+            shutil.rmtree(dst, ignore_errors=True)
+            t0 = time.perf_counter()
+            m = ingest(get_source(kind, path, **opts), dst)
+            os.sync()
+            times[kind].append(time.perf_counter() - t0)
+            assert m.num_samples == a.samples, kind
+            nbytes = m.payload_nbytes
+    print(f"machine: {machine()}; {a.samples:,} samples ({nbytes / 1e6:.0f} MB packed: a 4 KiB "
+          f"blob, a label, 128 float32s), one reader, {a.rounds} interleaved rounds")
+    print("| source | samples/s, median (max) | MB/s, median |")
+    print("|---|---:|---:|")
+    for kind, ts in times.items():
+        m = statistics.median(ts)
+        print(f"| {kind} | {a.samples / m:,.0f} ({a.samples / min(ts):,.0f}) | "
+              f"{nbytes / m / 1e6:,.0f} |")
+    shutil.rmtree(a.out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
