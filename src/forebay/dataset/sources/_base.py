@@ -73,7 +73,12 @@ OPT_IN = "pass follow_links=True (forebay ingest --follow-links) if you mean it"
 def inside(root: "str | os.PathLike[str]", target: "str | os.PathLike[str]") -> bool:
     """Whether ``target``, all links resolved, lies in the source ``root`` (a directory's
     tree, or the one file ``root`` names)."""
-    base, real = Path(root).resolve(), Path(target).resolve()
+    return _within(Path(root).resolve(), Path(target))
+
+
+def _within(base: Path, target: Path) -> bool:
+    """:func:`inside` for a root already resolved."""
+    real = target.resolve()
     return real == base if base.is_file() else real.is_relative_to(base)
 
 
@@ -85,8 +90,9 @@ def confine(root: "str | os.PathLike[str]", paths: Iterable[Path],
     ``follow_links``: the user opted in; nothing is checked."""
     paths = list(paths)
     if not follow_links:
+        base = Path(root).resolve()                 # once, not once per file
         for p in paths:
-            if not inside(root, p):
+            if not _within(base, p):
                 raise SourceError(f"{p} leads outside the source {root} (to {p.resolve()}): "
                                   f"not read; {OPT_IN}")
     return paths
