@@ -18,7 +18,8 @@ from ._schema import Schema
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
-    "ShardInfo", "Manifest", "checksum", "load_index", "replace_problem", "seal_manifest",
+    "ShardInfo", "Manifest", "checksum", "load_index", "read_npy_header", "replace_problem",
+    "seal_manifest",
 ]
 
 FORMAT_NAME = "forebay.packed"
@@ -223,21 +224,28 @@ def seal_manifest(doc: dict[str, Any]) -> str:
     return f"{head},\n{_SUM_KEY}\"{checksum((head + chr(10) + '}').encode())}\"\n}}\n"
 
 
+def read_npy_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` from the ``.npy`` header at ``fh``'s position,
+    which is left at the array's first byte; raises what numpy's parser raises."""
+    fmt = np.lib.format
+    version = fmt.read_magic(fh)
+    read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, fortran, dtype = read(fh)
+    return tuple(shape), bool(fortran), dtype
+
+
 def load_index(raw: bytes, ipath: Path, shape: tuple[int, int]) -> np.ndarray:
     """A shard's index from its ``.npy`` bytes: the header is read and checked (int64
     of ``shape``) before any array is made, so a crafted one (an object array, a header
     declaring 10^10 rows, a header that is no Python literal) is named, not loaded."""
-    fmt = np.lib.format
     f = io.BytesIO(raw)
     try:
-        version = fmt.read_magic(f)
-        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-        got, fortran, dtype = read(f)
+        got, fortran, dtype = read_npy_header(f)
     except Exception as e:      # noqa: BLE001 - numpy's header parser raises many kinds
         raise CorruptDatasetError(f"{ipath}: index header unreadable "
                                   f"({type(e).__name__}: {e})") from None
-    if dtype != np.dtype("<i8") or tuple(got) != shape or fortran:
-        raise CorruptDatasetError(f"{ipath}: index has shape {tuple(got)} {dtype}"
+    if dtype != np.dtype("<i8") or got != shape or fortran:
+        raise CorruptDatasetError(f"{ipath}: index has shape {got} {dtype}"
                                   f"{' (Fortran order)' if fortran else ''}, expected "
                                   f"{shape} int64")
     body = len(raw) - f.tell()

@@ -137,12 +137,12 @@ class DlioSource(Source):
             if self.fmt == "npz":
                 with open(path, "rb") as fh:
                     expect_format(fh, "npz", where)
-                with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
-                    if "x" not in z.files:
-                        raise SourceError(f"{where}: no array 'x' (DLIO's npz records)")
-                    check_npz(fh, ["x", "y"], where)
-                    xs = _last_axis(z["x"], where)
-                    y = z["y"] if "y" in z.files else np.zeros(len(xs), np.int64)
+                    with np.load(fh, allow_pickle=False) as z:
+                        if "x" not in z.files:
+                            raise SourceError(f"{where}: no array 'x' (DLIO's npz records)")
+                        check_npz(z, ["x", "y"], where)
+                        xs = _last_axis(z["x"], where)
+                        y = z["y"] if "y" in z.files else np.zeros(len(xs), np.int64)
             elif self.fmt == "npy":
                 with open(path, "rb") as fh:
                     expect_format(fh, "npy", where)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...errors import (InvalidArgumentError, SampleIndexError, SourceError,
                        UnsupportedDtypeError)
+from .._format import read_npy_header
 from ._base import Source, check_keys, list_files, register_source
 
 __all__ = ["NpzSource", "NpySource", "Stacked", "check_declared", "check_npz",
@@ -73,18 +74,15 @@ def check_declared(fh: Any, stored: int, where: str) -> None:
     from ..._memory import available_memory
     from ..._units import human_bytes
 
-    fmt = np.lib.format
     try:
-        version = fmt.read_magic(fh)
-        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-        shape, _, dtype = read(fh)
+        shape, _, dtype = read_npy_header(fh)
     except Exception:       # noqa: BLE001 - np.load reports it with its own words
         return
     if dtype.hasobject:
         return
     nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
     body = stored - fh.tell()
-    what = f"{where} declares shape {tuple(shape)} of {dtype} ({human_bytes(nbytes)})"
+    what = f"{where} declares shape {shape} of {dtype} ({human_bytes(nbytes)})"
     if nbytes > body:
         raise SourceError(f"{what} but holds {human_bytes(max(body, 0))}: truncated or "
                           f"crafted; not read")
@@ -94,17 +92,16 @@ def check_declared(fh: Any, stored: int, where: str) -> None:
                           f"on this node; not read")
 
 
-def check_npz(fh: Any, names: Sequence[str], where: str) -> None:
-    """:func:`check_declared` for each of ``names`` in the npz archive ``fh``."""
-    with zipfile.ZipFile(fh) as zf:
-        for name in names:
-            try:
-                info = zf.getinfo(name + ".npy")
-            except KeyError:
-                continue
-            with zf.open(info) as m:
-                check_declared(m, info.file_size, f"{where}: array {name!r}")
-    fh.seek(0)
+def check_npz(z: Any, names: Sequence[str], where: str) -> None:
+    """:func:`check_declared` for each of ``names`` in the open npz archive ``z``
+    (``np.load``'s, whose zip directory is read once)."""
+    for name in names:
+        try:
+            info = z.zip.getinfo(name + ".npy")
+        except KeyError:
+            continue
+        with z.zip.open(info) as m:
+            check_declared(m, info.file_size, f"{where}: array {name!r}")
 
 
 def expect_format(fh: Any, kind: str, where: str) -> None:
@@ -155,7 +152,7 @@ class NpzSource(Source):
                 expect_format(fh, "npz", str(path))
                 with np.load(fh, allow_pickle=False) as z:
                     names = check_keys(z.files, self.keys, str(path))
-                    check_npz(fh, names, str(path))
+                    check_npz(z, names, str(path))
                     arrays = {k: z[k] for k in names}
         except (SourceError, UnsupportedDtypeError):
             raise
