@@ -75,6 +75,12 @@ class _Flock:
             os.close(self.fd)
             self.fd = None
 
+    def __enter__(self) -> "_Flock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
 
 def _allocated(d: Path) -> int:
     """Bytes of disk the files under ``d`` take (sparse shards count what is written)."""
@@ -87,6 +93,15 @@ def _allocated(d: Path) -> int:
         if p.is_file():
             total += st.st_blocks * 512
     return total
+
+
+def _write_meta(d: Path, **updates: Any) -> None:
+    """Update ``d/cache.json`` (the source's path, the last use) atomically."""
+    meta = _read_meta(d)
+    meta.update(updates)
+    tmp = d / f".cache.json.{os.getpid()}"
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.replace(d / "cache.json")
 
 
 def _read_meta(d: Path) -> dict[str, Any]:
@@ -138,24 +153,12 @@ def clear_cache(root: "str | os.PathLike[str]", fingerprint: Optional[str] = Non
     kept: list[str] = []
     if not root.is_dir():
         return removed, kept
-    with _RootLock(root):
+    with _Flock(root / ".lock"):
         for e in cache_entries(root):
             if fingerprint is not None and e["fingerprint"] != fingerprint:
                 continue
             (kept if not _evict(root / e["fingerprint"]) else removed).append(e["fingerprint"])
     return removed, kept
-
-
-class _RootLock:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def __enter__(self) -> "_RootLock":
-        self.lock = _Flock(self.root / ".lock")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.lock.release()
 
 
 def _evict(d: Path) -> bool:
@@ -190,17 +193,14 @@ class NodeCache:
         except OSError as e:
             raise InvalidArgumentError(f"node cache {self.root}: cannot create it ({e})") from e
         self.dir = self.root / src.fingerprint
-        with _RootLock(self.root):
+        with _Flock(self.root / ".lock"):
             if not (self.dir / "present").is_file():
                 self._create()
             self._inuse = _Flock(self.dir / "inuse", shared=True)
-            self.cap_bytes = self._cap(cap_bytes)
-            self._make_room()
-            meta = _read_meta(self.dir)
-            meta.update({"source": str(src.path), "last_used": time.time()})
-            tmp = self.dir / f".cache.json.{os.getpid()}"
-            tmp.write_text(json.dumps(meta) + "\n")
-            tmp.replace(self.dir / "cache.json")
+            used = _allocated(self.root)
+            self.cap_bytes = self._cap(cap_bytes, used)
+            self._used = self._make_room(used)
+            _write_meta(self.dir, source=str(src.path), last_used=time.time())
         self._present = np.memmap(self.dir / "present", dtype=np.uint8, mode="r+",
                                   shape=(len(src),)) if len(src) else np.zeros(0, np.uint8)
         #: records checked in this job (a cached record is checked on its first use)
@@ -208,7 +208,6 @@ class NodeCache:
         self.dataset = open_dataset(self.dir, verify_on_read=False)
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._used = _allocated(self.root)
         self.full = False
         #: requests served from the cache / from the source in this job (repeats count)
         self.hits = self.misses = 0
@@ -228,14 +227,12 @@ class NodeCache:
                     fh.truncate(s.data_nbytes)
             with open(tmp / "present", "wb") as fh:
                 fh.truncate(len(self.src))
-            (tmp / "cache.json").write_text(json.dumps({"source": str(self.src.path),
-                                                        "last_used": time.time()}) + "\n")
             tmp.rename(self.dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _cap(self, cap_bytes: Optional[int]) -> int:
+    def _cap(self, cap_bytes: Optional[int], used: int) -> int:
         if cap_bytes is None:
             env = os.environ.get(NODE_CACHE_BYTES_ENV)
             if env:
@@ -243,21 +240,24 @@ class NodeCache:
 
                 cap_bytes = parse_size(env)
         if cap_bytes is None:
-            return _allocated(self.root) + shutil.disk_usage(self.root).free // 2
+            return used + shutil.disk_usage(self.root).free // 2
         if cap_bytes <= 0:
             raise InvalidArgumentError(f"node cache cap must be positive, got {cap_bytes}")
         return int(cap_bytes)
 
-    def _make_room(self, need: int = 0) -> None:
+    def _make_room(self, used: int, need: int = 0) -> int:
         """Evict the least recently used datasets no job uses (this one aside) while the
-        root holds more than the cap less ``need`` (the root lock is held)."""
-        used = _allocated(self.root)
+        root holds more than the cap less ``need`` (the root lock is held); ``used``: the
+        bytes under the root now.  Returns them after."""
+        if used + need <= self.cap_bytes:
+            return used
         for e in reversed(cache_entries(self.root)):          # least recently used first
             if used + need <= self.cap_bytes:
                 break
             d = self.root / e["fingerprint"]
             if d != self.dir and _evict(d):
                 used -= e["bytes"]
+        return used
 
     # -- the batch path ---------------------------------------------------------------
     def ensure(self, ids: np.ndarray) -> bool:
@@ -283,9 +283,8 @@ class NodeCache:
         with self._lock:
             if not self.full and self._used + need > self.cap_bytes:
                 # evict what no job uses, least recently used first, and count again
-                with _RootLock(self.root):
-                    self._make_room(need)
-                    self._used = _allocated(self.root)
+                with _Flock(self.root / ".lock"):
+                    self._used = self._make_room(_allocated(self.root), need)
             if self.full or self._used + need > self.cap_bytes:
                 self.full = True          # the caller reads this batch from the source
                 return False
@@ -332,12 +331,8 @@ class NodeCache:
         self._fds.clear()
         if isinstance(self._present, np.memmap):
             self._present.flush()
-        meta = _read_meta(self.dir)
-        meta["last_used"] = time.time()
         try:
-            tmp = self.dir / f".cache.json.{os.getpid()}"
-            tmp.write_text(json.dumps(meta) + "\n")
-            tmp.replace(self.dir / "cache.json")
+            _write_meta(self.dir, last_used=time.time())
         except OSError:
             pass
         self._inuse.release()
