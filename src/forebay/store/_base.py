@@ -237,11 +237,8 @@ class DirectStore(SampleStore):
             self._warm.check()
         if self.cache is not None:
             ids = self.ds.normalize_ids(ids)
-            misses, nbytes = self.cache.misses, self.cache.miss_bytes
-            if self.cache.ensure(ids):
-                batch = self.cache.dataset.get_many(ids, alloc=alloc)
-                self._count(self.cache.misses - misses, self.cache.miss_bytes - nbytes)
-                return batch
+            if self.prepare(ids):
+                return self.cache.dataset.get_many(ids, alloc=alloc)
         batch = self.ds.get_many(ids, alloc=alloc)          # normalises the ids once
         self.account(batch.ids)
         return batch
@@ -254,11 +251,8 @@ class DirectStore(SampleStore):
             self._warm.check()
         if self.cache is not None:
             ids = self.ds.normalize_ids(ids)
-            misses, nbytes = self.cache.misses, self.cache.miss_bytes
-            if self.cache.ensure(ids):
-                views = self.cache.dataset.get_views(ids)
-                self._count(self.cache.misses - misses, self.cache.miss_bytes - nbytes)
-                return views
+            if self.prepare(ids):
+                return self.cache.dataset.get_views(ids)
         views = self.ds.get_views(ids)
         self.account(views.ids)
         return views
@@ -282,9 +276,10 @@ class DirectStore(SampleStore):
         return self.cache.dir if self.cache is not None else self.ds.path
 
     def prepare(self, ids: np.ndarray) -> bool:
-        """Make samples ``ids`` (normalised) readable at :attr:`read_path` by another
-        process (the loader's transform workers), counting the reads; False when the
-        node cache's cap leaves some out (read that batch with :meth:`get_many`)."""
+        """Make samples ``ids`` (normalised) readable at :attr:`read_path` (by this
+        store's reads, or by another process: the loader's transform workers), counting
+        the file-system reads; False when the node cache's cap leaves some out (then
+        read the batch from the dataset)."""
         if self.cache is None:
             self.account(ids)
             return True
