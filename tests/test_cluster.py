@@ -427,10 +427,10 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
 def rank_train_exchange(path: str, transport: str) -> None:
     """Epochs of batches until killed, under either launcher, over ``transport``; rank
     0 says when the first batch is in."""
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, Preload
 
-    dl = DataLoader(path, 4, seed=1, epochs=1000, mode="preload", transport=transport,
-                    collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, 4, seed=1, epochs=1000, store=Preload(transport=transport),
+                    pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
     rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
     for epoch in range(1000):
         dl.set_epoch(epoch)
@@ -470,12 +470,12 @@ def rank_ddp_steps(path: str) -> None:
     import torch
 
     import forebay.reduce as fr
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline
 
     rank, _ = fr.init_process_group("gloo")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    dl = DataLoader(path, 4, seed=1, epochs=1000, mode="direct",
-                    collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, 4, seed=1, epochs=1000, store="direct",
+                    pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
     for epoch in range(1000):
         dl.set_epoch(epoch)
         for _ in dl:
@@ -533,13 +533,13 @@ def rank_train_checkpointed(path: str, repo: str, out: str) -> None:
     import torch
 
     import forebay.reduce as fr
-    from forebay.torch import Checkpoint, DataLoader
+    from forebay.torch import Checkpoint, DataLoader, Pipeline
 
     rank, world = fr.init_process_group("gloo")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(path, ELASTIC_BATCH // world, seed=1, epochs=3, mode="preload",
-                        collate_fn=lambda b: b.ids.copy())
+    loader = DataLoader(path, ELASTIC_BATCH // world, seed=1, epochs=3, store="preload",
+                        pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
     ckpt = Checkpoint(repo, loader=loader, model=model, optimizer=opt, every_steps=3)
     start = ckpt.restore()
     if rank == 0:
@@ -700,9 +700,10 @@ _readme_ids: dict = {}
 
 
 def rank_traced(path: str) -> None:
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline
 
-    dl = DataLoader(path, 4, seed=2, epochs=1, collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, 4, seed=2, epochs=1,
+                    pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
     for _ in dl:
         pass
     dl.close()

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 import forebay  # noqa: E402
-from forebay.torch import BatchDecodeCropFlip, DataLoader  # noqa: E402
+from forebay.torch import BatchDecodeCropFlip, DataLoader, Pipeline, store_settings  # noqa: E402
 from conftest import run_torchrun, say  # noqa: E402
 from test_workers import _epoch, _jpeg_dataset  # noqa: E402
 
@@ -69,8 +69,8 @@ class FreshStaging:
 
 
 def _busy_epochs(path, transform, epochs: int = 3) -> list:
-    dl = DataLoader(path, 4, comm=None, mode="preload", seed=1, epochs=epochs, views=True,
-                    batch_transform=transform, prefetch=2)
+    dl = DataLoader(path, 4, comm=None, seed=1, epochs=epochs, store="preload",
+                    pipeline=Pipeline(views=True, batch_transform=transform, prefetch=2))
     out = []
     for epoch in range(epochs):
         dl.set_epoch(epoch)
@@ -100,7 +100,8 @@ def test_the_gpu_decode_refills_its_staging_only_after_the_device_read_it(tmp_pa
 # ------------------------------------------------------------------------ pinned batches
 
 def _labels(path, mode: str, **kw) -> list:
-    dl = DataLoader(path, 8, comm=None, mode=mode, seed=0, ram_bytes=200 << 20, **kw)
+    dl = DataLoader(path, 8, comm=None, seed=0, store=store_settings(mode, ram_bytes=200 << 20),
+                    **kw)
     out = [b["label"].clone() for b in dl]
     dl.close()
     return out
@@ -135,8 +136,8 @@ def test_pinned_batches_reach_a_busy_device_intact(rows, mode):
     """``pin_memory=True``: batches gathered into pinned memory, copied without waiting;
     the loader never gathers a later batch into memory a queued copy has yet to read."""
     want = _labels(rows, mode)
-    dl = DataLoader(rows, 8, comm=None, mode=mode, seed=0, ram_bytes=200 << 20,
-                    pin_memory=True, prefetch=3)
+    dl = DataLoader(rows, 8, comm=None, seed=0, store=store_settings(mode, ram_bytes=200 << 20),
+                    pipeline=Pipeline(pin_memory=True, prefetch=3))
     got, pinned = _copied_while_busy(dl)
     dl.close()
     assert all(pinned)
@@ -159,7 +160,8 @@ def as_tensors(batch):
                          ids=["transform", "workers", "collate_fn"])
 def test_pin_memory_pins_what_transforms_workers_and_collate_fn_return(rows, kw):
     want = _labels(rows, "direct")
-    dl = DataLoader(rows, 8, comm=None, mode="direct", seed=0, pin_memory=True, **kw)
+    dl = DataLoader(rows, 8, comm=None, seed=0, store="direct",
+                    pipeline=Pipeline(pin_memory=True, **kw))
     got, pinned = _copied_while_busy(dl)
     dl.close()
     assert all(pinned)
@@ -179,7 +181,7 @@ def rank_nccl(path: str) -> None:
 
     rank, world = fr.init_process_group()
     assert dist.get_backend() == "nccl", dist.get_backend()
-    dl = DataLoader(path, 8, seed=0, pin_memory=True)
+    dl = DataLoader(path, 8, seed=0, pipeline=Pipeline(pin_memory=True))
     torch.manual_seed(0)
     ours = torch.nn.Linear(ROW, 4).cuda()
     ref = copy.deepcopy(ours)
@@ -349,7 +351,7 @@ def rank_ddp_checkpoint(path: str, repo: str, out: str, stop: str) -> None:
     net = torch.nn.Linear(ROW, 4).cuda()
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    dl = DataLoader(path, 8, seed=0, pin_memory=True, epochs=2)
+    dl = DataLoader(path, 8, seed=0, epochs=2, pipeline=Pipeline(pin_memory=True))
     ckpt = Checkpoint(repo, loader=dl, model=model, optimizer=opt, every_steps=3)
     ckpt.restore()
     seen = []

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import forebay  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
 from forebay.store import NodeCache, cache_entries  # noqa: E402
-from forebay.torch import DataLoader  # noqa: E402
+from forebay.torch import DataLoader, Direct, Pipeline  # noqa: E402
 
 SAMPLES, BATCH = 96, 8
 
@@ -33,9 +33,10 @@ def _write(path, seed=0, n=SAMPLES, size=1000):
 
 def _epoch(path, cache=None, **kw):
     """One epoch's batches (their bytes) and the loader's stats."""
-    dl = DataLoader(path, BATCH, comm=None, seed=3, mode="direct", node_cache=cache,
-                    collate_fn=lambda b: [bytes(np.asarray(b.sample(k)["x"]))
-                                          for k in range(len(b.ids))], **kw)
+    dl = DataLoader(path, BATCH, comm=None, seed=3, store=Direct(node_cache=cache),
+                    pipeline=Pipeline(collate_fn=lambda b: [bytes(np.asarray(b.sample(k)["x"]))
+                                          for k in range(len(b.ids))]),
+                    **kw)
     out = [b for b in dl]
     st = dl.stats()
     dl.close()
@@ -63,7 +64,7 @@ def test_the_environment_names_the_cache_and_other_modes_are_told(tmp_path, monk
     assert cache_entries(tmp_path / "env-cache")[0]["cached_samples"] == SAMPLES
     with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct'"):
         DataLoader(ds, BATCH, comm=None, mode="preload", node_cache=tmp_path / "c")
-    dl = DataLoader(ds, BATCH, comm=None, mode="preload")     # the variable: direct only
+    dl = DataLoader(ds, BATCH, comm=None, store="preload")     # the variable: direct only
     assert dl.stats().get("node_cache_hits") is None
     dl.close()
 
@@ -146,12 +147,13 @@ def test_a_job_holding_the_cache_keeps_it_and_a_killed_one_does_not(tmp_path, cl
 def test_views_and_single_samples_come_from_the_cache_too(tmp_path):
     ds = _write(tmp_path / "ds")
     src = forebay.open_dataset(ds)
-    dl = DataLoader(ds, BATCH, comm=None, mode="direct", node_cache=tmp_path / "cache",
-                    views=True, collate_fn=lambda v: [bytes(x) for x in v["x"]])
+    dl = DataLoader(ds, BATCH, comm=None, store=Direct(node_cache=tmp_path / "cache"),
+                    pipeline=Pipeline(views=True, collate_fn=lambda v: [bytes(x) for x in v["x"]]))
     got = [b for b in dl]
     dl.close()
-    order = [i for b in DataLoader(ds, BATCH, comm=None, mode="direct",
-                                   collate_fn=lambda b: b.ids.tolist()) for i in b]
+    order = [i for b in DataLoader(ds, BATCH, comm=None, store="direct",
+                                   pipeline=Pipeline(collate_fn=lambda b: b.ids.tolist()))
+             for i in b]
     assert [x for b in got for x in b] == [bytes(src[i]["x"]) for i in order]
     cache = NodeCache(tmp_path / "cache", src)
     assert cache.ensure(np.arange(SAMPLES)) and cache.hits == SAMPLES and cache.misses == 0
@@ -174,8 +176,9 @@ def test_transform_workers_read_the_node_cache(tmp_path):
 
     def run(cache):
         # fork: the workers start at once (the start method is not what is tested here)
-        dl = DataLoader(ds, BATCH, comm=None, seed=3, mode="direct", node_cache=cache,
-                        transform=tagged, workers=2, collate_fn=as_list, worker_start="fork")
+        dl = DataLoader(ds, BATCH, comm=None, seed=3, store=Direct(node_cache=cache),
+                        pipeline=Pipeline(transform=tagged, workers=2, collate_fn=as_list,
+                                          worker_start="fork"))
         out = [[(s["label"], s["x"]) for s in b] for b in dl]
         st = dl.stats()
         dl.close()

@@ -50,7 +50,7 @@ def test_cli_calibrate(tmp_path, cli):
 
 def test_loader_takes_its_tiers_from_a_system_file(tmp_path, packed):
     pytest.importorskip("torch")
-    from forebay.torch import DataLoader
+    from forebay.torch import Clairvoyant, DataLoader, Pipeline
 
     ssd = tmp_path / "ssd"
     ssd.mkdir()
@@ -66,15 +66,16 @@ staging_bytes = "1MiB"
 prefetch = 2
 ''')
     assert load_profile(sysf)["tiers"]["ram_bytes"] == 16 << 10
-    with DataLoader(packed[0], 8, mode="clairvoyant", system=sysf, progress=False) as dl:
+    with DataLoader(packed[0], 8, system=sysf, progress=False, store="clairvoyant") as dl:
         st = dl.store.stats()
         assert st["ssd_bytes"] > 0 and 0 < st["tier_bytes"] <= 16 << 10
         assert dl.staging_bytes == 1 << 20 and dl.prefetch == 2
         n = sum(1 for _ in dl)
         assert n == len(dl)
     # explicit arguments win over the file
-    with DataLoader(packed[0], 8, mode="clairvoyant", system=sysf, prefetch=0,
-                    ram_bytes=8 << 10, staging_bytes=4096, progress=False) as dl:
+    with DataLoader(packed[0], 8, system=sysf, progress=False,
+                    store=Clairvoyant(ram_bytes=8 << 10),
+                    pipeline=Pipeline(prefetch=0, staging_bytes=4096)) as dl:
         assert dl.prefetch == 0 and dl.staging_bytes == 4096
         assert dl.store.stats()["tier_bytes"] <= 8 << 10
 

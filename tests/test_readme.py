@@ -55,8 +55,8 @@ step = lambda batch: None
 E = 1
 """
 FOREBAY_LOADER = """
-from forebay.torch import DataLoader
-loader = DataLoader("ising.fb", 16, prefetch=0)
+from forebay.torch import DataLoader, Pipeline
+loader = DataLoader("ising.fb", 16, pipeline=Pipeline(prefetch=0))
 step = lambda batch: None
 E = 1
 """
@@ -72,7 +72,7 @@ PRELUDES = {
     "fr.init_process_group()              # rank/size from torchrun": DATA + MODEL + TRAINING,
     "from forebay.sim import simulate": "",
     "store = DistributedStore.from_arrays(": "",
-    "loader = DataLoader(\"photos.fb\", batch_size=16, views=True)": "",
+    "pipeline=Pipeline(views=True))     # any store": "",
     "transform=DecodeCropFlip(224),":
         "from forebay.synth import synthesize\n"
         "from forebay.dataset.sources import get_source, ingest\n"

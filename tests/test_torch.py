@@ -11,7 +11,8 @@ import forebay  # noqa: E402
 from forebay import AccessPlan  # noqa: E402
 from forebay.synth import molecule_samples  # noqa: E402
 from forebay.errors import UsageError  # noqa: E402
-from forebay.torch import DataLoader, Dataset, PlanSampler, collate_graphs  # noqa: E402
+from forebay.torch import (Auto, Clairvoyant, DataLoader, Dataset, Pipeline,  # noqa: E402
+                           PlanSampler, collate_graphs, store_settings)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,8 @@ def molecules(tmp_path_factory):
 @pytest.mark.parametrize("mode, prefetch", [("preload", 4), ("direct", 0), ("direct", 2)])
 def test_batches_follow_the_plan(molecules, mode, prefetch):
     path, samples = molecules
-    dl = DataLoader(path, 16, epochs=2, seed=7, mode=mode, prefetch=prefetch, comm=None)
+    dl = DataLoader(path, 16, epochs=2, seed=7, comm=None, store=mode,
+                    pipeline=Pipeline(prefetch=prefetch))
     plan = AccessPlan(len(samples), 1, 16, 2, seed=7)
     assert len(dl) == plan.steps_per_epoch == 13
     for epoch in range(2):
@@ -63,7 +65,7 @@ def test_graph_collation_offsets_edges_and_builds_batch_vector(molecules):
 def test_dense_collation_stacks_without_copy(tmp_path):
     samples = [{"img": np.full((2, 3), i, np.float32), "label": np.int64(i)} for i in range(10)]
     forebay.write_dataset(tmp_path / "d", samples)
-    dl = DataLoader(tmp_path / "d", 4, shuffle=False, drop_last=True, comm=None, mode="direct")
+    dl = DataLoader(tmp_path / "d", 4, shuffle=False, drop_last=True, comm=None, store="direct")
     b = next(iter(dl))
     assert b["img"].shape == (4, 2, 3) and b["label"].tolist() == [0, 1, 2, 3]
     assert len(dl) == 2
@@ -95,8 +97,8 @@ def test_set_epoch_restarts_the_epoch_and_a_finished_epoch_never_jumps(molecules
     silently ran the next epoch)."""
     path, samples = molecules
     plan = AccessPlan(len(samples), 1, 8, 3, seed=3)
-    dl = DataLoader(path, 8, epochs=3, seed=3, comm=None, prefetch=0,
-                    collate_fn=lambda b: b.ids.tolist())
+    dl = DataLoader(path, 8, epochs=3, seed=3, comm=None,
+                    pipeline=Pipeline(prefetch=0, collate_fn=lambda b: b.ids.tolist()))
     want = [[b.tolist() for b in plan.batches(0, e)] for e in range(3)]
     it = iter(dl)
     assert [next(it), next(it)] == want[0][:2]
@@ -113,8 +115,8 @@ def test_set_epoch_restarts_the_epoch_and_a_finished_epoch_never_jumps(molecules
     with pytest.raises(UsageError, match="the plan's last"):
         list(dl)
     # resume: set_epoch for the saved epoch keeps the saved step, another epoch resets
-    fresh = DataLoader(path, 8, epochs=3, seed=3, comm=None, prefetch=0,
-                       collate_fn=lambda b: b.ids.tolist())
+    fresh = DataLoader(path, 8, epochs=3, seed=3, comm=None,
+                       pipeline=Pipeline(prefetch=0, collate_fn=lambda b: b.ids.tolist()))
     fresh.load_state_dict({**dl.state_dict(), "epoch": 1, "step": 4})
     fresh.set_epoch(1)
     assert list(fresh) == want[1][4:]
@@ -127,12 +129,12 @@ def test_set_epoch_restarts_the_epoch_and_a_finished_epoch_never_jumps(molecules
 def test_transform_and_custom_collate(tmp_path):
     samples = [{"v": np.arange(3, dtype=np.float64) + i} for i in range(6)]
     forebay.write_dataset(tmp_path / "d", samples)
-    dl = DataLoader(tmp_path / "d", 3, shuffle=False, comm=None, mode="direct",
-                    transform=lambda s: {"v": torch.as_tensor(s["v"]) * 2})
+    dl = DataLoader(tmp_path / "d", 3, shuffle=False, comm=None, store="direct",
+                    pipeline=Pipeline(transform=lambda s: {"v": torch.as_tensor(s["v"]) * 2}))
     b = next(iter(dl))
     assert b["v"][1].tolist() == [2.0, 4.0, 6.0]
-    dl = DataLoader(tmp_path / "d", 3, shuffle=False, comm=None, mode="direct",
-                    collate_fn=lambda batch: batch.ids.tolist())
+    dl = DataLoader(tmp_path / "d", 3, shuffle=False, comm=None, store="direct",
+                    pipeline=Pipeline(collate_fn=lambda batch: batch.ids.tolist()))
     assert list(dl) == [[0, 1, 2], [3, 4, 5]]
 
 
@@ -143,7 +145,8 @@ def test_errors_in_the_prefetch_thread_reach_the_caller(tmp_path):
     def broken(batch):
         raise RuntimeError("collate failed")
 
-    dl = DataLoader(tmp_path / "d", 4, comm=None, collate_fn=broken, prefetch=2)
+    dl = DataLoader(tmp_path / "d", 4, comm=None,
+                    pipeline=Pipeline(collate_fn=broken, prefetch=2))
     with pytest.raises(RuntimeError, match="collate failed"):
         list(dl)
 
@@ -188,14 +191,14 @@ def test_pin_memory_without_cuda_warns_and_falls_back(tmp_path):
         pytest.skip("this machine has CUDA")
     forebay.write_dataset(tmp_path / "d", [{"v": np.zeros(2)}] * 4)
     with pytest.warns(RuntimeWarning, match="no CUDA"):
-        dl = DataLoader(tmp_path / "d", 2, comm=None, pin_memory=True)
+        dl = DataLoader(tmp_path / "d", 2, comm=None, pipeline=Pipeline(pin_memory=True))
     assert not dl.pin_memory and len(list(dl)) == 2
 
 
 def test_bad_loader_arguments(molecules):
     path, _ = molecules
-    with pytest.raises(ValueError, match="mode"):
-        DataLoader(path, 4, comm=None, mode="lazy")
+    with pytest.raises(ValueError, match="store must be one of"):
+        DataLoader(path, 4, comm=None, store="lazy")
     with pytest.raises(ValueError, match="larger than the dataset"):
         DataLoader(path, 1000, comm=None, drop_last=True)
     dl = DataLoader(path, 4, comm=None, epochs=1)
@@ -205,11 +208,12 @@ def test_bad_loader_arguments(molecules):
 
 def test_auto_mode_preloads_what_fits_and_streams_what_does_not(molecules, monkeypatch):
     path, samples = molecules
-    dl = DataLoader(path, 16, comm=None, mode="auto")
+    dl = DataLoader(path, 16, comm=None, store="auto")
     assert dl.mode == "preload"
     monkeypatch.setenv("FOREBAY_MEMORY_LIMIT", "20000")  # far less than the dataset
-    dl = DataLoader(path, 16, comm=None, mode="auto", ram_bytes=8000, seed=2,
-                    ssd_dir=str(path.parent), ssd_bytes=30000)
+    dl = DataLoader(path, 16, comm=None, seed=2,
+                    store=Auto(clairvoyant=Clairvoyant(ram_bytes=8000, ssd_dir=str(path.parent),
+                                                       ssd_bytes=30000)))
     assert dl.mode == "clairvoyant"
     plan = AccessPlan(len(samples), 1, 16, 1, seed=2)
     for step, b in enumerate(dl):
@@ -229,20 +233,22 @@ def test_staging_area_bounded_in_bytes(molecules):
     plan = AccessPlan(len(samples), 1, 8, 1, seed=6)
     biggest = max(int(ds.sample_nbytes[b].sum()) for b in plan.batches(0, 0))
     budget = biggest + 100  # room for about one batch at a time
-    dl = DataLoader(path, 8, comm=None, seed=6, prefetch=8, staging_bytes=budget,
-                    collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, 8, comm=None, seed=6,
+                    pipeline=Pipeline(prefetch=8, staging_bytes=budget,
+                                      collate_fn=lambda b: b.ids.copy()))
     got = list(dl)
     np.testing.assert_array_equal(np.stack(got), plan.batches(0, 0))
     assert 0 < dl.stats()["staging_peak_bytes"] <= budget
-    unbounded = DataLoader(path, 8, comm=None, seed=6, prefetch=8,
-                           collate_fn=lambda b: (__import__("time").sleep(0.001), b.ids)[1])
+    unbounded = DataLoader(path, 8, comm=None, seed=6,
+                           pipeline=Pipeline(prefetch=8, collate_fn=lambda b: (
+                               __import__("time").sleep(0.001), b.ids)[1]))
     it = iter(unbounded)
     next(it)
     __import__("time").sleep(0.2)  # let the thread run ahead
     assert unbounded.stats()["staging_peak_bytes"] > budget
     it.close()
     with pytest.raises(ValueError, match="staging_bytes"):
-        DataLoader(path, 8, comm=None, staging_bytes=0)
+        DataLoader(path, 8, comm=None, pipeline=Pipeline(staging_bytes=0))
 
 
 def _flip_a_sample_byte(path, sample):
@@ -270,9 +276,8 @@ def test_verify_on_read_is_honoured_in_every_mode(tmp_path, molecules, mode):
     path = tmp_path / "mol.fb"
     shutil.copytree(molecules[0], path)
     assert _flip_a_sample_byte(path, 57) == [57]
-    kw = dict(epochs=1, seed=3, mode=mode, prefetch=0, comm=None)
-    if mode == "clairvoyant":
-        kw["ram_bytes"] = 1 << 20
+    kw = dict(epochs=1, seed=3, store=store_settings(mode, ram_bytes=1 << 20),
+              pipeline=Pipeline(prefetch=0), comm=None)
     # without the check the damaged sample goes out: the test sees the difference
     assert sum(1 for _ in DataLoader(path, 16, **kw)) == 13
     for loader in (lambda: DataLoader(path, 16, verify_on_read=True, **kw),
@@ -300,8 +305,8 @@ def test_views_lend_the_same_samples_read_only(blobs, mode):
     store's memory, the same samples as the copies; labels stacked into a tensor."""
     path, samples = blobs
     plan = AccessPlan(len(samples), 1, 16, 2, seed=1)
-    dl = DataLoader(path, 16, epochs=2, seed=1, mode=mode, views=True, comm=None,
-                    progress=False)
+    dl = DataLoader(path, 16, epochs=2, seed=1, comm=None, progress=False, store=mode,
+                    pipeline=Pipeline(views=True))
     kept = []
     for epoch in range(2):
         dl.set_epoch(epoch)
@@ -331,7 +336,8 @@ def test_views_reach_the_transform_read_only(blobs):
         seen.append(s["image"].flags.writeable)
         return {"n": torch.tensor(len(s["image"]))}
 
-    dl = DataLoader(path, 8, mode="direct", views=True, transform=transform, comm=None)
+    dl = DataLoader(path, 8, comm=None, store="direct",
+                    pipeline=Pipeline(views=True, transform=transform))
     out = next(iter(dl))
     ids = dl.plan.batches(0, 0)[0]
     assert out["n"].tolist() == [len(samples[i]["image"]) for i in ids]
@@ -344,9 +350,9 @@ def test_views_with_graph_batches_need_a_collate_fn(molecules):
 
     path, _ = molecules
     with pytest.raises(InvalidArgumentError, match="graph batches"):
-        DataLoader(path, 4, mode="direct", views=True, comm=None)
-    dl = DataLoader(path, 4, mode="direct", views=True, comm=None,
-                    collate_fn=lambda v: v.stacked("y"))
+        DataLoader(path, 4, comm=None, store="direct", pipeline=Pipeline(views=True))
+    dl = DataLoader(path, 4, comm=None, store="direct",
+                    pipeline=Pipeline(views=True, collate_fn=lambda v: v.stacked("y")))
     assert next(iter(dl)).shape == (4, 1)
     dl.close()
 
@@ -368,10 +374,10 @@ def test_batch_buffers_are_reused_only_once_a_batch_is_dropped(large_blobs, mode
     keeps (whole or a slice of one tensor) stays bit-exact while later batches are
     gathered, and buffers of dropped batches are reused."""
     path, samples = large_blobs
-    kw = {"ram_bytes": 1 << 25} if mode == "clairvoyant" else {}
     prefetch = 2
-    dl = DataLoader(path, 16, epochs=2, seed=7, mode=mode, prefetch=prefetch, comm=None,
-                    **kw)
+    dl = DataLoader(path, 16, epochs=2, seed=7, comm=None,
+                    store=store_settings(mode, ram_bytes=1 << 25),
+                    pipeline=Pipeline(prefetch=prefetch))
     plan = AccessPlan(len(samples), 1, 16, 2, seed=7)
     held = {}
     for epoch in range(2):

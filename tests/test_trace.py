@@ -200,14 +200,15 @@ def _lines(d: Path):
 
 @pytest.mark.parametrize("mode", ["direct", "clairvoyant", "clairvoyant-small"])
 def test_traced_loader_writes_dftracer_lines_matching_its_stats(tmp_path, small, mode):
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, store_settings
 
     d = tmp_path / "tr"
     rec = trace.enable(d, prefix="run")
     kw = {}
     if mode.startswith("clairvoyant"):
         kw = {"ram_bytes": 4096 if mode.endswith("small") else 1 << 20}
-    dl = DataLoader(small, 16, epochs=2, mode=mode.split("-")[0], progress=False, **kw)
+    dl = DataLoader(small, 16, epochs=2, progress=False,
+                    store=store_settings(mode.split("-")[0], **kw))
     for e in range(2):
         dl.set_epoch(e)
         for _ in dl:
@@ -270,12 +271,12 @@ def label_only(s):
 def test_transform_workers_reads_are_in_the_trace(tmp_path, small):
     """In direct mode the transform workers read the samples themselves; their reads
     are this rank's reads in the trace (one data/item and one reader/read each)."""
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Direct, Pipeline
 
     d = tmp_path / "tr"
     trace.enable(d, prefix="run")
-    dl = DataLoader(small, 16, epochs=1, mode="direct", workers=2, transform=label_only,
-                    warm_files=False, progress=False)
+    dl = DataLoader(small, 16, epochs=1, progress=False, store=Direct(warm_files=False),
+                    pipeline=Pipeline(workers=2, transform=label_only))
     got = [int(y) for b in dl for y in b["y"]]
     stats = dl.stats()
     dl.close()
@@ -358,7 +359,7 @@ def test_chrome_export_for_perfetto(tmp_path, small, cli):
     from forebay.torch import DataLoader
 
     trace.enable(tmp_path / "tr", rank=3)
-    with DataLoader(small, 32, mode="direct", progress=False) as dl:
+    with DataLoader(small, 32, progress=False, store="direct") as dl:
         for _ in dl:
             pass
     trace.disable()
@@ -386,10 +387,10 @@ def test_chrome_export_for_perfetto(tmp_path, small, cli):
 
 
 def test_cli_analyze_json_plots_and_html(tmp_path, small, cli):
-    from forebay.torch import DataLoader
+    from forebay.torch import Clairvoyant, DataLoader
 
     trace.enable(tmp_path / "tr")
-    with DataLoader(small, 32, mode="clairvoyant", ram_bytes=8192, progress=False) as dl:
+    with DataLoader(small, 32, progress=False, store=Clairvoyant(ram_bytes=8192)) as dl:
         for _ in dl:
             with trace.region("compute"):
                 time.sleep(0.001)

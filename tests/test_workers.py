@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 import forebay  # noqa: E402
 from forebay import AccessPlan  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
-from forebay.torch import DataLoader, TransformError, sample_rng  # noqa: E402
+from forebay.torch import DataLoader, Pipeline, TransformError, sample_rng  # noqa: E402
 
 N, BATCH = 60, 8
 
@@ -74,8 +74,8 @@ def stops_at_once(s):
 
 
 def _epochs(path, workers, epochs=2, **kw):
-    dl = DataLoader(path, BATCH, epochs=epochs, seed=4, comm=None, mode="direct",
-                    workers=workers, **kw)
+    dl = DataLoader(path, BATCH, epochs=epochs, seed=4, comm=None, store="direct",
+                    pipeline=Pipeline(workers=workers, **kw))
     out = []
     try:
         for e in range(epochs):
@@ -120,8 +120,8 @@ def test_random_augmentations_give_the_same_tensors_whatever_the_workers(images)
 
 
 def test_batch_transform_and_resume(images):
-    dl = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, mode="direct", workers=2,
-                    batch_transform=whole_batch)
+    dl = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, store="direct",
+                    pipeline=Pipeline(workers=2, batch_transform=whole_batch))
     it = iter(dl)
     first = [next(it) for _ in range(3)]
     state = dl.state_dict()
@@ -129,8 +129,8 @@ def test_batch_transform_and_resume(images):
     dl.close()
     plan = AccessPlan(N, 1, BATCH, 1, seed=4)
     assert [b.tolist() for b in first] == [(x * 2).tolist() for x in plan.batches(0, 0)[:3]]
-    again = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, mode="direct",
-                       workers=2, batch_transform=whole_batch)
+    again = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, store="direct",
+                       pipeline=Pipeline(workers=2, batch_transform=whole_batch))
     again.load_state_dict(state)
     rest = list(again)
     again.close()
@@ -163,15 +163,15 @@ def test_a_worker_that_hangs_or_stops_fails_its_batch_after_the_timeout(images):
 
 def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
     with pytest.raises(InvalidArgumentError, match="must be picklable"):
-        DataLoader(images, BATCH, comm=None, workers=2, transform=lambda s: s)
+        DataLoader(images, BATCH, comm=None, pipeline=Pipeline(workers=2, transform=lambda s: s))
     with pytest.raises(InvalidArgumentError, match="run a transform"):
-        DataLoader(images, BATCH, comm=None, workers=2)
-    with pytest.raises(InvalidArgumentError, match="workers must be a positive"):
-        DataLoader(images, BATCH, comm=None, workers=-1, transform=augment)
+        DataLoader(images, BATCH, comm=None, pipeline=Pipeline(workers=2))
+    with pytest.raises(InvalidArgumentError, match=r"Pipeline\(workers=\) must be a non-neg"):
+        DataLoader(images, BATCH, comm=None, pipeline=Pipeline(workers=-1, transform=augment))
     for bad in (0, -1, float("nan"), "soon", True):
         with pytest.raises(InvalidArgumentError, match="worker_timeout must be"):
-            DataLoader(images, BATCH, comm=None, workers=1, transform=augment,
-                       worker_timeout=bad)
+            DataLoader(images, BATCH, comm=None,
+                       pipeline=Pipeline(workers=1, transform=augment, worker_timeout=bad))
 
 
 def test_the_reference_imagenet_transform_on_real_jpegs(tmp_path):
@@ -185,8 +185,8 @@ def test_the_reference_imagenet_transform_on_real_jpegs(tmp_path):
     ingest(get_source("imagefolder", tmp_path / "jpg"), tmp_path / "img.fb")
     runs = []
     for workers in (0, 2):
-        dl = DataLoader(tmp_path / "img.fb", 4, comm=None, mode="direct", seed=1,
-                        workers=workers, transform=DecodeCropFlip(224))
+        dl = DataLoader(tmp_path / "img.fb", 4, comm=None, seed=1, store="direct",
+                        pipeline=Pipeline(workers=workers, transform=DecodeCropFlip(224)))
         runs.append(list(dl))
         dl.close()
     for a, b in zip(*runs):
@@ -204,7 +204,7 @@ def _jpeg_dataset(tmp_path):
 
 
 def _epoch(path, **kw):
-    dl = DataLoader(path, 4, comm=None, mode="direct", seed=1, **kw)
+    dl = DataLoader(path, 4, comm=None, seed=1, store="direct", pipeline=Pipeline(**kw))
     out = list(dl)
     dl.close()
     return out

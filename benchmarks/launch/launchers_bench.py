@@ -70,14 +70,14 @@ def worker(a) -> None:
         setup, transport = 0.0, "-"
         barrier = dist.barrier
     else:
-        from forebay.torch import DataLoader
+        from forebay.torch import DataLoader, Preload
         from forebay.world import resolve_comm
 
         comm = resolve_comm()
         rank, world = comm.Get_rank(), comm.Get_size()
         t0 = time.perf_counter()
         dl = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
-                        transport=a.transport, progress=False)
+                        progress=False, store=Preload(transport=a.transport))
         setup = max(comm.allgather(time.perf_counter() - t0))
         transport = dl.store.stats()["transport"]
 

@@ -51,7 +51,7 @@ def worker(a) -> None:
     import torch
 
     import forebay.reduce as fr
-    from forebay.torch import Checkpoint, DataLoader
+    from forebay.torch import Checkpoint, DataLoader, Pipeline, Preload
 
     def say(*words: object) -> None:
         if rank == 0:
@@ -61,8 +61,9 @@ def worker(a) -> None:
     say("PG")
     model = torch.nn.parallel.DistributedDataParallel(_model())
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    loader = DataLoader(a.data, GLOBAL_BATCH // world, seed=1, epochs=1000, mode="preload",
-                        overlap_preload=False, collate_fn=lambda b: len(b.ids))
+    loader = DataLoader(a.data, GLOBAL_BATCH // world, seed=1, epochs=1000,
+                        store=Preload(overlap=False),
+                        pipeline=Pipeline(collate_fn=lambda b: len(b.ids)))
     say("LOADER")
     ckpt = Checkpoint(a.repo, loader=loader, model=model, optimizer=opt, every_steps=a.every)
     start = ckpt.restore()

@@ -42,7 +42,7 @@ WARM = {"auto": "auto", "on": True, "off": False}
 
 def worker(a) -> None:
     from forebay import open_dataset
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, store_settings
     from forebay.world import resolve_comm
 
     comm = resolve_comm()       # MPI's COMM_WORLD, or torch.distributed under torchrun
@@ -58,8 +58,8 @@ def worker(a) -> None:
             time.sleep(1.0)         # perf attached before the loader starts
         comm.Barrier()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    loader = DataLoader(a.dataset, a.batch_size, seed=0, epochs=2, mode=mode,
-                        progress=False, warm_files=WARM[a.warm], **kw)
+    loader = DataLoader(a.dataset, a.batch_size, seed=0, epochs=2, progress=False,
+                        store=store_settings(mode, warm_files=WARM[a.warm], **kw))
     times, cpu = [], None
     for e in range(2):
         loader.set_epoch(e)

@@ -63,7 +63,7 @@ from _common import ThrottledDevice, evict, files_under, machine, throttled  # n
 import forebay  # noqa: E402
 from forebay.dataset.sources import get_source, ingest  # noqa: E402
 from forebay.synth import synthesize  # noqa: E402
-from forebay.torch import BatchDecodeCropFlip, DataLoader, DecodeCropFlip  # noqa: E402
+from forebay.torch import BatchDecodeCropFlip, DataLoader, DecodeCropFlip, Pipeline  # noqa: E402
 
 T = DecodeCropFlip(224)
 
@@ -275,8 +275,9 @@ def run(a, throttle) -> None:
                 evict(files_under(packed))
             t0 = time.perf_counter()
             b0 = throttle.read_bytes() if throttle is not None else 0
-            loaders[name] = DataLoader(packed, a.batch, comm=None, mode=mode, seed=0,
-                                       epochs=a.epochs * a.reps, progress=False, **kw)
+            loaders[name] = DataLoader(packed, a.batch, comm=None, seed=0,
+                                       epochs=a.epochs * a.reps, progress=False, store=mode,
+                                       pipeline=Pipeline(**kw))
             setup[(w, name)] = (time.perf_counter() - t0,
                                 throttle.read_bytes() - b0 if throttle else 0)
         counter = {name: 0 for name in loaders}

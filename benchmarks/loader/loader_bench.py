@@ -34,7 +34,7 @@ def worker(a) -> None:
     from mpi4py import MPI
 
     import forebay
-    from forebay.torch import DataLoader, default_collate
+    from forebay.torch import DataLoader, default_collate, Pipeline, store_settings
 
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
@@ -116,10 +116,11 @@ def worker(a) -> None:
                 os.makedirs(ssd_dir, exist_ok=True)
             transport = "auto"
         # "rma" forces the cross-node path (MPI_Get) on this single node
-        dl = DataLoader(a.packed, bs, comm=comm, seed=0, epochs=epochs, width=width,
-                        transport=transport, prefetch=a.prefetch, progress=False,
-                        mode=mode, ram_bytes=ram, ssd_dir=ssd_dir, ssd_bytes=ssd,
-                        on_pfs_read=hook)
+        dl = DataLoader(a.packed, bs, comm=comm, seed=0, epochs=epochs, progress=False,
+                        store=store_settings(mode, width=width, transport=transport,
+                                             ram_bytes=ram, ssd_dir=ssd_dir, ssd_bytes=ssd,
+                                             on_pfs_read=hook),
+                        pipeline=Pipeline(prefetch=a.prefetch))
         res["preload_s"] = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         res["transport"] = dl.store.transport
         if mode == "preload":

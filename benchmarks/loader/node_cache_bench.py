@@ -32,11 +32,11 @@ def job(a: argparse.Namespace) -> None:
     """One job: two epochs; prints their seconds and the loader's stats as JSON."""
     import numpy as np
 
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Direct, Pipeline
 
-    dl = DataLoader(a.data, 64, comm=None, seed=a.seed, epochs=2, mode="direct",
-                    warm_files=False, node_cache=a.cache or None,
-                    collate_fn=lambda b: int(b.field("image").values.sum(dtype=np.uint64)))
+    dl = DataLoader(a.data, 64, comm=None, seed=a.seed, epochs=2,
+                    store=Direct(warm_files=False, node_cache=a.cache or None),
+                    pipeline=Pipeline(collate_fn=lambda b: int(b.field("image").values.sum(dtype=np.uint64))))
     times = []
     for epoch in range(2):
         dl.set_epoch(epoch)

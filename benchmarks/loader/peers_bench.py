@@ -140,12 +140,12 @@ def worker(a) -> None:
     t0 = time.perf_counter()
     set_epoch = None
     if c.startswith("forebay"):
-        from forebay.torch import DataLoader
+        from forebay.torch import DataLoader, Pipeline, store_settings
         words = c.split()
         mode = words[1]
         kw: dict = {"ram_bytes": a.ram_bytes} if mode == "clairvoyant" else {}
         if mode == "preload-overlap":
-            mode, kw = "preload", {"overlap_preload": True}
+            mode, kw = "preload", {"overlap": True}
         for t in ("exchange", "rma"):  # the transports across nodes, forced on one
             if t in words:
                 kw["transport"] = t
@@ -154,8 +154,9 @@ def worker(a) -> None:
                 kw["ram_tier"] = t
             elif t in words:           # preload's memory (default: auto)
                 kw["transport"] = t
-        loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, mode=mode,
-                            progress=False, views="views" in words, **kw)
+        loader = DataLoader(a.packed, bs, seed=0, epochs=a.epochs, progress=False,
+                            store=store_settings(mode, **kw),
+                            pipeline=Pipeline(views="views" in words))
         set_epoch = loader.set_epoch
     elif c.startswith("torch"):
         ds = image_folder_dataset(Path(a.pff))[0] if images else pff_dataset(Path(a.pff))[0]

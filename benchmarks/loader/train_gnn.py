@@ -137,7 +137,7 @@ def main() -> None:
 
     from mpi4py import MPI
 
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, store_settings
 
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
@@ -173,7 +173,7 @@ def main() -> None:
         from forebay.store import tier_nbytes
 
         ram = int(tier_nbytes(forebay.open_dataset(a.packed)).sum() * a.ram_share)
-    extra: dict = {} if a.prefetch is None else {"prefetch": a.prefetch}
+    extra: dict = {}
     slow = None
     if a.slow_fs:
         mbps, ms = (float(v) for v in a.slow_fs.split(","))
@@ -183,7 +183,8 @@ def main() -> None:
             time.sleep(max(0.0, requests * ms / 1e3 + nbytes / (mbps * 1e6) - seconds))
         extra["on_pfs_read"] = slow
     loader = DataLoader(a.packed, a.batch_size, comm=comm, seed=0, epochs=a.epochs,
-                        progress=False, mode=a.mode, ram_bytes=ram, **extra)
+                        progress=False, store=store_settings(a.mode, ram_bytes=ram, **extra),
+                        pipeline=Pipeline(prefetch=a.prefetch))
     y_scale = 100.0
     model, opt = fresh_model(a.reduce)
     setup.__exit__(None, None, None)

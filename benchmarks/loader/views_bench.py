@@ -34,7 +34,7 @@ def main() -> None:
     a = p.parse_args()
     import forebay
     from forebay.dataset import KIND_BYTES
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline
     from forebay.world import LOCAL
 
     ds = forebay.open_dataset(a.dataset)
@@ -42,8 +42,8 @@ def main() -> None:
     loaders = {}
     for mode in a.modes.split(","):
         for views in (False, True):
-            dl = DataLoader(ds, a.batch_size, comm=LOCAL, mode=mode, seed=0,
-                            epochs=a.rounds + 1, progress=False, views=views)
+            dl = DataLoader(ds, a.batch_size, comm=LOCAL, seed=0, epochs=a.rounds + 1,
+                            progress=False, store=mode, pipeline=Pipeline(views=views))
             if mode == "clairvoyant":
                 dl.store.wait_filled()
             loaders[f"{mode}{', views' if views else ''}"] = dl

@@ -41,7 +41,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import forebay
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, store_settings
 
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(a.dataset)
@@ -60,10 +60,10 @@ def main() -> None:
         base, _, tier = mode.partition(":")       # clairvoyant:copy, clairvoyant:pages
         kw = {} if not tier else {"transport": tier} if base.startswith("preload") \
             else {"ram_tier": tier}                 # preload:shm, preload:pages
-        dl = DataLoader(a.dataset, a.batch, comm=comm, seed=0, epochs=a.epochs,
-                        mode="preload" if overlap else base, overlap_preload=overlap, **kw,
-                        ram_bytes=2 * held, progress=False,
-                        collate_fn=lambda b: len(b.ids))
+        dl = DataLoader(a.dataset, a.batch, comm=comm, seed=0, epochs=a.epochs, progress=False,
+                        store=store_settings("preload" if overlap else base, overlap=overlap,
+                                             ram_bytes=2 * held, **kw),
+                        pipeline=Pipeline(collate_fn=lambda b: len(b.ids)))
         for e in range(a.epochs):
             dl.set_epoch(e)
             for _ in dl:

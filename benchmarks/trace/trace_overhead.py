@@ -54,8 +54,8 @@ def main() -> None:
         model = GraphNet(in_dim=1)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         epochs = 1 + 2 * a.pairs
-        dl = DataLoader(a.packed, a.batch_size, comm=comm, epochs=epochs, mode=a.mode,
-                        progress=False)
+        dl = DataLoader(a.packed, a.batch_size, comm=comm, epochs=epochs, progress=False,
+                        store=a.mode)
         on, off, writes, events = [], [], [], 0
         for e in range(epochs):
             k = e - 1

@@ -215,7 +215,7 @@ class ForebayLoader(BaseDataLoader):
             return
         from mpi4py import MPI
 
-        from .torch import DataLoader
+        from .torch import DataLoader, Pipeline, store_settings
 
         a = self._args
         cfg = settings()
@@ -226,14 +226,17 @@ class ForebayLoader(BaseDataLoader):
         comm = MPI.COMM_WORLD
         prepare_dataset(files, path, comm, check_content=cfg.get("check_content", False))
         prefetch = cfg.get("prefetch", max(2, int(getattr(a, "prefetch_size", 0) or 0)))
-        self._dl = DataLoader(
-            path, self.batch_size, comm=comm, seed=int(a.seed or 0),
-            epochs=max(1, int(a.epochs)), shuffle=a.sample_shuffle is not Shuffle.OFF,
-            drop_last=True, mode=cfg.get("mode", self.mode), prefetch=prefetch,
-            width=cfg.get("width"), transport=cfg.get("transport", "auto"),
-            ram_bytes=cfg.get("ram_bytes"), ssd_dir=cfg.get("ssd_dir"),
-            ssd_bytes=cfg.get("ssd_bytes", 0), verify_on_read=cfg.get("verify_on_read"),
-            overlap_preload=cfg.get("overlap_preload", "auto"), progress=False)
+        self._dl = DataLoader(path, self.batch_size, comm=comm, seed=int(a.seed or 0),
+                              epochs=max(1, int(a.epochs)),
+                              shuffle=a.sample_shuffle is not Shuffle.OFF, drop_last=True,
+                              verify_on_read=cfg.get("verify_on_read"), progress=False,
+                              store=store_settings(
+                                  cfg.get("mode", self.mode), width=cfg.get("width"),
+                                  transport=cfg.get("transport", "auto"),
+                                  ram_bytes=cfg.get("ram_bytes"), ssd_dir=cfg.get("ssd_dir"),
+                                  ssd_bytes=cfg.get("ssd_bytes", 0),
+                                  overlap=cfg.get("overlap_preload", "auto")),
+                              pipeline=Pipeline(prefetch=prefetch))
 
     def next(self) -> Iterator[Any]:
         """This epoch's batches (the next epoch of forebay's plan each call)."""

@@ -33,29 +33,33 @@ def _expect_mismatch(make, *words: str) -> None:
 
 
 def rank_loader_seed_differs(path: str, mode: str) -> None:
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, store_settings
 
-    _expect_mismatch(lambda: DataLoader(path, 8, seed=1 + _rank(), mode=mode,
-                                        ram_bytes=1 << 20),
+    _expect_mismatch(lambda: DataLoader(path, 8, seed=1 + _rank(),
+                                        store=store_settings(mode, ram_bytes=1 << 20)),
                      "DataLoader", "seed 1 on rank 0, 2 on rank 1")
 
 
 def rank_loader_batch_and_drop_last_differ(path: str, mode: str) -> None:
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, store_settings
 
     r = _rank()
-    _expect_mismatch(lambda: DataLoader(path, 8 * (r + 1), drop_last=bool(r), mode=mode,
-                                        ram_bytes=1 << 20),
+    _expect_mismatch(lambda: DataLoader(path, 8 * (r + 1), drop_last=bool(r),
+                                        store=store_settings(mode, ram_bytes=1 << 20)),
                      "batch_size 8 on rank 0, 16 on rank 1",
                      "drop_last False on rank 0, True on rank 1")
 
 
 def rank_loader_mode_differs(path: str) -> None:
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Preload, store_settings
 
-    _expect_mismatch(lambda: DataLoader(path, 8, mode=("preload", "clairvoyant")[_rank()],
-                                        ram_bytes=1 << 20),
-                     "mode 'preload' on rank 0, 'clairvoyant' on rank 1")
+    _expect_mismatch(lambda: DataLoader(path, 8,
+                                        store=store_settings(("preload", "clairvoyant")[_rank()],
+                                                             ram_bytes=1 << 20)),
+                     "store 'preload' on rank 0, 'clairvoyant' on rank 1")
+    # the same kind with another layout: the setting is named
+    _expect_mismatch(lambda: DataLoader(path, 8, store=Preload(width=1 + _rank())),
+                     "width 1 on rank 0, 2 on rank 1")
 
 
 def rank_stores_arguments_differ(path: str) -> None:
@@ -83,7 +87,7 @@ def rank_preload_finds_damage_on_every_rank(path: str) -> None:
     from forebay.torch import DataLoader
 
     with pytest.raises(ChecksumError, match="sample 57"):
-        DataLoader(path, 8, mode="preload", verify_on_read=True)
+        DataLoader(path, 8, verify_on_read=True, store="preload")
 
 
 @pytest.fixture(scope="module")

@@ -63,14 +63,14 @@ def rank_exact(*args: str) -> None:
     from mpi4py import MPI
     import forebay
     from forebay.store import tier_nbytes
-    from forebay.torch import DataLoader
+    from forebay.torch import Clairvoyant, DataLoader, Pipeline
     from conftest import say
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(argv[1])
     need = int(tier_nbytes(ds).sum())
-    dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=3, mode="clairvoyant",
-                    ram_bytes=int(need * 1.2 / comm.size),
-                    collate_fn=lambda b: b)
+    dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=3,
+                    store=Clairvoyant(ram_bytes=int(need * 1.2 / comm.size)),
+                    pipeline=Pipeline(collate_fn=lambda b: b))
     assert dl.store.placement.covered == 1.0
     assert dl.store.wait_filled(timeout=60)
     comm.Barrier()  # fills finished before use
@@ -145,11 +145,12 @@ def rank_dies(*args: str) -> None:
     import os
     from mpi4py import MPI
     import forebay
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, store_settings
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(argv[1])
-    dl = DataLoader(ds, 8, comm=comm, epochs=50, mode=argv[2], ram_bytes=ds.nbytes,
-                    collate_fn=lambda b: b)
+    dl = DataLoader(ds, 8, comm=comm, epochs=50,
+                    store=store_settings(argv[2], ram_bytes=ds.nbytes),
+                    pipeline=Pipeline(collate_fn=lambda b: b))
     if comm.rank == 1:
         os._exit(3)  # dies without a word, holding part of the data
     for e in range(50):
@@ -249,14 +250,14 @@ def rank_model(*args: str) -> None:
     from mpi4py import MPI
     import forebay
     from forebay.store import tier_nbytes
-    from forebay.torch import DataLoader
+    from forebay.torch import Clairvoyant, DataLoader, Pipeline
     from conftest import say
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(argv[1])
     need = int(tier_nbytes(ds).sum())
-    dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=2, mode="clairvoyant",
-                    ram_bytes=int(need * 1.2 / comm.size), system=argv[2],
-                    collate_fn=lambda b: b)
+    dl = DataLoader(ds, 8, comm=comm, seed=3, epochs=2, system=argv[2],
+                    store=Clairvoyant(ram_bytes=int(need * 1.2 / comm.size)),
+                    pipeline=Pipeline(collate_fn=lambda b: b))
     assert dl.store.wait_filled(timeout=60)
     comm.Barrier()
     for e in range(2):
@@ -452,15 +453,16 @@ def rank_warm(*args: str) -> None:
     from mpi4py import MPI
     import forebay
     from forebay.store import tier_nbytes
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, store_settings
     from conftest import say
     comm = MPI.COMM_WORLD
     ds = forebay.open_dataset(argv[1])
     assert ds.small_records
     for mode in ("direct", "clairvoyant"):
         kw = {"ram_bytes": int(tier_nbytes(ds).sum())} if mode == "clairvoyant" else {}
-        dl = DataLoader(ds, 8, comm=comm, seed=2, epochs=2, mode=mode, warm_files=True,
-                        collate_fn=lambda b: b, **kw)
+        dl = DataLoader(ds, 8, comm=comm, seed=2, epochs=2,
+                        store=store_settings(mode, warm_files=True, **kw),
+                        pipeline=Pipeline(collate_fn=lambda b: b))
         for e in range(2):
             dl.set_epoch(e)
             for step, batch in enumerate(dl):
@@ -491,9 +493,9 @@ def test_ranks_split_the_page_cache_warm_up_and_batches_stay_exact(packed):
 
 def test_warm_files_is_checked(packed):
     from forebay.errors import InvalidArgumentError
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Direct
     with pytest.raises(InvalidArgumentError, match="warm_files"):
-        DataLoader(packed[0], 8, comm=forebay.world.LOCAL, mode="direct", warm_files="yes")
+        DataLoader(packed[0], 8, comm=forebay.world.LOCAL, store=Direct(warm_files="yes"))
 
 
 def _locked_kib() -> int:

@@ -22,9 +22,9 @@ def _rank() -> int:
 
 
 def rank_raises_while_others_train(path: str, mode: str) -> None:
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, store_settings
 
-    loader = DataLoader(path, 4, epochs=2, mode=mode, ram_bytes=1 << 20)
+    loader = DataLoader(path, 4, epochs=2, store=store_settings(mode, ram_bytes=1 << 20))
     if _rank() == 1:
         raise ValueError("boom on rank 1")
     for epoch in range(2):
@@ -37,7 +37,7 @@ def rank_raises_while_others_train(path: str, mode: str) -> None:
 def rank_raises_inside_with(path: str) -> None:
     from forebay.torch import DataLoader
 
-    with DataLoader(path, 4, mode="preload") as loader:
+    with DataLoader(path, 4, store="preload") as loader:
         for step, _ in enumerate(loader):
             if _rank() == 1 and step == 2:
                 raise ValueError("boom on rank 1")
@@ -49,7 +49,7 @@ def rank_raises_inside_with(path: str) -> None:
 def rank_dataset_missing_on_one_rank(path: str) -> None:
     from forebay.torch import DataLoader
 
-    DataLoader(path if _rank() == 0 else path + "-missing", 4, mode="preload")
+    DataLoader(path if _rank() == 0 else path + "-missing", 4, store="preload")
 
 
 @pytest.fixture(scope="module")

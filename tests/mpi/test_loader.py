@@ -21,12 +21,13 @@ def rank_global_batches(path: str, width: str, resume: str) -> None:
     """One rank: iterate 2 epochs (or resume at a state), rank 0 prints the global batches."""
     from mpi4py import MPI
 
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, Preload
 
     comm = MPI.COMM_WORLD
     bs = GLOBAL_BATCH // comm.size
-    dl = DataLoader(path, bs, comm=comm, seed=5, epochs=2, width=int(width) or None,
-                    collate_fn=lambda b: (b.ids.copy(), b["label"].copy()))
+    dl = DataLoader(path, bs, comm=comm, seed=5, epochs=2,
+                    store=Preload(width=int(width) or None),
+                    pipeline=Pipeline(collate_fn=lambda b: (b.ids.copy(), b["label"].copy())))
     steps = comm.allgather(len(dl))
     assert len(set(steps)) == 1, steps
     if resume != "-":

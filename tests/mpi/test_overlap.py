@@ -110,7 +110,7 @@ def test_auto_overlaps_on_a_network_or_emulated_file_system(dataset, tmp_path):
     with DistributedStore(ds, LOCAL, overlap="auto", on_pfs_read=lambda *a: None) as st:
         assert st.overlap and "background_fill" in st.capabilities
         _check_all(st, ds)
-    with DataLoader(dataset, 8, comm=LOCAL, mode="preload") as dl:
+    with DataLoader(dataset, 8, comm=LOCAL, store="preload") as dl:
         assert dl.stats()["overlap"] == (not local)
     with pytest.raises(InvalidArgumentError, match="overlap must be True, False or 'auto'"):
         DistributedStore(ds, LOCAL, overlap="yes")
@@ -362,12 +362,12 @@ def test_a_damaged_record_fails_the_load_on_every_rank(request, dataset, tmp_pat
 
 def rank_loader_batches(path: str, transport: str = "auto") -> None:
     """The same batches with and without overlap, epoch after epoch."""
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Preload
 
     got = {}
     for overlap in (False, True):
-        with DataLoader(path, 8, epochs=2, seed=5, overlap_preload=overlap,
-                        transport=transport) as dl:
+        with DataLoader(path, 8, epochs=2, seed=5,
+                        store=Preload(overlap=overlap, transport=transport)) as dl:
             assert dl.stats()["overlap"] == overlap
             got[overlap] = []
             for epoch in range(2):

@@ -47,13 +47,14 @@ def rank_epochs(path: str, out: str, mode: str, transport: str, prefetch: str,
     rank's batches (sample ids, checked against the labels) and the store's stats go
     to ``out/rank-R.json``."""
     from forebay.store import tier_nbytes
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, store_settings
 
     # clairvoyant: RAM for 60% of the dataset per rank, so each rank needs its peer's
     ram = int(tier_nbytes(forebay.open_dataset(path)).sum() * 0.6)
-    dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS, mode=mode, transport=transport,
-                    prefetch=int(prefetch), ram_bytes=ram, views=views == "1",
-                    collate_fn=_ids_labels)
+    dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS,
+                    store=store_settings(mode, transport=transport, ram_bytes=ram),
+                    pipeline=Pipeline(prefetch=int(prefetch), views=views == "1",
+                                      collate_fn=_ids_labels))
     batches = []
     for epoch in range(EPOCHS):
         dl.set_epoch(epoch)
@@ -134,10 +135,10 @@ def test_torchrun_ranks_see_disjoint_samples_and_mpiexec_batches(launched, case)
 
 def rank_dies_mid_epoch(path: str) -> None:
     """Rank 1 dies at step 3 of an epoch whose batches are exchanged collectively."""
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, Preload
 
-    dl = DataLoader(path, BATCH, seed=SEED, mode="preload", transport="exchange",
-                    collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, BATCH, seed=SEED, store=Preload(transport="exchange"),
+                    pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
     for step, _ in enumerate(dl):
         if step == 3 and dl.rank == 1:
             os._exit(3)
@@ -158,11 +159,11 @@ def rank_with_user_collectives(path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, Preload
 
     dist.init_process_group("gloo")
-    dl = DataLoader(path, BATCH, seed=SEED, mode="preload", transport="exchange",
-                    prefetch=4, collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, BATCH, seed=SEED, store=Preload(transport="exchange"),
+                    pipeline=Pipeline(prefetch=4, collate_fn=lambda b: b.ids.copy()))
     assert dl.comm.group is not dist.group.WORLD
     plan = dl.plan
     for step, ids in enumerate(dl):
@@ -182,12 +183,12 @@ def rank_two_loaders_with_mpi4py_loaded(path: str) -> None:
     singleton, and every loader still meets the other ranks over torch.distributed."""
     from mpi4py import MPI
 
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline, Preload
 
     assert MPI.COMM_WORLD.Get_size() == 1
     for _ in range(2):                   # a training and a validation loader
-        dl = DataLoader(path, BATCH, seed=SEED, mode="preload", transport="exchange",
-                        collate_fn=lambda b: b.ids.copy())
+        dl = DataLoader(path, BATCH, seed=SEED, store=Preload(transport="exchange"),
+                        pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
         assert dl.world == 2 and type(dl.comm).__name__ == "TorchComm"
         dl.close()
 
@@ -238,9 +239,10 @@ def test_srun_without_mpi_meets_through_slurms_variables(labelled, tmp_path):
 def rank_resume(path: str, out: str, state: str) -> None:
     """Epoch 0 from its start (``state`` "-": the state after 3 steps goes to
     ``out/state.json``) or resumed from ``state``; batches to ``out/rank-R.json``."""
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Pipeline
 
-    dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS, collate_fn=lambda b: b.ids.copy())
+    dl = DataLoader(path, BATCH, seed=SEED, epochs=EPOCHS,
+                    pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
     if state != "-":
         dl.load_state_dict(json.loads(Path(state).read_text()))
     batches = []

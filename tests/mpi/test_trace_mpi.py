@@ -23,13 +23,13 @@ def rank_script(*args: str) -> None:
     import time
     from mpi4py import MPI
     import forebay.trace as trace
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, store_settings
     from conftest import say
     comm = MPI.COMM_WORLD
     path, mode, transport = argv[1], argv[2], argv[3]
     kw = {"ram_bytes": 6000} if mode == "clairvoyant" else {}
-    dl = DataLoader(path, 8, comm=comm, epochs=2, mode=mode, transport=transport,
-                    progress=False, **kw)
+    dl = DataLoader(path, 8, comm=comm, epochs=2, progress=False,
+                    store=store_settings(mode, transport=transport, **kw))
     for e in range(2):
         dl.set_epoch(e)
         for _ in dl:

@@ -237,7 +237,7 @@ def register(sub: Any) -> None:
     g.set_defaults(func=cmd_ingest)
 
     c = sub.add_parser("cache", help="the node-local cache that keeps records across jobs "
-                       "(DataLoader(node_cache=...), FOREBAY_NODE_CACHE)")
+                       "(DataLoader(store=Direct(node_cache=...)), FOREBAY_NODE_CACHE)")
     cs = c.add_subparsers(dest="cache_command", required=True, metavar="ls|clear")
     cl = cs.add_parser("ls", help="what the cache holds, most recently used first")
     cl.add_argument("root", nargs="?", help="the cache's directory (default "

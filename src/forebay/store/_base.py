@@ -193,7 +193,7 @@ class WarmUp(threading.Thread):
 
 class DirectStore(SampleStore):
     """Every batch read from the dataset's memory-mapped shards (no cache, no
-    communication): the loader's ``mode="direct"``.
+    communication): the loader's ``store="direct"``.
 
     ``warm=(part, parts)`` also reads that share of the whole dataset into the page
     cache with large sequential reads, in a background thread

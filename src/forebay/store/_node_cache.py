@@ -339,7 +339,7 @@ class NodeCache:
 
 
 def node_cache_root(root: "str | os.PathLike[str] | None", mode: str) -> Optional[Path]:
-    """The loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``), checked against its
+    """A loader's ``Direct(node_cache=)`` (else ``FOREBAY_NODE_CACHE``), checked against its
     mode: the cache serves direct reads (``mode="auto"`` becomes direct with it)."""
     if root is None:
         root = os.environ.get(NODE_CACHE_ENV) or None

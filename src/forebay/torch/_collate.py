@@ -172,10 +172,10 @@ def default_collate(batch: SampleBatch, pin: bool = False) -> dict[str, Any]:
 
 def collate_views(views: SampleViews, pin: bool = False) -> dict[str, Any]:
     """:func:`default_collate` for a :class:`~forebay.dataset.SampleViews`
-    (``DataLoader(views=True)``): bytes fields and fields whose samples differ in shape
-    stay lists of the read-only per-sample numpy arrays (no copy: decode them, or copy
-    one with ``np.array`` to change it); fields of one shape are stacked into tensors
-    (a copy, small for labels and scalars)."""
+    (``DataLoader(pipeline=Pipeline(views=True))``): bytes fields and fields whose
+    samples differ in shape stay lists of the read-only per-sample numpy arrays (no
+    copy: decode them, or copy one with ``np.array`` to change it); fields of one shape
+    are stacked into tensors (a copy, small for labels and scalars)."""
     out: dict[str, Any] = {}
     for name, vs in views.fields.items():
         first = vs[0].shape if vs else None

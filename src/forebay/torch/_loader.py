@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -16,22 +16,20 @@ from .. import trace as _trace
 from ..dataset import (BufferPool, IndexLayout, PackedDataset, SampleBatch, SampleViews,
                        open_dataset)
 from ..plan import AccessPlan
-from ..store import (ClairvoyantStore, DirectStore, DistributedStore, SampleStore,
-                     warm_enabled)
+from ..store import ClairvoyantStore, DirectStore, DistributedStore, SampleStore
 from ..comm import is_mpi, mpi_thread_multiple
 from .._liveness import join as join_liveness, waiting
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
-from ..store import (NodeCache, check_agreement, choose_mode, default_ram_bytes,
-                     node_cache_root, node_size)
+from ..store import check_agreement
 from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
-from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
+from ._options import (Pipeline, StoreSpec, build_store, describe, from_legacy, mode_of,
+                       store_spec, with_system_tiers)
 from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DataLoader"]
 
-MODES = ("auto", "preload", "clairvoyant", "direct")
 #: what the watchdog names when the loop's own step (between two batches) hangs
 STEP_WAIT = "the training step after batch {} of epoch {} (the loop's code: its all-reduce, a save)"
 
@@ -47,6 +45,10 @@ class DataLoader:
     """Batches of a packed dataset for data-parallel training, ``len(loader)`` steps an
     epoch on every rank.
 
+    The simple call is ``DataLoader(path, batch_size, seed=, epochs=)``; the rest comes
+    in two objects, each documented once: ``store=`` (where samples come from) and
+    ``pipeline=`` (what happens to them on the way to the loop).
+
     What to iterate:
         dataset: a :class:`~forebay.dataset.PackedDataset` or its path.
         batch_size: per-rank batch; the global batch is ``batch_size * world_size``.
@@ -55,6 +57,22 @@ class DataLoader:
             batch give the same global batches at any world size).
 
     Where samples come from:
+        store: ``"preload"`` (default: the dataset in the ranks' memory),
+            ``"clairvoyant"`` (what the plan will need, cached in RAM and SSD tiers
+            filled in the background; the dataset may exceed memory), ``"direct"``
+            (each batch read from the files), ``"auto"`` (preload when the dataset fits
+            the nodes' memory, else clairvoyant); or the same with settings:
+            :class:`~forebay.torch.Preload`, :class:`~forebay.torch.Clairvoyant`,
+            :class:`~forebay.torch.Direct`, :class:`~forebay.torch.Auto`; or a
+            :class:`~forebay.store.SampleStore` the caller built over this dataset (and,
+            for a store that follows a plan, this loader's plan), which the caller
+            closes.
+        system: a TOML system file (the ``forebay calibrate`` profile format): its
+            ``[tiers]`` table fills the clairvoyant settings and the pipeline's
+            ``prefetch`` and ``staging_bytes`` left None (sizes as bytes or "8GiB");
+            its ``[pfs] read_MBps`` and ``[rma] get_MBps`` feed NoPFS's performance
+            model: a sample a peer holds is read from the file system instead when that
+            is predicted faster (``stats()["pfs_by_model"]``).
         comm: the job's communicator (see :func:`forebay.world.resolve_comm`):
             default MPI's COMM_WORLD under mpiexec/srun with MPI, forebay's own gloo
             group under torchrun (initialising torch.distributed if the program has
@@ -62,99 +80,13 @@ class DataLoader:
             see raises LaunchError; an mpi4py communicator or a torch.distributed
             process group may be given; :data:`forebay.world.LOCAL`: this process
             alone, on purpose.
-        mode: ``"preload"`` (default) keeps the dataset in the ranks' memory in a
-            :class:`~forebay.store.DistributedStore` (``width`` ranks per replica);
-            ``"clairvoyant"`` caches what the access plan says will be needed in a
-            :class:`~forebay.store.ClairvoyantStore` of ``ram_bytes`` per rank, filled
-            in the background (no prestaging; the dataset may exceed memory);
-            ``"direct"`` reads each batch from the memory-mapped shards;
-            ``"auto"``: preload when the dataset fits the nodes' memory at this width,
-            else clairvoyant.
-        overlap_preload: preload mode: start training at once while each rank loads
-            its chunk in the background; batches read what has not arrived yet from
-            the dataset files (``DistributedStore(overlap=True)``: over shared memory
-            on one node, MPI RMA across nodes (with MPI_THREAD_MULTIPLE) and the
-            ``exchange`` transport across nodes under torchrun).  ``"auto"``
-            (default): overlapped where the dataset is on a network file system
-            (NFS, Lustre, GPFS, ...) or ``on_pfs_read`` is given, plain on a local
-            disk (see ``DistributedStore``'s ``overlap``).
-        ram_bytes: clairvoyant mode: this rank's RAM tier (default: half of the node's
-            available memory shared by its ranks).
-        ssd_dir, ssd_bytes: clairvoyant mode: a node-local directory for this rank's SSD
-            tier and its capacity (default 0: no SSD tier).
-        ram_threads, ssd_threads: clairvoyant mode: background fill threads per tier
-            (default 1 each).
-        ram_tier: clairvoyant mode: ``"pages"`` holds the RAM tier in the files' pages
-            in the page cache, locked (no copy of a sample into a tier; one node),
-            ``"copy"`` in a buffer of its own; ``"auto"`` (default): pages where they
-            can be (:class:`~forebay.store.ClairvoyantStore`).
-        on_pfs_read: hook called with (bytes, samples, seconds) after each read of
-            the dataset files by the store (tracing, emulating a slower file system).
-        warm_files: read the dataset's extents this node will read into the page cache
-            ahead, with large sequential reads in a background thread per rank (direct
-            mode when every rank is on one node, clairvoyant mode for the extents the
-            node's tiers cover; when they fit in available memory; not with
-            ``on_pfs_read``, whose emulation charges every sample read).  On a file
-            system that serves few requests per second, small samples read in random
-            order then cost a memory copy each instead of a request.  ``"auto"``
-            (default): for datasets of small records (under 64 KiB on average).
-        width, node_aware, transport: replica groups of the store and how peers' memory
-            is read (see :class:`~forebay.store.DistributedStore`).
-        node_cache: a node-local directory where the records read are kept for later
-            jobs (default ``FOREBAY_NODE_CACHE``; direct mode; see
-            :class:`~forebay.store.NodeCache` and ``forebay cache``)
+        progress: a progress bar while the preload loads (default: on a terminal).
 
     What comes out:
-        collate_fn: ``f(SampleBatch) -> batch``; default :func:`default_collate` (dense
-            fields stacked into tensors, graphs batched PyG-style).  With ``transform``
-            (applied to each sample dict), ``collate_fn`` gets the list of transformed
-            samples instead (torch's ``default_collate`` if None).
-        workers: processes running ``transform`` (or ``batch_transform``, applied to
-            the whole :class:`SampleBatch`) and the collation, as torch's
-            ``num_workers``; 0: in the prefetch thread.  Batches reach them and come
-            back through shared memory (a few tensors a batch, never a sample at a
-            time), in plan order.  Augmentations drawn from
-            :func:`forebay.torch.sample_rng` (seeded from seed, epoch and sample id) are
-            the same whatever ``workers`` is; in worker processes the global Python,
-            NumPy and torch generators are seeded that way too (in the training process
-            they are left alone).  A transform that raises or a worker that dies raises
-            :class:`~forebay.torch.TransformError` naming the batch.
-        worker_start: ``"spawn"`` (default: safe with MPI and threads; the transform
-            must be picklable, e.g. defined at module level) or ``"fork"``.
-        worker_timeout: seconds a transform worker may take on one batch (default 600;
-            None: no limit): past it the loader raises
-            :class:`~forebay.torch.TransformError` naming the worker, its state (a
-            stopped one says so) and the batch, instead of waiting forever on a
-            deadlocked transform or a stopped worker (torch's DataLoader ``timeout=``).
-        prefetch: batches fetched ahead by a background thread while the model computes
-            (0: fetch in the iterating thread).
-        staging_bytes: also bound the samples waiting in that staging area by their
-            bytes (one batch is always let in); None: only ``prefetch`` bounds it.
-        pin_memory: batches in pinned host memory (CUDA only), so that
-            ``.to("cuda", non_blocking=True)`` overlaps the copy with compute: gathered
-            straight into it when forebay collates them, else what the transform,
-            ``collate_fn`` or the transform workers return is copied into it, as torch
-            does.  The tensors belong to torch's pinned-memory allocator, which keeps
-            a batch's memory from the next batches until its copies to the device ran.
-        views: lend the samples instead of copying them (``workers=0``): the store's
-            ``get_views`` gives read-only numpy arrays over the memory that holds the
-            samples (the preload's shared memory, the clairvoyant tiers, the shards'
-            maps; the ``exchange`` transport copies), ``transform`` and
-            ``batch_transform`` get those (a :class:`~forebay.dataset.SampleViews`),
-            and the default collation leaves bytes fields and fields of varying
-            shape as lists of them (:func:`~forebay.torch.collate_views`): for a
-            decoder that reads each sample once, a copy of every byte saved.  Writing
-            into one raises ``ValueError`` (copy it with ``np.array`` first); each
-            stays valid while referenced.  Not with graph batches (concatenated: a
-            copy anyway) unless ``collate_fn`` is given.
-        system: a TOML system file (the ``forebay calibrate`` profile format) whose
-            ``[tiers]`` table gives ``ram_bytes``, ``ssd_dir``, ``ssd_bytes``,
-            ``staging_bytes``, ``prefetch``, ``ram_threads`` and ``ssd_threads``
-            (sizes as bytes or "8GiB"); arguments
-            passed explicitly win over it. Its ``[pfs] read_MBps`` and ``[rma]
-            get_MBps`` feed NoPFS's performance model: in clairvoyant mode a sample a
-            peer holds is read from the file system instead when that is predicted
-            faster (``stats()["pfs_by_model"]``).
+        pipeline: a :class:`~forebay.torch.Pipeline`: transform or batch_transform,
+            transform workers, collation, prefetch, pinning, views (default: the
+            store's batch collated into tensors by :func:`default_collate`, 4 batches
+            fetched ahead by a background thread).
 
     Integrity:
         verify_on_read: check every sample's checksum (default: the dataset's own
@@ -164,49 +96,34 @@ class DataLoader:
             files; direct checks every batch.  A damaged sample raises
             :class:`~forebay.errors.ChecksumError` naming it.
 
+    The keywords of forebay 0.x before this grouping (``mode``, ``ram_bytes``,
+    ``transform``, ``workers``, ...) still work for one release, with a
+    ``FutureWarning`` that names their new place.
+
     Resume: :meth:`state_dict` / :meth:`load_state_dict` record (epoch, step); a loader
     at another world size with the same global batch resumes the same global batches.
     """
 
     def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", batch_size: int, *,
-                 comm: Any = None, seed: int = 0, epochs: int = 1, shuffle: bool = True,
-                 drop_last: bool = False, mode: str = "preload", width: Optional[int] = None,
-                 node_aware: bool = False, transport: str = "auto",
-                 ram_bytes: Optional[int] = None, ssd_dir: Optional[str] = None,
-                 ssd_bytes: int = 0, staging_bytes: Optional[int] = None,
-                 ram_threads: Optional[int] = None, ssd_threads: Optional[int] = None,
-                 on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
-                 collate_fn: Optional[Callable] = None,
-                 transform: Optional[Callable] = None, prefetch: Optional[int] = None,
-                 workers: int = 0, batch_transform: Optional[Callable] = None,
-                 worker_start: str = "spawn", worker_timeout: Optional[float] = WORKER_TIMEOUT_S,
-                 pin_memory: bool = False, progress: Any = None,
-                 system: "Optional[str | os.PathLike[str]]" = None,
-                 verify_on_read: Optional[bool] = None,
-                 warm_files: "bool | str" = "auto", overlap_preload: "bool | str" = "auto",
-                 views: bool = False, ram_tier: str = "auto",
-                 node_cache: "Optional[str | os.PathLike[str]]" = None) -> None:
-        if mode not in MODES:
-            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-        cache_root = node_cache_root(node_cache, mode)
-        mode = "direct" if cache_root is not None else mode
+                 seed: int = 0, epochs: int = 1, shuffle: bool = True, drop_last: bool = False,
+                 store: "Optional[StoreSpec]" = None, pipeline: Optional[Pipeline] = None,
+                 comm: Any = None, system: "Optional[str | os.PathLike[str]]" = None,
+                 verify_on_read: Optional[bool] = None, progress: Any = None,
+                 **legacy: Any) -> None:
+        store, pipeline = from_legacy(store, pipeline, legacy)
+        spec = store_spec("preload" if store is None else store)
+        pipe = Pipeline() if pipeline is None else pipeline
+        if not isinstance(pipe, Pipeline):
+            raise InvalidArgumentError(f"pipeline must be a forebay.torch.Pipeline, got "
+                                       f"{type(pipe).__name__}")
         fetch_model = None
-        if system is not None:  # a system file's [tiers]; explicit arguments win
+        if system is not None:  # a system file's [tiers]; what the settings give wins
             from ..store import FetchModel, load_profile
 
             profile = load_profile(system)
-            tiers = profile.get("tiers", {})
             # its [pfs] and [rma] bandwidths choose between a peer and the file system
             fetch_model = FetchModel.from_profile(profile)
-            ram_bytes = tiers.get("ram_bytes") if ram_bytes is None else ram_bytes
-            ssd_dir = tiers.get("ssd_dir") if ssd_dir is None else ssd_dir
-            ssd_bytes = tiers.get("ssd_bytes", 0) if not ssd_bytes else ssd_bytes
-            staging_bytes = tiers.get("staging_bytes") if staging_bytes is None \
-                else staging_bytes
-            prefetch = tiers.get("prefetch") if prefetch is None else prefetch
-            ram_threads = tiers.get("ram_threads") if ram_threads is None else ram_threads
-            ssd_threads = tiers.get("ssd_threads") if ssd_threads is None else ssd_threads
-        prefetch = 4 if prefetch is None else prefetch
+            spec, pipe = with_system_tiers(spec, pipe, profile.get("tiers", {}))
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         self.ds = dataset if isinstance(dataset, PackedDataset) else \
@@ -221,36 +138,24 @@ class DataLoader:
         # ranks that disagree on what shapes the plan or the store fail here, together
         check_agreement(self.comm, "DataLoader's arguments", self.ds, {
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
-            "drop_last": drop_last, "mode": mode, "width": width, "node_aware": node_aware,
-            "transport": transport, "verify_on_read": self.ds.verify_on_read,
-            "overlap_preload": overlap_preload})
+            "drop_last": drop_last, "verify_on_read": self.ds.verify_on_read,
+            **describe(spec)})
         # the loop's own step between two batches (DDP's all-reduce, a checkpoint's
         # save) is watched too: a peer node gone mid-step ends the job by name
         join_liveness(self.comm)
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
-        self.mode = mode
-        self.store: SampleStore
-        warm = on_pfs_read is None and warm_enabled(warm_files, self.ds)
-        if mode == "auto":
-            mode = self.mode = choose_mode(self.ds, self.comm, width)
-        if mode == "preload":
-            self.store = DistributedStore(self.ds, self._store_comm, width, node_aware=node_aware,
-                                          transport=transport, progress=progress,
-                                          on_pfs_read=on_pfs_read, overlap=overlap_preload)
-        elif mode == "clairvoyant":
-            if ram_bytes is None:
-                ram_bytes = default_ram_bytes(self.comm)
-            self.store = ClairvoyantStore(self.ds, self.plan, self._store_comm, ram_bytes=ram_bytes,
-                                          ssd_dir=ssd_dir, ssd_bytes=ssd_bytes,
-                                          transport=transport, on_pfs_read=on_pfs_read,
-                                          model=fetch_model, ram_threads=ram_threads or 1,
-                                          ssd_threads=ssd_threads or 1,
-                                          warm_files=warm, ram_tier=ram_tier)
-        else:
-            self.store = DirectStore(   # with a node cache, nothing to warm in the files
-                self.ds, warm=self._direct_warm(warm) if cache_root is None else None,
-                node_cache=None if cache_root is None else NodeCache(cache_root, self.ds))
+        self._own_store = not isinstance(spec, SampleStore)
+        self.store: SampleStore = spec if isinstance(spec, SampleStore) else build_store(
+            spec, self.ds, self.plan, self.comm, self._store_comm, progress, fetch_model)
+        self.mode = mode_of(self.store)
+        if not self._own_store:
+            self._check_given_store(self.store)
+        collate_fn, transform = pipe.collate_fn, pipe.transform
+        batch_transform, workers, views = pipe.batch_transform, pipe.workers, pipe.views
+        prefetch = 4 if pipe.prefetch is None else pipe.prefetch
+        pin_memory, staging_bytes = pipe.pin_memory, pipe.staging_bytes
+        self.pipeline = pipe
         self.collate_fn = collate_fn
         self.views = bool(views)
         if self.views and collate_fn is None and transform is None and \
@@ -263,17 +168,12 @@ class DataLoader:
         self.prefetch = max(0, int(prefetch))
         self._pool: Optional[WorkerPool] = None
         if workers:
-            if transform is None and batch_transform is None:
-                raise InvalidArgumentError("workers run a transform or batch_transform; "
-                                           "give one (without, the store's batch is ready)")
-            if transform is not None and batch_transform is not None:
-                raise InvalidArgumentError("give transform or batch_transform, not both")
             # direct mode: the workers read the dataset themselves, as torch's read files
             own = (str(self.store.read_path), self.ds.verify_on_read) \
                 if isinstance(self.store, DirectStore) else None
             self._pool = WorkerPool(int(workers), self.ds.schema, transform,
-                                    batch_transform, collate_fn, seed, worker_start,
-                                    dataset=own, timeout=worker_timeout)
+                                    batch_transform, collate_fn, seed, pipe.worker_start,
+                                    dataset=own, timeout=pipe.worker_timeout)
             self.prefetch = max(self.prefetch, 4 * int(workers))   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             if not mpi_thread_multiple():
@@ -295,8 +195,6 @@ class DataLoader:
         self._requests: list[Any] = []
         self._requests_epoch = -1
         self._stall = 0.0  # seconds the iterating thread waited for a batch
-        if staging_bytes is not None and staging_bytes <= 0:
-            raise InvalidArgumentError(f"staging_bytes must be positive, got {staging_bytes}")
         self.staging_bytes = staging_bytes
         self._staging_peak = 0
         self._train_t0: Optional[float] = None
@@ -547,12 +445,20 @@ class DataLoader:
             stop.set()
             t.join()
 
-    def _direct_warm(self, wanted: bool) -> "Optional[tuple[int, int]]":
-        """Direct mode's share of the page-cache warm-up: when every rank is on one node
-        (the node reads every sample; the store checks that the files fit)."""
-        if not wanted or node_size(self.comm) != self.world:
-            return None
-        return (self.rank, self.world)
+    def _check_given_store(self, store: SampleStore) -> None:
+        """A store the caller built serves this loader's dataset (and plan, for one
+        that follows a plan), or the batches would be another dataset's."""
+        if len(store.ds) != len(self.ds) or \
+                store.ds.fingerprint != self.ds.fingerprint:
+            raise InvalidArgumentError(
+                f"store= holds {store.ds.path} ({len(store.ds)} samples), not this "
+                f"loader's dataset {self.ds.path} ({len(self.ds)} samples)")
+        plan = getattr(store, "plan", None)
+        if plan is not None and plan != self.plan:
+            raise InvalidArgumentError(
+                f"store= follows another access plan ({plan}) than this loader's "
+                f"({self.plan}): build it with the loader's batch_size x world size, "
+                f"epochs, seed, shuffle and drop_last")
 
     def stats(self) -> dict[str, Any]:
         """Where batches came from and what waiting cost: ``stall_seconds`` (time the
@@ -578,10 +484,12 @@ class DataLoader:
         if rec is not None and self._train_t0 is not None:
             rec.span("pipeline", "train", self._train_t0, time.perf_counter())
             self._train_t0 = None
-        self.store.close()
+        if self._own_store:
+            self.store.close()
 
     def __enter__(self) -> "DataLoader":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.store.__exit__(exc_type, exc, tb)   # no collective while an error propagates
+        if self._own_store:   # a store the caller built is theirs to close
+            self.store.__exit__(exc_type, exc, tb)   # no collective while an error propagates

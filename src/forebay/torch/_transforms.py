@@ -103,8 +103,8 @@ class BatchDecodeCropFlip(DecodeCropFlip):
     the crops and flips the per-sample transform makes; the pixels differ from it by
     the resampling (torch's antialiased bilinear instead of Pillow's).  ``decode``: a
     callable ``(list of 1-D uint8 CPU tensors, device) -> list of (3, H, W) uint8
-    tensors`` to use instead.  With the loader's ``views=True`` the store's memory is
-    copied once, straight into the pinned buffer (no batch buffer in between).
+    tensors`` to use instead.  With the loader's ``Pipeline(views=True)`` the store's
+    memory is copied once, straight into the pinned buffer (no batch buffer in between).
 
     Checked on CPU (Pillow decode) by the test suite, and on CUDA (nvjpeg, the staging
     buffer reused while the device is busy) by ``tests/test_gpu.py`` on a GPU machine.
