@@ -71,6 +71,7 @@ PRELUDES = {
     "repo = fm.open_repository(\"file:///local/models\")        # LMDB in": DATA + MODEL,
     "fr.init_process_group()              # rank/size from torchrun": DATA + MODEL + TRAINING,
     "from forebay.sim import simulate": "",
+    "loaders = [\n    DataLoader(\"ising.fb\", 128),": DATA,
     "store = DistributedStore.from_arrays(": "",
     "pipeline=Pipeline(views=True))     # any store": "",
     "transform=DecodeCropFlip(224),":
@@ -96,9 +97,10 @@ SKIP = {
 SUBST = [("file:///local/models", "file://{tmp}/models"),
          ("file:///scratch/models", "file://{tmp}/scratch"),
          ("file:///scratch/run7", "file://{tmp}/run7"),
+         ("/local/ssd", "{tmp}"), ("/local/forebay-cache", "{tmp}/cache"),
          ("forebay.torch.DataLoader(...)", 'forebay.torch.DataLoader("ising.fb", 16)'),
          # two spawned workers on CI's two cores, not four (each imports torch)
-         ("workers=4)  # batches", "workers=2)  # batches")]
+         ("workers=4))  # batches", "workers=2))  # batches")]
 
 
 def python_blocks() -> list[tuple[str, str]]:
@@ -147,8 +149,9 @@ import json, os
 rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK")
            or os.environ.get("SLURM_PROCID") or 0)
 ids = []
-loader2 = DataLoader("ising.fb", batch_size=128, seed=0, epochs=10, width=2,
-                     collate_fn=lambda b: b.ids.tolist())
+from forebay.torch import Pipeline, Preload
+loader2 = DataLoader("ising.fb", batch_size=128, seed=0, epochs=10, store=Preload(width=2),
+                     pipeline=Pipeline(collate_fn=lambda b: b.ids.tolist()))
 for epoch in range(2):
     loader2.set_epoch(epoch)
     ids += [b for b in loader2]
