@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from ..errors import InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..store import SampleStore
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 
@@ -243,7 +243,7 @@ def from_legacy(store: Any, pipeline: Optional[Pipeline], legacy: dict[str, Any]
     TypeError, as Python's own."""
     unknown = sorted(set(legacy) - LEGACY_KEYS)
     if unknown:
-        raise TypeError(f"DataLoader() got an unexpected keyword argument {unknown[0]!r}")
+        raise ArgumentTypeError(f"DataLoader() got an unexpected keyword argument {unknown[0]!r}")
     if not legacy:
         return store, pipeline
     pipe_kw = {k: v for k, v in legacy.items() if k in _PIPELINE_KEYS}
