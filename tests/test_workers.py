@@ -156,9 +156,11 @@ def test_a_worker_that_hangs_or_stops_fails_its_batch_after_the_timeout(images):
     with pytest.raises(TransformError, match=r"transform worker \d \(pid \d+, sleeping\) "
                                              r"returned nothing for 1 s on the batch of epoch "
                                              r"0 step \d+ \(samples .*17"):
-        _epochs(images, 2, epochs=1, transform=hangs_on_17, worker_timeout=1)
+        _epochs(images, 2, epochs=1, transform=hangs_on_17, worker_timeout=1,
+                worker_start="fork")
     with pytest.raises(TransformError, match=r"\(pid \d+, stopped\) returned nothing"):
-        _epochs(images, 2, epochs=1, transform=stops_at_once, worker_timeout=1)
+        _epochs(images, 2, epochs=1, transform=stops_at_once, worker_timeout=1,
+                worker_start="fork")
 
 
 def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
