@@ -414,8 +414,10 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
 
     for attempt in (1, 2):
         try:
+            # a job that starts says TRAINING within seconds: two tries fit the test's time
             code, err, took = _fault_mid_training(_launch(slurm, "srun", cmd, env, mpi=mpi),
-                                                  kill, lambda: slurm.slurm_restore(1))
+                                                  kill, lambda: slurm.slurm_restore(1),
+                                                  start_timeout=100)
             break
         except JobDidNotStart as e:
             # Slurm 22.05's pmi2 plug-in now and then garbles MPICH's start-up message
