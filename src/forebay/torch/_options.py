@@ -219,13 +219,10 @@ class Pipeline:
                                        "one (without, the store's batch is ready)")
 
 
-#: the loader's keywords before the grouping, and where each went
-_STORE_KEYS = {"width": "Preload", "node_aware": "Preload", "overlap_preload": "Preload",
-               "ram_bytes": "Clairvoyant", "ssd_dir": "Clairvoyant",
-               "ssd_bytes": "Clairvoyant", "ram_threads": "Clairvoyant",
-               "ssd_threads": "Clairvoyant", "ram_tier": "Clairvoyant",
-               "node_cache": "Direct", "transport": "", "warm_files": "",
-               "on_pfs_read": ""}
+#: the loader's keywords before the grouping: the store kinds' settings (with
+#: ``overlap_preload`` for Preload's ``overlap``) and the pipeline's
+_STORE_KEYS = {"overlap_preload", *(f.name for cls in (Preload, Clairvoyant, Direct)
+                                    for f in dataclasses.fields(cls))} - {"overlap"}
 _PIPELINE_KEYS = {f.name for f in dataclasses.fields(Pipeline)}
 LEGACY_KEYS = frozenset({"mode", *_STORE_KEYS, *_PIPELINE_KEYS})
 
@@ -268,9 +265,8 @@ def from_legacy(store: Any, pipeline: Optional[Pipeline], legacy: dict[str, Any]
             store = Auto(_settings(Preload, store_kw), _settings(Clairvoyant, store_kw))
         else:
             cls = KINDS[mode]
-            wrong = [k for k, owner in _STORE_KEYS.items()
-                     if k in store_kw and owner and owner != cls.__name__]
-            if wrong == ["node_cache"]:
+            # as before: other kinds' settings are ignored, but a node cache is not
+            if "node_cache" in store_kw and cls is not Direct:
                 raise InvalidArgumentError(f"node_cache serves mode='direct' (preload and "
                                            f"clairvoyant keep their own tiers), not "
                                            f"mode={mode!r}")
