@@ -145,36 +145,35 @@ class DataLoader:
         join_liveness(self.comm)
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
+        # a store the caller built is checked against this loader and left to them
         self._own_store = not isinstance(spec, SampleStore)
-        self.store: SampleStore = spec if isinstance(spec, SampleStore) else build_store(
-            spec, self.ds, self.plan, self.comm, self._store_comm, progress, fetch_model)
+        self.store: SampleStore
+        if isinstance(spec, SampleStore):
+            self._check_given_store(spec)
+            self.store = spec
+        else:
+            self.store = build_store(spec, self.ds, self.plan, self.comm, self._store_comm,
+                                     progress, fetch_model)
         self.mode = mode_of(self.store)
-        if not self._own_store:
-            self._check_given_store(self.store)
-        collate_fn, transform = pipe.collate_fn, pipe.transform
-        batch_transform, workers, views = pipe.batch_transform, pipe.workers, pipe.views
-        prefetch = 4 if pipe.prefetch is None else pipe.prefetch
-        pin_memory, staging_bytes = pipe.pin_memory, pipe.staging_bytes
-        self.pipeline = pipe
-        self.collate_fn = collate_fn
-        self.views = bool(views)
-        if self.views and collate_fn is None and transform is None and \
-                batch_transform is None and is_graph_batch(self.ds):
+        self.collate_fn = pipe.collate_fn
+        self.transform = pipe.transform
+        self.batch_transform = pipe.batch_transform
+        self.views = pipe.views
+        if self.views and self.collate_fn is None and self.transform is None and \
+                self.batch_transform is None and is_graph_batch(self.ds):
             raise InvalidArgumentError("views=True lends per-sample arrays; graph batches are "
                                        "concatenated (a copy) by the default collation: "
                                        "leave views off, or give a collate_fn")
-        self.transform = transform
-        self.batch_transform = batch_transform
-        self.prefetch = max(0, int(prefetch))
+        self.prefetch = 4 if pipe.prefetch is None else pipe.prefetch
         self._pool: Optional[WorkerPool] = None
-        if workers:
+        if pipe.workers:
             # direct mode: the workers read the dataset themselves, as torch's read files
             own = (str(self.store.read_path), self.ds.verify_on_read) \
                 if isinstance(self.store, DirectStore) else None
-            self._pool = WorkerPool(int(workers), self.ds.schema, transform,
-                                    batch_transform, collate_fn, seed, pipe.worker_start,
-                                    dataset=own, timeout=pipe.worker_timeout)
-            self.prefetch = max(self.prefetch, 4 * int(workers))   # keep them all busy
+            self._pool = WorkerPool(pipe.workers, self.ds.schema, self.transform,
+                                    self.batch_transform, self.collate_fn, seed,
+                                    pipe.worker_start, dataset=own, timeout=pipe.worker_timeout)
+            self.prefetch = max(self.prefetch, 4 * pipe.workers)   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             if not mpi_thread_multiple():
                 warnings.warn("MPI was not initialised with MPI_THREAD_MULTIPLE; forebay "
@@ -184,18 +183,18 @@ class DataLoader:
         #: batch buffers recycled once the consumer dropped every tensor of a batch
         #: (the batches in flight: the staging area's, the one being used, one more)
         self._buffers = BufferPool(keep=self.prefetch + 2)
-        if pin_memory and not torch.cuda.is_available():
+        self.pin_memory = pipe.pin_memory
+        if self.pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available; batches stay in "
                           "pageable memory", RuntimeWarning, stacklevel=2)
-            pin_memory = False
-        self.pin_memory = pin_memory
+            self.pin_memory = False
         self.epoch = 0
         self._step = 0  # batches handed out in the current epoch
         self._resumed = False  # load_state_dict set the position; set_epoch keeps it
         self._requests: list[Any] = []
         self._requests_epoch = -1
         self._stall = 0.0  # seconds the iterating thread waited for a batch
-        self.staging_bytes = staging_bytes
+        self.staging_bytes = pipe.staging_bytes
         self._staging_peak = 0
         self._train_t0: Optional[float] = None
         rec = _trace.active()

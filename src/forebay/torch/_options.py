@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..store import SampleStore
+from ..store import (ClairvoyantStore, DirectStore, DistributedStore, NodeCache, SampleStore,
+                     choose_mode, default_ram_bytes, node_cache_root, node_size, warm_enabled)
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 
 __all__ = ["Auto", "Clairvoyant", "Direct", "Pipeline", "Preload", "StoreSpec",
@@ -297,8 +298,6 @@ def with_system_tiers(spec: Any, pipe: Pipeline, tiers: dict[str, Any]) -> "tupl
 
 def mode_of(store: SampleStore) -> str:
     """The kind of store a loader reads from, by name (a user's own: its class)."""
-    from ..store import ClairvoyantStore, DirectStore, DistributedStore
-
     for cls, name in ((DistributedStore, "preload"), (ClairvoyantStore, "clairvoyant"),
                       (DirectStore, "direct")):
         if isinstance(store, cls):
@@ -310,10 +309,6 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
                 comm: Any, store_comm: Any, progress: Any, fetch_model: Any) -> SampleStore:
     """The store ``spec`` describes, for ``plan`` over ``ds`` (``comm``: the job's, None
     for one process; ``store_comm``: what the store is given)."""
-    from ..store import (ClairvoyantStore, DirectStore, DistributedStore, NodeCache,
-                         choose_mode, default_ram_bytes, node_cache_root, node_size,
-                         warm_enabled)
-
     if isinstance(spec, (Auto, Direct)):
         mine = spec.node_cache if isinstance(spec, Direct) else None
         root = node_cache_root(mine, "direct" if isinstance(spec, Direct) else "auto")
