@@ -176,6 +176,13 @@ def rank_contracts(path: str, kinds: str) -> None:
 _jobs: dict = {}
 
 
+def _pmi2_garbled(stderr: str) -> bool:
+    """Slurm 22.05's pmi2 plug-in now and then garbles MPICH's start-up message ("value
+    not properly terminated in client request", MPI_Init fails): before forebay runs,
+    so the job is launched again, once."""
+    return "mpi/pmi2" in stderr
+
+
 def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
     """One job per launcher and layout runs every contract (cached for the tests)."""
     key = (launcher, nodes, ppn)
@@ -187,9 +194,7 @@ def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
         if launcher.startswith("srun"):
             p = run_srun(*args, mpi="pmi2" if mpi else None, env=env, timeout=400)
             if mpi and p.returncode and "contract" not in p.stdout and \
-                    "mpi/pmi2: invalid client request" in p.stderr:
-                # Slurm 22.05's pmi2 plug-in now and then garbles MPICH's start-up
-                # message (MPI_Init fails before forebay runs): launched again, once
+                    _pmi2_garbled(p.stderr):
                 p = run_srun(*args, mpi="pmi2", env=env, timeout=400)
             _jobs[key] = p
         else:
@@ -420,10 +425,7 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
                                                   start_timeout=100)
             break
         except JobDidNotStart as e:
-            # Slurm 22.05's pmi2 plug-in now and then garbles MPICH's start-up message
-            # ("value not properly terminated in client request", MPI_Init fails): that
-            # is before any fault and before forebay runs, so the job is launched again
-            if attempt == 2 or "mpi/pmi2" not in str(e):
+            if attempt == 2 or not _pmi2_garbled(str(e)):
                 raise
     _ended_naming(code, err, took, "node1 (rank 1: the node answers, the rank does not: "
                   "its process is gone)")
