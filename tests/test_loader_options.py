@@ -86,7 +86,7 @@ def test_mixed_or_unknown_spellings_are_refused(path):
     (lambda: Preload(overlap="sometimes"), r"Preload\(overlap=\) must be one of"),
     (lambda: Direct(warm_files="yes"), r"Direct\(warm_files=\) must be one of"),
     (lambda: Pipeline(staging_bytes=0), r"Pipeline\(staging_bytes=\) must be a positive"),
-    (lambda: Pipeline(worker_start="forkserver"), r"Pipeline\(worker_start=\) must be one"),
+    (lambda: Pipeline(worker_start="threads"), r"Pipeline\(worker_start=\) must be one"),
     (lambda: Pipeline(transform=len, batch_transform=len), "transform or batch_transform"),
     (lambda: store_settings("lazy"), "mode must be one of"),
     (lambda: store_settings("direct", ram_byte=1), "no store kind has the setting 'ram_byte'"),

@@ -16,7 +16,9 @@ torch = pytest.importorskip("torch")
 import forebay  # noqa: E402
 from forebay import AccessPlan  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
-from forebay.torch import DataLoader, Pipeline, TransformError, sample_rng  # noqa: E402
+from forebay.torch import (DataLoader, Pipeline, TransformError, releases_gil,  # noqa: E402
+                           sample_rng)
+from forebay.torch._start import fork_hazards  # noqa: E402
 
 N, BATCH = 60, 8
 
@@ -58,9 +60,14 @@ def dies_on_17(s):
     return {"label": int(s["label"])}
 
 
+#: set when a test is done with a hung transform (a hung thread of the test's own
+#: process would otherwise be left waiting for ever)
+RELEASE = threading.Event()
+
+
 def hangs_on_17(s):
     if int(s["label"]) == 17:
-        threading.Event().wait()             # a deadlocked transform: never returns
+        RELEASE.wait()                       # a deadlocked transform: never returns
     return {"label": int(s["label"])}
 
 
@@ -90,6 +97,12 @@ def own_rng_only(s):
     """Randomness drawn from the sample's own generator only."""
     img = torch.from_numpy(np.array(s["img"][:, :5])).float()       # 6 x 5 x 3 each
     return {"img": img * float(sample_rng().uniform(0.5, 1.5)), "label": int(s["label"])}
+
+
+@releases_gil
+def own_rng_marked(s):
+    """own_rng_only, marked as releasing the GIL (so "auto" runs it on threads)."""
+    return own_rng_only(s)
 
 
 def test_sample_rng_augmentations_are_the_same_in_the_loaders_thread_and_in_workers(images):
@@ -137,9 +150,60 @@ def test_batch_transform_and_resume(images):
     assert [b.tolist() for b in rest] == [(x * 2).tolist() for x in plan.batches(0, 0)[3:]]
 
 
-def test_a_transform_that_raises_names_the_sample(images):
+@pytest.mark.parametrize("how", ["thread", "forkserver", "spawn"])
+def test_every_way_of_running_workers_gives_the_tensors_of_the_loaders_thread(images, how):
+    """W items 1-2: threads, processes from a fork server and spawned ones hand out the
+    batches of workers=0, in plan order, epoch after epoch."""
+    ref = _epochs(images, 0, transform=own_rng_only)
+    dl = DataLoader(images, BATCH, epochs=2, seed=4, comm=None, store="preload",
+                    pipeline=Pipeline(workers=2, transform=own_rng_only, worker_start=how))
+    try:
+        assert dl.stats()["worker_start"] == how
+        got = []
+        for e in range(2):
+            dl.set_epoch(e)
+            got.append(list(dl))
+    finally:
+        dl.close()
+    for a, b in zip(sum(ref, []), sum(got, []), strict=True):
+        assert torch.equal(a["img"], b["img"]) and torch.equal(a["label"], b["label"])
+
+
+def test_auto_runs_marked_transforms_on_threads_and_forks_only_a_process_without_threads(
+        images):
+    """W items 1-2, the stated rule: a transform marked as releasing the GIL runs on
+    threads; otherwise processes, forked unless another Python thread runs (then from a
+    fork server), and forked anyway when the transform cannot be pickled."""
+    def start(transform):
+        dl = DataLoader(images, BATCH, comm=None, store="direct",
+                        pipeline=Pipeline(workers=1, transform=transform))
+        try:
+            assert sum(len(b["label"]) for b in dl) == len(dl) * BATCH
+            return dl.stats()["worker_start"], dl.worker_start_reason
+        finally:
+            dl.close()
+
+    assert start(own_rng_marked) == ("thread", "the transform releases the GIL")
+    stop = threading.Event()
+    user = threading.Thread(target=stop.wait, name="users-own-thread")
+    user.start()
+    try:
+        kind, why = start(own_rng_only)
+        assert kind == "forkserver" and "users-own-thread" in why, why
+        kind, why = start(lambda s: own_rng_only(s))
+        assert kind == "fork" and "cannot be pickled" in why and "users-own-thread" in why
+    finally:
+        stop.set()
+        user.join()
+    assert "users-own-thread" not in " ".join(fork_hazards())
+    with pytest.raises(InvalidArgumentError, match="cannot mark"):
+        releases_gil(len)
+
+
+@pytest.mark.parametrize("how", ["auto", "thread"])
+def test_a_transform_that_raises_names_the_sample(images, how):
     with pytest.raises(TransformError, match=r"sample 17 .*ValueError: cannot decode"):
-        _epochs(images, 2, epochs=1, transform=fails_on_17)
+        _epochs(images, 2, epochs=1, transform=fails_on_17, worker_start=how)
 
 
 def test_a_worker_that_dies_fails_the_batch_instead_of_hanging(images):
@@ -161,11 +225,25 @@ def test_a_worker_that_hangs_or_stops_fails_its_batch_after_the_timeout(images):
     with pytest.raises(TransformError, match=r"\(pid \d+, stopped\) returned nothing"):
         _epochs(images, 2, epochs=1, transform=stops_at_once, worker_timeout=1,
                 worker_start="fork")
+    # a thread cannot be stopped: it is named and left; the test then lets it go
+    RELEASE.clear()
+    try:
+        with pytest.raises(TransformError, match=r"transform thread forebay-transform_\d "
+                                                 r"returned nothing for 1 s on the batch of "
+                                                 r"epoch 0 step \d+ \(samples .*17"):
+            _epochs(images, 2, epochs=1, transform=hangs_on_17, worker_timeout=1,
+                    worker_start="thread")
+    finally:
+        RELEASE.set()
 
 
 def test_unpicklable_transforms_and_bad_arguments_are_refused_at_once(images):
-    with pytest.raises(InvalidArgumentError, match="must be picklable"):
-        DataLoader(images, BATCH, comm=None, pipeline=Pipeline(workers=2, transform=lambda s: s))
+    for how in ("spawn", "forkserver"):
+        with pytest.raises(InvalidArgumentError, match=f"must be picklable .* by '{how}'"):
+            DataLoader(images, BATCH, comm=None,
+                       pipeline=Pipeline(workers=2, transform=lambda s: s, worker_start=how))
+    with pytest.raises(InvalidArgumentError, match=r"Pipeline\(worker_start=\) must be"):
+        Pipeline(workers=2, transform=augment, worker_start="threads")
     with pytest.raises(InvalidArgumentError, match="run a transform"):
         DataLoader(images, BATCH, comm=None, pipeline=Pipeline(workers=2))
     with pytest.raises(InvalidArgumentError, match=r"Pipeline\(workers=\) must be a non-neg"):
@@ -237,30 +315,42 @@ def test_the_batched_imagenet_transform_makes_the_per_sample_crops_and_flips(tmp
         assert ((a.flip(-1) - b).abs().mean((1, 2, 3)) > 10.0).all()
 
 
-def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tmp_path):
-    """X item 13 / W item 4: spawned workers import the main script; one that builds
-    the loader at its top level makes each worker die while starting, and the error said
-    only "died with exit code 1"."""
+def test_a_script_without_a_main_guard_works_or_is_told_why_its_workers_die(tmp_path):
+    """X item 13 / W item 4: a script that builds the loader at its top level works
+    with the default start (forked workers import nothing); with spawned workers, or
+    ones from a fork server, which import the main script, each worker dies while
+    starting, and the error said only "died with exit code 1"."""
     import subprocess
     import sys
     import textwrap
 
     script = tmp_path / "noguard.py"
     script.write_text(textwrap.dedent("""
+        import sys
         import numpy as np, forebay
-        from forebay.torch import DataLoader
+        from forebay.torch import DataLoader, Pipeline
 
         def double(s):
             return {"x": s["x"] * 2}
 
         forebay.write_dataset("d.fb", ({"x": np.arange(3) + i} for i in range(16)),
                               overwrite=True)
-        for b in DataLoader("d.fb", 4, comm=None, transform=double, workers=1):
-            pass
+        dl = DataLoader("d.fb", 4, comm=None,
+                        pipeline=Pipeline(transform=double, workers=1,
+                                          worker_start=sys.argv[1]))
+        print(sum(int(b["x"].sum()) for b in dl), dl.stats()["worker_start"])
     """))
-    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 1
-    last = p.stderr.strip().splitlines()[-1]
-    assert "died with exit code 1 while starting, before it took a batch" in last, last
-    assert f"imports your script {script}" in last and '__name__ == "__main__"' in last, last
+
+    def run(how):
+        return subprocess.run([sys.executable, str(script), how], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+    p = run("auto")
+    assert p.returncode == 0 and p.stdout.split() == [str(2 * (16 * 3 * 15 // 2 + 16 * 3)),
+                                                      "fork"], p.stderr
+    for how, what in (("spawn", "a fresh Python"), ("forkserver", "forked from a fork server")):
+        p = run(how)
+        assert p.returncode == 1
+        last = p.stderr.strip().splitlines()[-1]
+        assert "died with exit code 1 while starting, before it took a batch" in last, last
+        assert f"{what}, first imports your script {script}" in last, last
+        assert '__name__ == "__main__"' in last, last

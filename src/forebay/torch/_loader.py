@@ -25,7 +25,9 @@ from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
 from ._options import (Pipeline, StoreSpec, build_store, describe, from_legacy, mode_of,
                        store_spec, with_system_tiers)
-from ._workers import SharedAlloc, WorkerPool, _Pending, transform_batch
+from ._start import choose_start, make_workers
+from ._threads import ThreadWorkers
+from ._workers import SharedAlloc, WorkerPool, _Pending, start_forkserver, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DataLoader"]
@@ -145,16 +147,6 @@ class DataLoader:
         join_liveness(self.comm)
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle)
-        # a store the caller built is checked against this loader and left to them
-        self._own_store = not isinstance(spec, SampleStore)
-        self.store: SampleStore
-        if isinstance(spec, SampleStore):
-            self._check_given_store(spec)
-            self.store = spec
-        else:
-            self.store = build_store(spec, self.ds, self.plan, self.comm, self._store_comm,
-                                     progress, fetch_model)
-        self.mode = mode_of(self.store)
         self.collate_fn = pipe.collate_fn
         self.transform = pipe.transform
         self.batch_transform = pipe.batch_transform
@@ -165,14 +157,37 @@ class DataLoader:
                                        "concatenated (a copy) by the default collation: "
                                        "leave views off, or give a collate_fn")
         self.prefetch = 4 if pipe.prefetch is None else pipe.prefetch
-        self._pool: Optional[WorkerPool] = None
+        # the transform workers start before the store's set-up (which they overlap):
+        # forked while this process has no thread of the store's yet, or from a fork
+        # server started now
+        self._pool: "Optional[WorkerPool | ThreadWorkers]" = None
+        self.worker_start: Optional[str] = None
+        self.worker_start_reason = ""
         if pipe.workers:
-            # direct mode: the workers read the dataset themselves, as torch's read files
-            own = (str(self.store.read_path), self.ds.verify_on_read) \
-                if isinstance(self.store, DirectStore) else None
-            self._pool = WorkerPool(pipe.workers, self.ds.schema, self.transform,
-                                    self.batch_transform, self.collate_fn, seed,
-                                    pipe.worker_start, dataset=own, timeout=pipe.worker_timeout)
+            self.worker_start, self.worker_start_reason = choose_start(
+                pipe.worker_start, self.transform, self.batch_transform, self.collate_fn)
+            if self.worker_start == "forkserver":
+                start_forkserver()
+            else:
+                self._pool = self._make_workers(pipe, seed)
+        # a store the caller built is checked against this loader and left to them
+        self._own_store = not isinstance(spec, SampleStore)
+        self.store: SampleStore
+        try:
+            if isinstance(spec, SampleStore):
+                self._check_given_store(spec)
+                self.store = spec
+            else:
+                self.store = build_store(spec, self.ds, self.plan, self.comm,
+                                         self._store_comm, progress, fetch_model)
+            self.mode = mode_of(self.store)
+            if pipe.workers and self._pool is None:
+                self._pool = self._make_workers(pipe, seed)
+        except BaseException:
+            if self._pool is not None:
+                self._pool.close()
+            raise
+        if self._pool is not None:
             self.prefetch = max(self.prefetch, 4 * pipe.workers)   # keep them all busy
         if self.prefetch and is_mpi(self.comm):
             if not mpi_thread_multiple():
@@ -260,9 +275,9 @@ class DataLoader:
 
     # -- fetching -----------------------------------------------------------------------
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
-        if self._pool is not None and isinstance(self.store, DirectStore) and \
+        if isinstance(self._pool, WorkerPool) and isinstance(self.store, DirectStore) and \
                 self.store.prepare(ids := self.ds.normalize_ids(ids)):   # read by the worker
-            pending = self._pool.submit_ids(epoch, step, ids)
+            pending = self._pool.submit_ids(epoch, step, ids, str(self.store.read_path))
             rec = _trace.active()
             if rec is not None:   # its reads, as this rank's, when the batch comes back
                 pending.on_read = lambda t0, t1: self._trace_pfs(rec, ids, t0, t1,
@@ -273,7 +288,7 @@ class DataLoader:
         pin_late = self.pin_memory and (self.transform is not None or self.collate_fn
                                         is not None or self.batch_transform is not None)
         alloc: Any = pinned_alloc if self.pin_memory and not pin_late else self._buffers
-        if self._pool is not None:
+        if isinstance(self._pool, WorkerPool):
             alloc = SharedAlloc()        # gathered straight into shared memory
         rec = _trace.active()
         if rec is not None:
@@ -293,7 +308,7 @@ class DataLoader:
         out: Any
         if self._pool is not None and isinstance(batch, SampleBatch):  # (never views)
             # resolved by the consumer
-            out = self._pool.submit(epoch, step, batch, alloc.last)
+            out = self._pool.submit(epoch, step, batch, getattr(alloc, "last", None))
         elif self.transform is not None or self.batch_transform is not None:
             out = transform_batch(batch, self.transform, self.batch_transform,
                                   self.collate_fn, self.plan.seed, epoch)
@@ -444,6 +459,13 @@ class DataLoader:
             stop.set()
             t.join()
 
+    def _make_workers(self, pipe: Pipeline, seed: int) -> "WorkerPool | ThreadWorkers":
+        assert self.worker_start is not None
+        return make_workers(self.worker_start, pipe.workers, self.ds.schema, self.transform,
+                            self.batch_transform, self.collate_fn, seed,
+                            timeout=pipe.worker_timeout,
+                            verify_on_read=self.ds.verify_on_read)
+
     def _check_given_store(self, store: SampleStore) -> None:
         """A store the caller built serves this loader's dataset (and plan, for one
         that follows a plan), or the batches would be another dataset's."""
@@ -463,6 +485,9 @@ class DataLoader:
         """Where batches came from and what waiting cost: ``stall_seconds`` (time the
         iterating thread waited for data), ``fetches_by_source``, ``pfs_reads`` and
         ``pfs_bytes`` (samples and bytes this rank read from the dataset files);
+        ``worker_start``: how the transform workers run ("thread", "fork",
+        "forkserver", "spawn"; None without workers; ``worker_start_reason`` on the
+        loader says why ``"auto"`` chose it);
         ``padding_per_epoch``: samples the plan repeats each epoch to fill its last
         global batch (``drop_last=False``; over all ranks); ``batch_buffers``: the
         batches' output buffers allocated and reused (a buffer is reused once no
@@ -472,6 +497,7 @@ class DataLoader:
         base["stall_seconds"] = self._stall
         base["staging_peak_bytes"] = self._staging_peak
         base["mode"] = self.mode
+        base["worker_start"] = self.worker_start
         base["batch_buffers"] = self._buffers.stats()
         return base
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, NodeCache, SampleStore,
                      choose_mode, default_ram_bytes, node_cache_root, node_size, warm_enabled)
+from ._start import START_METHODS
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 
 __all__ = ["Auto", "Clairvoyant", "Direct", "Pipeline", "Preload", "StoreSpec",
@@ -175,14 +176,21 @@ class Pipeline:
     collate_fn: ``f(SampleBatch) -> batch``; default
         :func:`~forebay.torch.default_collate` (dense fields stacked into tensors,
         graphs batched PyG-style).
-    workers: processes running the transform and the collation, as torch's
-        ``num_workers``; 0 (default): in the prefetch thread.  Batches reach them and
-        come back through shared memory, in plan order.  Augmentations drawn from
+    workers: threads or processes running the transform and the collation, as torch's
+        ``num_workers``; 0 (default): in the prefetch thread.  Batches reach processes
+        and come back through shared memory, in plan order.  Augmentations drawn from
         :func:`forebay.torch.sample_rng` are the same whatever ``workers`` is.  A
         transform that raises or a worker that dies raises
         :class:`~forebay.torch.TransformError` naming the batch.
-    worker_start: ``"spawn"`` (default: safe with MPI and threads; the transform must be
-        picklable, e.g. defined at module level) or ``"fork"``.
+    worker_start: how the workers run.  ``"auto"`` (default): ``"thread"`` when the
+        transform is marked :func:`~forebay.torch.releases_gil` (forebay's
+        ``DecodeCropFlip`` is); else ``"fork"`` when this process has no other Python
+        thread, no CUDA context and no MPI (or when the transform cannot be pickled, as
+        torch's DataLoader always forks); else ``"forkserver"`` (a clean process that
+        imported torch once, started with the loader, forks the workers).  ``"spawn"``:
+        each worker a fresh Python.  With ``"forkserver"`` and ``"spawn"`` the transform
+        must be picklable (defined at module level) and a script must build the loader
+        under ``if __name__ == "__main__":``.
     worker_timeout: seconds a worker may take on one batch (default 600; None: no limit).
     prefetch: batches fetched ahead by a background thread while the model computes
         (default 4, at least 4 per worker; 0: fetch in the iterating thread).
@@ -201,7 +209,7 @@ class Pipeline:
     batch_transform: Optional[Callable] = None
     collate_fn: Optional[Callable] = None
     workers: int = 0
-    worker_start: str = "spawn"
+    worker_start: str = "auto"
     worker_timeout: Optional[float] = WORKER_TIMEOUT_S
     prefetch: Optional[int] = None
     staging_bytes: Optional[int] = None
@@ -212,7 +220,7 @@ class Pipeline:
         _check_count("Pipeline(workers=)", self.workers, optional=False)
         _check_count("Pipeline(prefetch=)", self.prefetch)
         _check_count("Pipeline(staging_bytes=)", self.staging_bytes, positive=True)
-        _check_choice("Pipeline(worker_start=)", self.worker_start, ("spawn", "fork"))
+        _check_choice("Pipeline(worker_start=)", self.worker_start, START_METHODS)
         if self.transform is not None and self.batch_transform is not None:
             raise InvalidArgumentError("give transform or batch_transform, not both")
         if self.workers and self.transform is None and self.batch_transform is None:

@@ -25,7 +25,11 @@ __all__ = ["DecodeCropFlip", "BatchDecodeCropFlip"]
 class DecodeCropFlip:
     """``{"image": JPEG bytes, "label": int}`` -> ``{"image": uint8 (3, size, size)
     tensor, "label": int}``.  A class (not a closure) so that spawned transform
-    workers can receive it."""
+    workers can receive it.  Its time goes to Pillow's decode and resize, which release
+    the GIL: the loader's ``worker_start="auto"`` runs it on threads."""
+
+    #: see :func:`forebay.torch.releases_gil`
+    releases_gil = True
 
     def __init__(self, size: int = 224, image: str = "image", label: str = "label",
                  scale: tuple[float, float] = (0.08, 1.0),

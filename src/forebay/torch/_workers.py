@@ -19,11 +19,13 @@ worker that dies, fails the batch with an error naming it; nothing waits forever
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -32,7 +34,7 @@ from ..dataset import FieldBatch, SampleBatch, SampleViews
 from ..errors import ForebayError, InvalidArgumentError
 
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
-           "seed_sample"]
+           "seed_sample", "start_forkserver"]
 
 #: seconds between liveness checks of the workers while a result is awaited
 _POLL_S = 0.5
@@ -41,8 +43,41 @@ _POLL_S = 0.5
 DEFAULT_TIMEOUT_S = 600.0
 
 
+#: what a fork server preloads, so that a worker forked from it imports nothing more
+#: than the training script (and what it imports beyond these)
+_FORKSERVER_PRELOAD = ["numpy", "torch", "forebay.torch._workers"]
+
+
 class TransformError(ForebayError, RuntimeError):
     """A sample's transform raised, or a transform worker died."""
+
+
+def _picklable(fn: Any) -> Optional[str]:
+    """None if ``fn`` pickles (by reference, as a worker receives it), else why not."""
+    try:
+        pickle.dumps(fn)
+        return None
+    except Exception as e:   # noqa: BLE001 - any pickling failure
+        return f"{type(e).__name__}: {e}"
+
+
+def start_forkserver() -> None:
+    """Start the fork server now (it imports torch, about a second), so that it is
+    ready when the workers are made: the loader calls this before its store's set-up."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    forkserver.ensure_running()
+
+
+def _check_pool_args(workers: Any, timeout: Any) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
+    if timeout is not None and (isinstance(timeout, bool) or
+                                not isinstance(timeout, (int, float)) or
+                                not 0 < timeout < float("inf")):
+        raise InvalidArgumentError(f"worker_timeout must be a number of seconds > 0 or "
+                                   f"None, got {timeout!r}")
 
 
 _current = threading.local()
@@ -200,21 +235,19 @@ def collate_shared(samples: list) -> Any:
 
 
 def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
-                 batch_transform: Any, collate_fn: Any, seed: int, parent: int,
-                 dataset: Any = None) -> None:
-    """A worker: transform batches until told to stop (None) or the loader dies.  With
-    ``dataset`` (path, verify_on_read) it reads each batch's samples itself."""
+                 batch_transform: Any, collate_fn: Any, seed: int, parent: Optional[int],
+                 verify_on_read: bool = False) -> None:
+    """A worker: transform batches until told to stop (None) or the loader dies.  A
+    batch comes as its samples (in shared memory) or as ids and the dataset directory
+    to read them from (the loader's direct mode), opened on first use.  ``parent``:
+    the loader's pid, or None when started from a fork server (its parent then)."""
     from ..dataset.sources._base import _die_with_parent
 
-    _die_with_parent(parent)           # ignores Ctrl-C; dies with the loader's process
+    _die_with_parent(os.getppid() if parent is None else parent)  # ignores Ctrl-C
     import torch
 
     torch.set_num_threads(1)
-    ds = None
-    if dataset is not None:
-        from ..dataset import open_dataset
-
-        ds = open_dataset(dataset[0], verify_on_read=dataset[1])
+    opened: dict[str, Any] = {}
     outbox.put((("ready", wid), None, None, None))   # the loader's timeout counts from now
     while True:
         msg = inbox.get()
@@ -223,9 +256,14 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
         key, payload = msg
         read = None
         try:
-            if ds is not None and not isinstance(payload, dict):   # ids: it reads them
+            if isinstance(payload, tuple):   # (ids, dataset directory): it reads them
+                ids, path = payload
+                if path not in opened:
+                    from ..dataset import open_dataset
+
+                    opened[path] = open_dataset(path, verify_on_read=verify_on_read)
                 t0 = time.perf_counter()
-                batch = ds.get_many(payload.numpy())
+                batch = opened[path].get_many(ids.numpy())
                 read = (t0, time.perf_counter())
             else:
                 batch = _unpack(payload, schema)
@@ -243,7 +281,7 @@ class _Pending:
     (``time.perf_counter``, the same clock in every process of the node) the worker
     spent reading the batch's samples from the dataset files (``submit_ids``)."""
 
-    def __init__(self, pool: "WorkerPool", key: tuple[int, int, int], wid: int,
+    def __init__(self, pool: Any, key: tuple[int, int, int], wid: int,
                  ids: np.ndarray) -> None:
         self.pool, self.key, self.wid, self.ids = pool, key, wid, ids
         self.on_read: Optional[Callable[[float, float], None]] = None
@@ -268,49 +306,54 @@ class WorkerPool:
     """``workers`` processes applying ``transform`` (or ``batch_transform``) to the
     batches submitted to them."""
 
+    #: batches reach the workers through shared memory (``submit(shared=)``)
+    shared_memory = True
+    #: the workers can read a batch's samples themselves (``submit_ids``)
+    reads_ids = True
+
     def __init__(self, workers: int, schema: Any, transform: Optional[Callable],
                  batch_transform: Optional[Callable], collate_fn: Optional[Callable],
-                 seed: int, start_method: str = "spawn", dataset: Any = None,
-                 timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
-        import pickle
-
+                 seed: int, start_method: str = "spawn", *,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT_S,
+                 verify_on_read: bool = False) -> None:
         import torch.multiprocessing as mp
 
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
-        if timeout is not None and (isinstance(timeout, bool) or
-                                    not isinstance(timeout, (int, float)) or
-                                    not 0 < timeout < float("inf")):
-            raise InvalidArgumentError(f"worker_timeout must be a number of seconds > 0 or "
-                                       f"None, got {timeout!r}")
+        _check_pool_args(workers, timeout)
         self.timeout = timeout
         #: when each worker said it was ready (imports done): a batch's timeout counts
         #: from then, not through a slow start
         self._ready_at: dict[int, float] = {}
-        for what, fn in (("transform", transform), ("batch_transform", batch_transform),
-                         ("collate_fn", collate_fn)):
-            if fn is not None and start_method != "fork":
-                try:
-                    pickle.dumps(fn)
-                except Exception as e:   # noqa: BLE001 - any pickling failure
-                    raise InvalidArgumentError(
-                        f"{what} must be picklable to run in worker processes (a function "
-                        f"defined at module level, not a lambda or a local function), or "
-                        f"pass worker_start='fork': {type(e).__name__}: {e}") from None
         if start_method not in ("spawn", "fork", "forkserver"):
             raise InvalidArgumentError(f"worker_start must be 'spawn', 'fork' or "
                                        f"'forkserver', got {start_method!r}")
+        for what, fn in (("transform", transform), ("batch_transform", batch_transform),
+                         ("collate_fn", collate_fn)):
+            why = _picklable(fn) if fn is not None and start_method != "fork" else None
+            if why is not None:
+                raise InvalidArgumentError(
+                    f"{what} must be picklable to run in worker processes started by "
+                    f"{start_method!r} (a function defined at module level, not a lambda or "
+                    f"a local function), or pass worker_start='fork': {why}")
+        if start_method == "forkserver":
+            start_forkserver()          # (already running when the loader started it)
         ctx: Any = mp.get_context(start_method)
         self.start_method = start_method
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(workers)]
+        parent = None if start_method == "forkserver" else os.getpid()
         self._procs = [ctx.Process(target=_worker_main, name=f"forebay-transform-{w}",
                                    args=(w, self._inboxes[w], self._outbox, schema, transform,
-                                         batch_transform, collate_fn, seed, os.getpid(),
-                                         dataset),
+                                         batch_transform, collate_fn, seed, parent,
+                                         verify_on_read),
                                    daemon=True) for w in range(workers)]
-        for p in self._procs:
-            p.start()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at any fork of a process with more than one OS thread;
+            # forebay forks only when no other Python thread runs (fork_hazards), and
+            # native thread pools (OpenBLAS, OpenMP) reset themselves in the child
+            warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to "
+                                    r"deadlocks", category=DeprecationWarning)
+            for p in self._procs:
+                p.start()
         self._done: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         #: one per pass over an epoch: results of an abandoned pass are never taken
         self.generation = 0
@@ -332,16 +375,17 @@ class WorkerPool:
         self._inboxes[wid].put((key, _pack(batch, shared)))
         return _Pending(self, key, wid, batch.ids)
 
-    def submit_ids(self, epoch: int, step: int, ids: np.ndarray) -> _Pending:
+    def submit_ids(self, epoch: int, step: int, ids: np.ndarray, path: str) -> _Pending:
         """Hand a batch to its worker by sample ids: the worker reads them from the
-        dataset itself (the loader's direct mode: nothing crosses but the ids)."""
+        dataset at ``path`` itself (the loader's direct mode: nothing crosses but the
+        ids)."""
         import torch
 
         if self._closed:
             raise TransformError("the transform workers are closed")
         wid = step % len(self._procs)
         key = (self.generation, epoch, step)
-        self._inboxes[wid].put((key, torch.from_numpy(np.ascontiguousarray(ids))))
+        self._inboxes[wid].put((key, (torch.from_numpy(np.ascontiguousarray(ids)), path)))
         return _Pending(self, key, wid, ids)
 
     def _wait(self, p: _Pending) -> Any:
@@ -414,8 +458,10 @@ class WorkerPool:
         main = getattr(sys.modules.get("__main__"), "__file__", None)
         if self.start_method == "fork" or not main:
             return " (its error is above)"
-        return (f": with worker_start={self.start_method!r} each worker is a fresh Python "
-                f"that first imports your script {main} (its error is above); a script "
+        how = "forked from a fork server" if self.start_method == "forkserver" \
+            else "a fresh Python"
+        return (f": with worker_start={self.start_method!r} each worker, {how}, first "
+                f"imports your script {main} (its error is above); a script "
                 f"that builds the loader at its top level must do so under "
                 f"`if __name__ == \"__main__\":`, or pass worker_start='fork'")
 

@@ -1,0 +1,248 @@
+"""The preprocessing pipeline from the first batch (issue W): each contender a fresh
+job (a new Python process, the data's pages evicted first when run as root), timed
+from building its loader: the first batch, epoch 1 with the start-up, and the warm
+epochs, side by side with the pipelines a user would pick instead:
+
+* torch DataLoader over the ImageFolder tree (one file read per sample), shuffled,
+  ``num_workers=W``, persistent workers, prefetch factor 4, started by fork (Linux's
+  default) and by spawn;
+* SPDL 0.8 (Meta's thread-based pipeline): the file read and the transform in one
+  stage with ``concurrency=W`` on a thread pool, then batching and collation (a new
+  pipeline each epoch, over the epoch's shuffled order);
+* forebay direct and preload with ``workers=W`` and the default ``worker_start="auto"``
+  (and, for comparison, ``"spawn"``, the default before, and ``"thread"`` on the
+  Python workload, where threads are the wrong choice).
+
+Two workloads over the same real JPEGs (``forebay synth imagenet --encode jpeg``, ~78 KB):
+
+* ``decode``: Pillow decode, random-resized crop to 224, flip
+  (``forebay.torch.DecodeCropFlip``): the time is in C code that releases the GIL;
+* ``python``: a GIL-bound transform (a Python loop over 16,384 bytes of each file).
+
+Rates count distinct samples only (forebay fills its last batch with repeats; torch's
+is short): an epoch is ``samples / seconds`` for everyone.  Rounds interleave the
+contenders in rotating order; ratios are to the best peer of the same round (min and
+median over rounds).
+
+    PYTHONPATH=/tmp/peerlib python benchmarks/loader/pipeline_bench.py \\
+        --out /tmp/pipe --samples 3000 --workers 2 --rounds 3
+
+(SPDL: ``pip install --no-deps --target /tmp/peerlib spdl==0.8.0 spdl-core==0.8.0
+spdl-io==0.8.0``; left out when it is not importable.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common
+from _common import evict, files_under, machine  # noqa: E402
+
+from forebay.torch import DecodeCropFlip  # noqa: E402
+
+PEERS = ("torch DataLoader (fork)", "torch DataLoader (spawn)", "SPDL (threads)")
+
+
+class PyWork:
+    """A GIL-bound transform: a Python loop over the first 16,384 bytes of the file
+    (a checksum and a 16-bin histogram), ~1 ms a sample."""
+
+    def __call__(self, sample: dict) -> dict:
+        raw = sample["image"]
+        data = raw.tobytes()[:16384] if hasattr(raw, "tobytes") else raw[:16384]
+        hist = [0] * 16
+        acc = 0
+        for b in data:
+            hist[b >> 4] += 1
+            acc = (acc * 31 + b) & 0xFFFFFFFF
+        hist[0] ^= acc & 0xFF
+        return {"image": torch.tensor(hist, dtype=torch.int32), "label": int(sample["label"])}
+
+
+TRANSFORMS = {"decode": DecodeCropFlip(224), "python": PyWork()}
+
+
+class Folder(torch.utils.data.Dataset):
+    """torchvision's ImageFolder in spirit: one file read per sample, then the
+    transform."""
+
+    def __init__(self, items: list, workload: str) -> None:
+        self.items, self.workload = items, workload
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        path, label = self.items[i]
+        return TRANSFORMS[self.workload]({"image": Path(path).read_bytes(), "label": label})
+
+
+def _items(src: Path) -> list:
+    return [(str(f), i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
+
+
+def _timed(batches_of_epoch, epochs: int, t0: float) -> dict:
+    """First batch and epoch times from ``t0`` (the loader's construction began)."""
+    first = None
+    times = []
+    start = t0
+    for e in range(epochs):
+        for _ in batches_of_epoch(e):
+            if first is None:
+                first = time.perf_counter() - t0
+        now = time.perf_counter()
+        times.append(now - start)
+        start = now
+    return {"first_batch": first, "epochs": times}
+
+
+def job(a: argparse.Namespace) -> dict:
+    """One contender in this (fresh) process."""
+    src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
+    name, T, w = a.job, TRANSFORMS[a.workload], a.workers
+    if name.startswith("torch"):
+        ctx = "spawn" if "spawn" in name else "fork"
+        t0 = time.perf_counter()
+        dl = torch.utils.data.DataLoader(
+            Folder(_items(src), a.workload), batch_size=a.batch, shuffle=True,
+            generator=torch.Generator().manual_seed(0), num_workers=w,
+            persistent_workers=True, prefetch_factor=4, multiprocessing_context=ctx)
+        return _timed(lambda e: dl, a.epochs, t0)
+    if name.startswith("SPDL"):
+        from spdl.pipeline import PipelineBuilder
+
+        t0 = time.perf_counter()
+        items = _items(src)
+        rng = np.random.default_rng(0)
+
+        def load(i: int) -> dict:
+            path, label = items[i]
+            return T({"image": Path(path).read_bytes(), "label": label})
+
+        def epoch(e: int):
+            p = (PipelineBuilder().add_source(rng.permutation(len(items)).tolist())
+                 .pipe(load, concurrency=w).aggregate(a.batch)
+                 .pipe(torch.utils.data.default_collate).add_sink(4).build(num_threads=w))
+            with p.auto_stop():
+                yield from p
+        return _timed(epoch, a.epochs, t0)
+    from forebay.torch import DataLoader, Pipeline
+
+    mode, start = name.split()[1], name.split("(")[1].rstrip(")")
+    t0 = time.perf_counter()
+    dl = DataLoader(packed, a.batch, comm=None, seed=0, epochs=a.epochs, progress=False,
+                    store=mode, pipeline=Pipeline(transform=T, workers=w, worker_start=start))
+
+    def fb_epoch(e: int):
+        dl.set_epoch(e)
+        return iter(dl)
+    out = _timed(fb_epoch, a.epochs, t0)
+    out["worker_start"] = dl.stats()["worker_start"]
+    dl.close()
+    return out
+
+
+def contenders(workload: str) -> list[str]:
+    out = list(PEERS)
+    try:
+        import spdl.pipeline  # noqa: F401
+    except ImportError:
+        out.remove("SPDL (threads)")
+    for mode in ("direct", "preload"):
+        out += [f"forebay {mode} (auto)", f"forebay {mode} (spawn)"]
+    out += [f"forebay {mode} ({'thread' if workload == 'python' else 'fork'})"
+            for mode in ("direct", "preload")]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/forebay-pipe"))
+    p.add_argument("--samples", type=int, default=3000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3, help="the first includes the start-up")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workloads", default="decode,python")
+    p.add_argument("--only", default="", help="comma-separated contenders (peers always run)")
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.job:
+        print("RESULT " + json.dumps(job(a)))
+        return
+    from forebay.dataset.sources import get_source, ingest
+    from forebay.synth import synthesize
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
+    if not src.exists():
+        synthesize("imagenet", src, a.samples, seed=0, encode="jpeg", progress=True)
+    if not packed.exists():
+        ingest(get_source("imagefolder", src), packed)
+    files = [Path(f) for f, _ in _items(src)] + files_under(packed)
+    root = os.geteuid() == 0
+    print(f"# {machine()}; {a.samples} JPEGs, batch {a.batch}, {a.workers} workers, "
+          f"{a.epochs} epochs a job, {a.rounds} rounds, "
+          f"{'pages evicted before each job' if root else 'page cache warm (not root)'}")
+    for workload in a.workloads.split(","):
+        names = contenders(workload)
+        if a.only:
+            names = [n for n in names if n in PEERS or n in a.only.split(",")]
+        res: dict = {}
+        for r in range(a.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if root:
+                    evict(files)
+                cmd = [sys.executable, __file__, "--job", name, "--workload", workload,
+                       "--out", str(a.out), "--samples", str(a.samples), "--workers",
+                       str(a.workers), "--batch", str(a.batch), "--epochs", str(a.epochs)]
+                p_ = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                line = [x for x in p_.stdout.splitlines() if x.startswith("RESULT ")]
+                if p_.returncode or not line:
+                    raise SystemExit(f"{name} failed:\n{p_.stderr[-3000:]}")
+                res.setdefault(name, []).append(json.loads(line[0][7:]))
+        report(workload, names, res, a)
+
+
+def report(workload: str, names: list[str], res: dict, a: argparse.Namespace) -> None:
+    def metric(r: dict, what: str) -> float:
+        if what == "first":
+            return r["first_batch"]
+        if what == "epoch1":
+            return r["epochs"][0]
+        return statistics.median(r["epochs"][1:])
+
+    print(f"\n## {workload}: seconds (median over rounds) and the best peer's time / "
+          f"this one's (min / median over rounds; > 1: faster)")
+    print("| contender | first batch | epoch 1 (with start-up) | warm epoch | warm images/s "
+          "| vs best peer: first batch | epoch 1 | warm |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    peers = [n for n in names if n in PEERS]
+    for name in names:
+        cells = []
+        for what in ("first", "epoch1", "warm"):
+            cells.append(f"{statistics.median(metric(r, what) for r in res[name]):.2f}")
+        warm = statistics.median(metric(r, "warm") for r in res[name])
+        cells.append(f"{a.samples / warm:,.0f}")
+        for what in ("first", "epoch1", "warm"):
+            ratios = [min(metric(res[p][k], what) for p in peers) / metric(res[name][k], what)
+                      for k in range(len(res[name]))]
+            cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f}")
+        how = res[name][0].get("worker_start")
+        label = f"{name} -> {how}" if how and "auto" in name else name
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
