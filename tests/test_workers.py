@@ -163,6 +163,10 @@ def test_every_way_of_running_workers_gives_the_tensors_of_the_loaders_thread(im
         for e in range(2):
             dl.set_epoch(e)
             got.append(list(dl))
+        if how != "thread":   # the batches' shared-memory buffers are reused, not made anew
+            made = dl.stats()["worker_buffers"]
+            assert made["allocated"] <= 6 * 2 + 2 and made["reused"] >= 2 * len(dl) - made[
+                "allocated"], made
     finally:
         dl.close()
     for a, b in zip(sum(ref, []), sum(got, []), strict=True):

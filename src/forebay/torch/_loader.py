@@ -289,7 +289,7 @@ class DataLoader:
                                         is not None or self.batch_transform is not None)
         alloc: Any = pinned_alloc if self.pin_memory and not pin_late else self._buffers
         if isinstance(self._pool, WorkerPool):
-            alloc = SharedAlloc()        # gathered straight into shared memory
+            alloc = SharedAlloc(self._pool.ring)   # gathered straight into shared memory
         rec = _trace.active()
         if rec is not None:
             rec.context.epoch, rec.context.step = epoch, step
@@ -487,7 +487,9 @@ class DataLoader:
         ``pfs_bytes`` (samples and bytes this rank read from the dataset files);
         ``worker_start``: how the transform workers run ("thread", "fork",
         "forkserver", "spawn"; None without workers; ``worker_start_reason`` on the
-        loader says why ``"auto"`` chose it);
+        loader says why ``"auto"`` chose it); ``worker_buffers``: the shared-memory
+        buffers batches were gathered into for worker processes, ``allocated`` and
+        ``reused``;
         ``padding_per_epoch``: samples the plan repeats each epoch to fill its last
         global batch (``drop_last=False``; over all ranks); ``batch_buffers``: the
         batches' output buffers allocated and reused (a buffer is reused once no
@@ -498,6 +500,9 @@ class DataLoader:
         base["staging_peak_bytes"] = self._staging_peak
         base["mode"] = self.mode
         base["worker_start"] = self.worker_start
+        if isinstance(self._pool, WorkerPool):
+            ring = self._pool.ring
+            base["worker_buffers"] = {"allocated": ring.allocated, "reused": ring.reused}
         base["batch_buffers"] = self._buffers.stats()
         return base
 

@@ -18,6 +18,7 @@ worker that dies, fails the batch with an error naming it; nothing waits forever
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import queue
@@ -36,6 +37,8 @@ from ..errors import ForebayError, InvalidArgumentError
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
            "seed_sample", "start_forkserver"]
 
+#: input buffers a worker keeps mapped (the loader's SharedRing reuses them)
+_MAPPED = 8
 #: seconds between liveness checks of the workers while a result is awaited
 _POLL_S = 0.5
 #: seconds a transform worker may take on one batch before the loader raises (the
@@ -164,20 +167,78 @@ def transform_batch(batch: "SampleBatch | SampleViews", transform: Optional[Call
     return collate_samples(out, collate_fn)
 
 
+class SharedRing:
+    """The workers' input buffers in shared memory, reused: a new one costs a shared
+    memory file and its pages zeroed and faulted in (6-10 ms for 5 MB), a reused one
+    nothing.  A buffer is lent with its batch (:meth:`lend`) and comes back when the
+    worker's result does (:meth:`back`), unless that result holds a tensor over the
+    buffer's memory (a ``batch_transform`` returning a view of its input): such a
+    buffer is the user's now and is never handed out again.  At most ``keep`` free
+    buffers are held; sizes are whole ``granule`` multiples so that batches of slightly
+    different sizes share them.  Thread-safe (the prefetch thread takes, the consumer
+    gives back)."""
+
+    def __init__(self, keep: int, granule: int = 1 << 20) -> None:
+        self.keep, self.granule = keep, granule
+        self._free: list[Any] = []
+        self._lent: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self.allocated = self.reused = 0
+
+    def take(self, nbytes: int) -> Any:
+        import torch
+
+        cap = max(1, -(-int(nbytes) // self.granule)) * self.granule
+        with self._lock:
+            fits = [k for k, t in enumerate(self._free) if nbytes <= t.numel() <= 2 * cap]
+            if fits:
+                self.reused += 1
+                return self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
+            self.allocated += 1
+        return torch.empty(cap, dtype=torch.uint8).share_memory_()
+
+    def lend(self, key: Any, buffer: Any) -> None:
+        with self._lock:
+            self._lent[key] = buffer
+
+    def back(self, key: Any, reusable: bool) -> None:
+        with self._lock:
+            buffer = self._lent.pop(key, None)
+            if buffer is not None and reusable and len(self._free) < self.keep:
+                self._free.append(buffer)
+
+
 class SharedAlloc:
     """An ``alloc`` for the store's ``get_many``: the batch is gathered straight into
-    a tensor in shared memory, so sending it to a worker copies nothing (the store's
-    own output buffer is what the worker maps)."""
+    a tensor in shared memory (from ``ring``, else a new one), so sending it to a
+    worker copies nothing (the store's own output buffer is what the worker maps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ring: Optional[SharedRing] = None) -> None:
+        self.ring = ring
         self.last: Any = None
 
     def __call__(self, nbytes: int) -> np.ndarray:
         import torch
 
-        t = torch.empty(max(int(nbytes), 1), dtype=torch.uint8).share_memory_()
+        t = self.ring.take(nbytes) if self.ring is not None else \
+            torch.empty(max(int(nbytes), 1), dtype=torch.uint8).share_memory_()
         self.last = t
         return t.numpy()[:nbytes]
+
+
+def _over(out: Any, buffer: Any) -> bool:
+    """Whether a tensor in ``out`` (dicts, lists and tuples walked) lies in
+    ``buffer``'s memory: it would reach the training process as a view of it."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        st = buffer.untyped_storage()
+        return st.data_ptr() <= out.untyped_storage().data_ptr() < st.data_ptr() + st.nbytes()
+    if isinstance(out, dict):
+        return any(_over(v, buffer) for v in out.values())
+    if isinstance(out, (list, tuple)):
+        return any(_over(v, buffer) for v in out)
+    return False
 
 
 def _pack(batch: SampleBatch, shared: Any = None) -> dict[str, Any]:
@@ -248,13 +309,19 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
 
     torch.set_num_threads(1)
     opened: dict[str, Any] = {}
-    outbox.put((("ready", wid), None, None, None))   # the loader's timeout counts from now
+    # the last input buffers stay mapped here: the loader reuses them (SharedRing), and
+    # torch maps a buffer it still holds from its cache instead of anew
+    recent: "collections.deque[Any]" = collections.deque(maxlen=_MAPPED)
+    outbox.put((("ready", wid), None, None, None, False))  # the timeout counts from now
     while True:
         msg = inbox.get()
         if msg is None:
             return
         key, payload = msg
         read = None
+        buffer = payload.get("buffer") if isinstance(payload, dict) else None
+        if buffer is not None:
+            recent.append(buffer)
         try:
             if isinstance(payload, tuple):   # (ids, dataset directory): it reads them
                 ids, path = payload
@@ -269,10 +336,11 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
                 batch = _unpack(payload, schema)
             out = transform_batch(batch, transform, batch_transform,
                                   collate_fn, seed, key[1], in_worker=True)
-            outbox.put((key, out, None, read))
+            del batch
+            outbox.put((key, out, None, read, buffer is not None and _over(out, buffer)))
         except BaseException as e:    # noqa: BLE001 - reported with the batch
             outbox.put((key, None, (f"{type(e).__name__}: {e}", traceback.format_exc()),
-                        read))
+                        read, False))
 
 
 class _Pending:
@@ -355,6 +423,8 @@ class WorkerPool:
             for p in self._procs:
                 p.start()
         self._done: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
+        #: the batches' input buffers (the batches in flight, at least 4 per worker)
+        self.ring = SharedRing(keep=6 * workers + 2)
         #: one per pass over an epoch: results of an abandoned pass are never taken
         self.generation = 0
         self._lock = threading.Condition()
@@ -372,6 +442,8 @@ class WorkerPool:
             raise TransformError("the transform workers are closed")
         wid = step % len(self._procs)
         key = (self.generation, epoch, step)
+        if shared is not None:
+            self.ring.lend(key, shared)
         self._inboxes[wid].put((key, _pack(batch, shared)))
         return _Pending(self, key, wid, batch.ids)
 
@@ -396,7 +468,7 @@ class WorkerPool:
                     out, err, read = self._done.pop(p.key)
                     break
             try:
-                key, out, err, read = self._outbox.get(timeout=_POLL_S)
+                key, out, err, read, aliased = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
                 self._check_alive(p)
                 if self.timeout is not None:
@@ -419,6 +491,7 @@ class WorkerPool:
             if key[0] == "ready":
                 self._ready_at[key[1]] = time.monotonic()
                 continue
+            self.ring.back(key, not aliased)        # the worker is done with its input
             if key == p.key:
                 break
             if key[0] == self.generation:
