@@ -23,8 +23,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy
 
+# the test files spread over the cores (up to 4), each file in one process: the
+# emulated cluster of tests/test_cluster.py is built once, in the process that runs it
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 demo: $(STAMP)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh $(DEMO)

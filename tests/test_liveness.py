@@ -40,6 +40,10 @@ def test_a_probe_tells_a_live_rank_a_gone_process_and_a_stranger():
     s, port = _listener(b"FBLV" + (4).to_bytes(4, "little", signed=True))
     with s:                                           # another rank's listener
         assert "something else answers" in _liveness._probe("127.0.0.1", port, 3)
+    s, port = _listener(b"")                          # a listener ending: not a word
+    with s:
+        assert "the rank does not: its process is gone" in \
+            _liveness._probe("127.0.0.1", port, 3)
     free = socket.socket()
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]

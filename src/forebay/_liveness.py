@@ -202,6 +202,10 @@ def _probe(addr: str, port: int, rank: int) -> Optional[str]:
         return "the node does not answer: it is down or its link is cut"
     except OSError as e:
         return f"the node is unreachable ({e.strerror or e})"
+    if not got:
+        # accepted from the listen queue, then closed without a word: a listener whose
+        # process was ending (its socket is closed at the process's exit)
+        return "the node answers, the rank does not: its process is gone"
     if len(got) != 8 or got[:4] != _MAGIC or struct.unpack("<i", got[4:])[0] != rank:
         return "something else answers on its port: its process is gone"
     return None
