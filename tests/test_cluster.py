@@ -176,10 +176,16 @@ def rank_contracts(path: str, kinds: str) -> None:
 _jobs: dict = {}
 
 
+#: launches of a job whose pmi2 start-up came garbled (see _pmi2_garbled)
+PMI2_TRIES = 3
+
+
 def _pmi2_garbled(stderr: str) -> bool:
-    """Slurm 22.05's pmi2 plug-in now and then garbles MPICH's start-up message ("value
-    not properly terminated in client request", MPI_Init fails): before forebay runs,
-    so the job is launched again, once."""
+    """Slurm 22.05's pmi2 plug-in now and then receives garbage for MPICH's start-up
+    message ("value not properly terminated in client request"; the "full request" it
+    prints is bytes of Python files the rank had read, as if a buffer went out
+    unfilled), and MPI_Init fails: before forebay runs, so the job is launched again
+    (up to PMI2_TRIES times; such a try ends within seconds)."""
     return "mpi/pmi2" in stderr
 
 
@@ -193,8 +199,10 @@ def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
         args = (cluster, nodes, ppn, rank_contracts, dataset, kinds)
         if launcher.startswith("srun"):
             p = run_srun(*args, mpi="pmi2" if mpi else None, env=env, timeout=400)
-            if mpi and p.returncode and "contract" not in p.stdout and \
-                    _pmi2_garbled(p.stderr):
+            for _ in range(PMI2_TRIES - 1):
+                if not (mpi and p.returncode and "contract" not in p.stdout and
+                        _pmi2_garbled(p.stderr)):
+                    break
                 p = run_srun(*args, mpi="pmi2", env=env, timeout=400)
             _jobs[key] = p
         else:
@@ -417,15 +425,16 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
     def kill() -> None:
         assert slurm.kill_node(1, daemons=True) > 0
 
-    for attempt in (1, 2):
+    for attempt in range(1, PMI2_TRIES + 1):
         try:
-            # a job that starts says TRAINING within seconds: two tries fit the test's time
+            # a job that starts says TRAINING within seconds; a garbled start ends within
+            # seconds: the tries fit the test's time
             code, err, took = _fault_mid_training(_launch(slurm, "srun", cmd, env, mpi=mpi),
                                                   kill, lambda: slurm.slurm_restore(1),
                                                   start_timeout=100)
             break
         except JobDidNotStart as e:
-            if attempt == 2 or not _pmi2_garbled(str(e)):
+            if attempt == PMI2_TRIES or not _pmi2_garbled(str(e)):
                 raise
     _ended_naming(code, err, took, "node1 (rank 1: the node answers, the rank does not: "
                   "its process is gone)")
