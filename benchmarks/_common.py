@@ -240,3 +240,19 @@ def ab_table(first: str, times: dict[str, dict[str, list[float]]]) -> str:
                      f"{statistics.median(n):.3f} | {min(n) / min(o):.2f} | "
                      f"{statistics.median(n) / statistics.median(o):.2f} |")
     return "\n".join(lines)
+
+
+def jpeg_dataset(out: Path, samples: int) -> tuple[Path, Path]:
+    """``samples`` real JPEGs under ``out`` (``forebay synth imagenet --encode jpeg``,
+    an ImageFolder tree) and the same packed (``forebay ingest --from imagefolder``),
+    made once: (the tree, the packed dataset)."""
+    from forebay.dataset.sources import get_source, ingest
+    from forebay.synth import synthesize
+
+    out.mkdir(parents=True, exist_ok=True)
+    src, packed = out / f"jpeg-{samples}", out / f"jpeg-{samples}.fb"
+    if not src.exists():
+        synthesize("imagenet", src, samples, seed=0, encode="jpeg", progress=True)
+    if not packed.exists():
+        ingest(get_source("imagefolder", src), packed)
+    return src, packed

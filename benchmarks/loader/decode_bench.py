@@ -58,11 +58,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import ThrottledDevice, evict, files_under, machine, throttled  # noqa: E402
+from _common import (ThrottledDevice, evict, files_under, jpeg_dataset, machine,  # noqa: E402
+                     throttled)
 
 import forebay  # noqa: E402
-from forebay.dataset.sources import get_source, ingest  # noqa: E402
-from forebay.synth import synthesize  # noqa: E402
 from forebay.torch import BatchDecodeCropFlip, DataLoader, DecodeCropFlip, Pipeline  # noqa: E402
 
 T = DecodeCropFlip(224)
@@ -222,12 +221,7 @@ def main() -> None:
 
 
 def run(a, throttle) -> None:
-    a.out.mkdir(parents=True, exist_ok=True)
-    src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
-    if not src.exists():
-        synthesize("imagenet", src, a.samples, seed=0, encode="jpeg", progress=True)
-    if not packed.exists():
-        ingest(get_source("imagefolder", src), packed)
+    src, packed = jpeg_dataset(a.out, a.samples)
     items = [(f, i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
     peers = _peer_datasets(src, a.out, items)
     files = {"torch DataLoader": [f for f, _ in items], "forebay preload": [],

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common
-from _common import evict, files_under, machine  # noqa: E402
+from _common import evict, files_under, jpeg_dataset, machine  # noqa: E402
 
 from forebay.torch import DecodeCropFlip  # noqa: E402
 
@@ -181,15 +181,7 @@ def main() -> None:
     if a.job:
         print("RESULT " + json.dumps(job(a)))
         return
-    from forebay.dataset.sources import get_source, ingest
-    from forebay.synth import synthesize
-
-    a.out.mkdir(parents=True, exist_ok=True)
-    src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
-    if not src.exists():
-        synthesize("imagenet", src, a.samples, seed=0, encode="jpeg", progress=True)
-    if not packed.exists():
-        ingest(get_source("imagefolder", src), packed)
+    src, packed = jpeg_dataset(a.out, a.samples)
     files = [Path(f) for f, _ in _items(src)] + files_under(packed)
     root = os.geteuid() == 0
     print(f"# {machine()}; {a.samples} JPEGs, batch {a.batch}, {a.workers} workers, "
