@@ -44,8 +44,12 @@ def cmd_ingest(a: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"--ragged takes NAME=OFFSETS_DATASET, got {spec!r}")
         ragged[name] = off
     keys = [k for k in a.keys.split(",") if k] if a.keys else None
+    # a source at an object-store URL is copied beside the output first (where there is
+    # room for the dataset), with its own progress
     source = get_source(a.from_, a.src, keys=keys, layout=a.layout, trust_pickle=a.trust_pickle,
-                        ragged=ragged, follow_links=a.follow_links, nulls=a.nulls)
+                        ragged=ragged, follow_links=a.follow_links, nulls=a.nulls,
+                        stage_dir=a.stage_dir or Path(a.out).resolve().parent,
+                        progress=progress())
     t0 = time.perf_counter()
     m = ingest(source, a.out, shard_bytes=a.shard_size, workers=a.workers,
                overwrite=a.overwrite, progress=progress())
@@ -212,7 +216,9 @@ def register(sub: Any) -> None:
     g.add_argument("src")
     g.add_argument("out")
     g.add_argument("--from", dest="from_", required=True, choices=sorted(SOURCES),
-                   help="kind of source")
+                   help="kind of source (SRC: a path, or s3://bucket/prefix)")
+    g.add_argument("--stage-dir", help="s3:// sources: where their objects are copied "
+                   "before reading (default: beside OUT; removed at the end)")
     g.add_argument("--keys", help="comma-separated arrays/datasets/columns to keep (npz, hdf5, "
                    "pickle, parquet), or the field name (npy)")
     g.add_argument("--layout", choices=["stacked", "per-file"],

@@ -7,6 +7,7 @@ from ._imagefolder import ImageFolderSource
 from ._numpy import NpySource, NpzSource, Stacked
 from ._parquet import ArrowSource, ParquetSource
 from ._pickle import PickleSource
+from ._remote import REMOTE_SCHEMES, StagedSource, is_remote
 from ._webdataset import WebDatasetSource
 from ._zarr import ZarrSource
 
@@ -14,5 +15,5 @@ __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
     "NpySource", "NpzSource", "ParquetSource", "ArrowSource", "PickleSource", "Stacked",
-    "WebDatasetSource", "ZarrSource",
+    "WebDatasetSource", "ZarrSource", "REMOTE_SCHEMES", "StagedSource", "is_remote",
 ]

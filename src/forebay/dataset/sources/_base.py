@@ -47,6 +47,10 @@ class Source:
         """Extra manifest metadata (class names, source kind...)."""
         return {"source_kind": self.kind}
 
+    def close(self) -> None:
+        """Release what ``units()`` made (the ingest driver calls it at the end; a
+        source at an object-store URL removes its local copy here)."""
+
 
 SOURCES: dict[str, type[Source]] = {}
 
@@ -58,11 +62,20 @@ def register_source(cls: type[Source]) -> type[Source]:
 
 
 def get_source(kind: str, root: "str | os.PathLike[str]", **options: Any) -> Source:
+    """A source of ``kind`` over ``root``: a local path, or an object-store URL
+    (``s3://bucket/prefix``: its objects are copied to a local staging directory when
+    the ingest lists the units, ``stage_dir=`` says where, and removed at its end)."""
     try:
         cls = SOURCES[kind]
     except KeyError:
         raise InvalidArgumentError(f"unknown source kind {kind!r}; choose one of "
                          f"{', '.join(sorted(SOURCES))}") from None
+    from ._remote import StagedSource, is_remote
+
+    if is_remote(root):
+        return StagedSource(kind, str(root), **options)
+    options.pop("stage_dir", None)
+    options.pop("progress", None)
     return cls(root, **options)
 
 
@@ -154,7 +167,17 @@ def ingest(source: Source, out: "str | os.PathLike[str]", *,
            metadata: Optional[Mapping[str, Any]] = None,
            progress: "Progress | bool | None" = None) -> Manifest:
     """Read every unit of ``source`` (``workers`` processes in parallel) and write them,
-    in order, into a packed dataset at ``out``.  Atomic like :func:`write_dataset`."""
+    in order, into a packed dataset at ``out``.  Atomic like :func:`write_dataset`.
+    The source is closed at the end (:meth:`Source.close`)."""
+    try:
+        return _ingest(source, out, shard_bytes, workers, overwrite, metadata, progress)
+    finally:
+        source.close()
+
+
+def _ingest(source: Source, out: "str | os.PathLike[str]", shard_bytes: int, workers: int,
+            overwrite: bool, metadata: Optional[Mapping[str, Any]],
+            progress: "Progress | bool | None") -> Manifest:
     units = list(source.units())
     if not units:
         raise EmptySourceError(f"{source.kind} source has nothing to ingest")
