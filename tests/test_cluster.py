@@ -178,6 +178,9 @@ _jobs: dict = {}
 
 #: launches of a job whose pmi2 start-up came garbled (see _pmi2_garbled)
 PMI2_TRIES = 3
+#: why a test skips when every launch was garbled: the scenario never ran
+PMI2_SKIP = (f"Slurm's pmi2 plug-in garbled MPICH's start-up {PMI2_TRIES} times in a row "
+             f"(MPI_Init failed before forebay ran): the scenario could not run")
 
 
 def _pmi2_garbled(stderr: str) -> bool:
@@ -226,6 +229,8 @@ def test_store_contract_across_nodes_under_srun(slurm, dataset, launcher, item):
     """Every store over srun at 2 nodes x 2 tasks: MPI's transports under
     ``--mpi=pmi2``, the exchange over torch.distributed without MPI."""
     p = _contract_job(slurm, dataset, launcher, 2, 2)
+    if p.returncode and "contract" not in p.stdout and _pmi2_garbled(p.stderr):
+        pytest.skip(PMI2_SKIP)
     kind = item.split("=")[0]
     assert p.stdout.count(f"contract {kind} ok") == 4, _why(p)
 
@@ -434,8 +439,10 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
                                                   start_timeout=100)
             break
         except JobDidNotStart as e:
-            if attempt == PMI2_TRIES or not _pmi2_garbled(str(e)):
+            if not _pmi2_garbled(str(e)):
                 raise
+            if attempt == PMI2_TRIES:
+                pytest.skip(PMI2_SKIP)
     _ended_naming(code, err, took, "node1 (rank 1: the node answers, the rank does not: "
                   "its process is gone)")
     assert "Traceback" not in err, err[-4000:]

@@ -50,8 +50,7 @@ def fork_hazards() -> list[str]:
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread()
               and not _FORK_AWARE.fullmatch(t.name)]
     if others:
-        out.append(f"{len(others)} other Python thread(s) running "
-                   f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})")
+        out.append(f"{len(others)} other Python thread(s) running ({', '.join(others)})")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         out.append("CUDA is initialised")

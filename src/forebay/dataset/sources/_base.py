@@ -8,7 +8,7 @@ from collections import deque
 from itertools import islice
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
 
 from ...errors import DatasetNotFoundError, EmptySourceError, InvalidArgumentError, SourceError
 from ...progress import Progress, as_progress
@@ -53,6 +53,17 @@ class Source:
 
 
 SOURCES: dict[str, type[Source]] = {}
+#: URL schemes read through an object store (sources/_remote.py)
+REMOTE_SCHEMES = ("s3://",)
+#: what makes a source at such a URL: set by sources/_remote.py when it is imported
+_remote_source: Optional[Callable[..., Source]] = None
+
+
+def register_remote(factory: Callable[..., Source]) -> None:
+    """How :func:`get_source` makes a source at an object-store URL (``factory(kind,
+    url, **options)``)."""
+    global _remote_source
+    _remote_source = factory
 
 
 def register_source(cls: type[Source]) -> type[Source]:
@@ -70,10 +81,11 @@ def get_source(kind: str, root: "str | os.PathLike[str]", **options: Any) -> Sou
     except KeyError:
         raise InvalidArgumentError(f"unknown source kind {kind!r}; choose one of "
                          f"{', '.join(sorted(SOURCES))}") from None
-    from ._remote import StagedSource, is_remote
-
-    if is_remote(root):
-        return StagedSource(kind, str(root), **options)
+    if isinstance(root, str) and root.startswith(REMOTE_SCHEMES):
+        if _remote_source is None:
+            raise InvalidArgumentError(f"{root}: object-store sources need "
+                                       f"forebay.dataset.sources imported")
+        return _remote_source(kind, root, **options)
     options.pop("stage_dir", None)
     options.pop("progress", None)
     return cls(root, **options)

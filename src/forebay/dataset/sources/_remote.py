@@ -17,12 +17,10 @@ from typing import Any, Optional, Sequence
 
 from ...errors import EmptySourceError, SourceError
 from ...progress import as_progress
-from ._base import SOURCES, Source
+from ._base import REMOTE_SCHEMES, SOURCES, Source, register_remote
 
 __all__ = ["REMOTE_SCHEMES", "StagedSource", "is_remote"]
 
-#: URL schemes read through an object store
-REMOTE_SCHEMES = ("s3://",)
 #: objects copied at once
 _TRANSFERS = 8
 _CHUNK = 8 << 20
@@ -141,3 +139,6 @@ class StagedSource(Source):
         finally:
             prog.close()
         return root
+
+
+register_remote(StagedSource)
