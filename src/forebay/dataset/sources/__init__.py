@@ -4,6 +4,7 @@ from ._base import SOURCES, Source, get_source, ingest, list_files, register_sou
 from ._dlio import DlioSource, dlio_files, source_fingerprint
 from ._hdf5 import Hdf5Source
 from ._imagefolder import ImageFolderSource
+from ._mds import MdsSource
 from ._numpy import NpySource, NpzSource, Stacked
 from ._parquet import ArrowSource, ParquetSource
 from ._pickle import PickleSource
@@ -15,5 +16,5 @@ __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
     "NpySource", "NpzSource", "ParquetSource", "ArrowSource", "PickleSource", "Stacked",
-    "WebDatasetSource", "ZarrSource", "REMOTE_SCHEMES", "StagedSource", "is_remote",
+    "WebDatasetSource", "ZarrSource", "MdsSource", "REMOTE_SCHEMES", "StagedSource", "is_remote",
 ]
