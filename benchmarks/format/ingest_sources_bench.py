@@ -1,10 +1,15 @@
-"""Ingest throughput per source on the same data (issue S, item 4, first figures): the
-same samples (a 4 KiB byte blob, a label, 128 float32s) written by each source's own
-library (NumPy's npz, pyarrow's Parquet and Arrow IPC, webdataset's TarWriter, zarr),
-then packed by ``forebay.dataset.sources.ingest`` (one reader; interleaved rounds; the
-output written back with ``os.sync`` inside each timing).
+"""Ingest throughput per source on the same data (issue S, item 4): the same samples (a
+4 KiB byte blob, a label, 128 float32s) written by each source's own library (NumPy's
+npz, pyarrow's Parquet and Arrow IPC, webdataset's TarWriter, zarr, mosaicml-streaming's
+MDSWriter), then packed by ``forebay.dataset.sources.ingest`` (one reader; interleaved
+rounds; the output written back with ``os.sync`` inside each timing).  Beside them, what
+a mosaic user does instead: the same npz converted to MDS by ``MDSWriter`` (a sample
+dict a row, as its docs show), timed the same way.
 
-    python benchmarks/format/ingest_sources_bench.py --out /tmp/isb --samples 20000 --rounds 3
+    PYTHONPATH=/tmp/ms:/tmp/ms2 python benchmarks/format/ingest_sources_bench.py \
+        --out /tmp/isb --samples 20000 --rounds 3
+
+(mosaicml-streaming as in tests/data/mds/make.py; left out when not importable.)
 """
 
 from __future__ import annotations
@@ -60,9 +65,46 @@ def make(out: Path, n: int) -> dict[str, tuple[Path, dict]]:
     for name, arr in (("blob", blob), ("label", label), ("vec", vec)):
         g.create_array(name, shape=arr.shape, chunks=(2048, *arr.shape[1:]),
                        dtype=arr.dtype)[:] = arr
-    return {"npz": (out / "data.npz", {}), "parquet": (out / "data.parquet", {}),
+    made = {"npz": (out / "data.npz", {}), "parquet": (out / "data.parquet", {}),
             "arrow": (out / "data.arrow", {}), "webdataset": (out / "wds", {}),
             "zarr": (out / "data.zarr", {})}
+    if _mds_writer() is not None:
+        to_mds(out / "data.npz", out / "mds")
+        made["mds"] = (out / "mds", {})
+    return made
+
+
+def _mds_writer():
+    """mosaicml-streaming's MDSWriter (its package __init__ imports transformers and
+    torchvision: only the writer is imported), or None."""
+    import importlib.util
+    import types
+
+    if "streaming.base.format.mds.writer" in sys.modules:
+        return sys.modules["streaming.base.format.mds.writer"].MDSWriter
+    spec = importlib.util.find_spec("streaming")
+    if spec is None:
+        return None
+    for name, sub in (("streaming", ""), ("streaming.base", "/base")):
+        if name not in sys.modules:
+            m = types.ModuleType(name)
+            m.__path__ = [spec.submodule_search_locations[0] + sub]
+            sys.modules[name] = m
+    from streaming.base.format.mds.writer import MDSWriter
+    return MDSWriter
+
+
+def to_mds(npz: Path, out: Path) -> None:
+    """A mosaic user's conversion: the npz's rows written by MDSWriter."""
+    MDSWriter = _mds_writer()
+    shutil.rmtree(out, ignore_errors=True)
+    with np.load(npz) as z:
+        blob, label, vec = z["blob"], z["label"], z["vec"]
+    with MDSWriter(out=str(out), columns={"blob": "bytes", "label": "int",
+                                          "vec": "ndarray:float32:128"},
+                   size_limit=64 << 20) as w:
+        for k in range(len(label)):
+            w.write({"blob": blob[k].tobytes(), "label": int(label[k]), "vec": vec[k]})
 
 
 def _npy(a: np.ndarray) -> bytes:
@@ -78,10 +120,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     sources = make(a.out / "src", a.samples)
-    times: dict[str, list[float]] = {k: [] for k in sources}
+    peer = "MDSWriter (npz -> MDS)"
+    names = list(sources) + ([peer] if "mds" in sources else [])
+    times: dict[str, list[float]] = {k: [] for k in names}
     nbytes = 0
     for r in range(a.rounds):
-        for kind in (list(sources) if r % 2 == 0 else list(sources)[::-1]):
+        for kind in (names if r % 2 == 0 else names[::-1]):
+            if kind == peer:
+                t0 = time.perf_counter()
+                to_mds(sources["npz"][0], a.out / "converted-mds")
+                os.sync()
+                times[kind].append(time.perf_counter() - t0)
+                continue
             path, opts = sources[kind]
             dst = a.out / f"{kind}.fb"
             shutil.rmtree(dst, ignore_errors=True)
@@ -99,6 +149,11 @@ def main() -> None:
         m = statistics.median(ts)
         print(f"| {kind} | {a.samples / m:,.0f} ({a.samples / min(ts):,.0f}) | "
               f"{nbytes / m / 1e6:,.0f} |")
+    if peer in times:
+        r = [p / f for p, f in zip(times[peer], times["npz"])]
+        print(f"\nforebay ingest --from npz against MDSWriter converting the same npz, "
+              f"per round (its time / forebay's): min {min(r):.2f}x, median "
+              f"{statistics.median(r):.2f}x")
     shutil.rmtree(a.out, ignore_errors=True)
 
 
