@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import json
 import pickle
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ def _by_name(sample):
 
 def test_registry_lists_every_kind():
     assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio", "parquet",
-                            "arrow", "webdataset", "zarr"}
+                            "arrow", "webdataset", "zarr", "mds"}
 
 
 @pytest.mark.parametrize("kind, gen", [("ising", ising_samples), ("molecules", molecule_samples)])
@@ -214,7 +217,19 @@ def _many_unit_sources(root):
     z = zarr.open_array(str(root / "z.zarr"), mode="w", shape=(400, 3), chunks=(10, 3),
                         dtype="i4")
     z[:] = np.arange(1200, dtype=np.int32).reshape(400, 3)
+    # MDS: MDSWriter's shards (tests/data/mds/plain) listed 5 times over, as 30 shards
+    plain = Path(__file__).parent / "data" / "mds" / "plain"
+    doc = json.loads((plain / "index.json").read_text())
+    (root / "mds").mkdir()
+    shards = []
+    for copy in range(5):
+        for sh in doc["shards"]:
+            name = f"c{copy}-{sh['raw_data']['basename']}"
+            shutil.copyfile(plain / sh["raw_data"]["basename"], root / "mds" / name)
+            shards.append({**sh, "raw_data": {**sh["raw_data"], "basename": name}})
+    (root / "mds" / "index.json").write_text(json.dumps({**doc, "shards": shards}))
     return {
+        "mds": get_source("mds", root / "mds"),
         "zarr": get_source("zarr", root / "z.zarr", unit_bytes=1),      # a chunk per unit
         "webdataset": get_source("webdataset", root / "wds"),
         "parquet": get_source("parquet", root / "t.parquet"),

@@ -105,8 +105,11 @@ def _decode(encoding: str, raw: bytes, where: str) -> Any:
             at += 1 + ndim * sdt.itemsize
         itemsize = np.dtype(dtype).itemsize
         if len(raw) - at != int(np.prod(shape)) * itemsize:
-            raise ValueError(f"{len(raw) - at} bytes for shape {shape} of {dtype}")
+            raise SourceError(f"{where}: its {encoding!r} value holds {len(raw) - at} bytes "
+                              f"for shape {shape} of {dtype}")
         return np.frombuffer(raw, dtype, offset=at).reshape(shape)
+    except SourceError:
+        raise
     except (IndexError, KeyError, ValueError, UnicodeDecodeError) as e:
         raise SourceError(f"{where}: its {encoding!r} value cannot be read ({e})") from None
 
@@ -144,7 +147,10 @@ class MdsSource(Source):
             doc = json.loads(index.read_text())
             shards = doc["shards"]
             if doc.get("version") != 2 or not isinstance(shards, list):
-                raise ValueError(f"version {doc.get('version')!r}, expected 2")
+                raise SourceError(f"{index}: not an MDS index (version "
+                                  f"{doc.get('version')!r}, expected 2)")
+        except SourceError:
+            raise
         except (ValueError, KeyError, TypeError) as e:
             raise SourceError(f"{index}: not an MDS index ({e})") from None
         self.units_: list[dict[str, Any]] = []
@@ -154,13 +160,16 @@ class MdsSource(Source):
             where = f"{index} shard {k}"
             try:
                 if sh["format"] != "mds" or sh["version"] != 2:
-                    raise ValueError(f"format {sh['format']!r} version {sh['version']!r}")
+                    raise SourceError(f"{where}: not an MDS shard entry (format "
+                                      f"{sh['format']!r} version {sh['version']!r})")
                 these = (list(sh["column_names"]), list(sh["column_encodings"]))
                 n = int(sh["samples"])
                 info = sh["raw_data"]
                 str(info["basename"])                  # a shard entry names its file
                 zipped = sh.get("zip_data") or None
                 comp = sh.get("compression") or None
+            except SourceError:
+                raise
             except (KeyError, TypeError, ValueError) as e:
                 raise SourceError(f"{where}: not an MDS shard entry ({e})") from None
             if names is None:
