@@ -19,6 +19,7 @@ worker that dies, fails the batch with an error naming it; nothing waits forever
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import pickle
 import queue
@@ -420,8 +421,18 @@ class WorkerPool:
             # native thread pools (OpenBLAS, OpenMP) reset themselves in the child
             warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to "
                                     r"deadlocks", category=DeprecationWarning)
-            for p in self._procs:
-                p.start()
+            # a forked worker's first garbage collection would write to every object
+            # it inherited, copying the training process's heap page by page (its first
+            # batch took 2.4x longer): the objects stay out of its collections
+            freeze = start_method == "fork"
+            if freeze:
+                gc.freeze()
+            try:
+                for p in self._procs:
+                    p.start()
+            finally:
+                if freeze:
+                    gc.unfreeze()
         self._done: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         #: the batches' input buffers (the batches in flight, at least 4 per worker)
         self.ring = SharedRing(keep=6 * workers + 2)
