@@ -75,23 +75,16 @@ def make(out: Path, n: int) -> dict[str, tuple[Path, dict]]:
 
 
 def _mds_writer():
-    """mosaicml-streaming's MDSWriter (its package __init__ imports transformers and
-    torchvision: only the writer is imported), or None."""
+    """mosaicml-streaming's MDSWriter (only the writer: the package's __init__ imports
+    transformers and torchvision), or None: tests/data/mds/make.py's loader."""
     import importlib.util
-    import types
 
-    if "streaming.base.format.mds.writer" in sys.modules:
-        return sys.modules["streaming.base.format.mds.writer"].MDSWriter
-    spec = importlib.util.find_spec("streaming")
-    if spec is None:
-        return None
-    for name, sub in (("streaming", ""), ("streaming.base", "/base")):
-        if name not in sys.modules:
-            m = types.ModuleType(name)
-            m.__path__ = [spec.submodule_search_locations[0] + sub]
-            sys.modules[name] = m
-    from streaming.base.format.mds.writer import MDSWriter
-    return MDSWriter
+    make = Path(__file__).resolve().parents[2] / "tests" / "data" / "mds" / "make.py"
+    spec = importlib.util.spec_from_file_location("mds_make", make)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.mds_writer()
 
 
 def to_mds(npz: Path, out: Path) -> None:

@@ -306,9 +306,11 @@ class DataLoader:
         else:
             batch = self.store.get_many(ids, alloc=alloc)
         out: Any
-        if self._pool is not None and isinstance(batch, SampleBatch):  # (never views)
-            # resolved by the consumer
-            out = self._pool.submit(epoch, step, batch, getattr(alloc, "last", None))
+        if isinstance(self._pool, WorkerPool) and isinstance(batch, SampleBatch):
+            # resolved by the consumer (never views)
+            out = self._pool.submit(epoch, step, batch, alloc.last)
+        elif self._pool is not None and isinstance(batch, SampleBatch):
+            out = self._pool.submit(epoch, step, batch)
         elif self.transform is not None or self.batch_transform is not None:
             out = transform_batch(batch, self.transform, self.batch_transform,
                                   self.collate_fn, self.plan.seed, epoch)

@@ -56,10 +56,6 @@ class ThreadWorkers:
     NumPy's and torch's global generators are the training's, left alone, as with
     ``workers=0``; :func:`sample_rng` gives each sample its own (thread-local)."""
 
-    shared_memory = False
-    reads_ids = False
-    start_method = "thread"
-
     def __init__(self, workers: int, transform: Optional[Callable],
                  batch_transform: Optional[Callable], collate_fn: Optional[Callable],
                  seed: int, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
@@ -67,17 +63,12 @@ class ThreadWorkers:
 
         _check_pool_args(workers, timeout)
         self.timeout = timeout
-        self._n = workers
         self._stages = (transform, batch_transform, collate_fn)
         self.seed = seed
         self._ex = ThreadPoolExecutor(workers, thread_name_prefix="forebay-transform")
         self._futures: set[Any] = set()      # of the current pass, not done yet
         self.generation = 0
         self._closed = False
-
-    @property
-    def workers(self) -> int:
-        return self._n
 
     def _run(self, batch: SampleBatch, epoch: int, step: int, where: dict[str, str]) -> Any:
         where["thread"] = threading.current_thread().name
@@ -89,9 +80,8 @@ class ThreadWorkers:
             raise TransformError(f"batch of epoch {epoch} step {step}: {type(e).__name__}: "
                                  f"{e} (in transform thread {where['thread']})") from e
 
-    def submit(self, epoch: int, step: int, batch: SampleBatch, shared: Any = None
-               ) -> _ThreadPending:
-        """Hand a batch to the next free thread (``shared`` is not used)."""
+    def submit(self, epoch: int, step: int, batch: SampleBatch) -> _ThreadPending:
+        """Hand a batch to the next free thread."""
         if self._closed:
             raise TransformError("the transform workers are closed")
         where: dict[str, str] = {}

@@ -211,20 +211,16 @@ class SharedRing:
 
 class SharedAlloc:
     """An ``alloc`` for the store's ``get_many``: the batch is gathered straight into
-    a tensor in shared memory (from ``ring``, else a new one), so sending it to a
-    worker copies nothing (the store's own output buffer is what the worker maps)."""
+    a tensor in shared memory from ``ring``, so sending it to a worker copies nothing
+    (the store's own output buffer is what the worker maps); ``last`` is that tensor."""
 
-    def __init__(self, ring: Optional[SharedRing] = None) -> None:
+    def __init__(self, ring: SharedRing) -> None:
         self.ring = ring
         self.last: Any = None
 
     def __call__(self, nbytes: int) -> np.ndarray:
-        import torch
-
-        t = self.ring.take(nbytes) if self.ring is not None else \
-            torch.empty(max(int(nbytes), 1), dtype=torch.uint8).share_memory_()
-        self.last = t
-        return t.numpy()[:nbytes]
+        self.last = self.ring.take(nbytes)
+        return self.last.numpy()[:nbytes]
 
 
 def _over(out: Any, buffer: Any) -> bool:
@@ -337,7 +333,6 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
                 batch = _unpack(payload, schema)
             out = transform_batch(batch, transform, batch_transform,
                                   collate_fn, seed, key[1], in_worker=True)
-            del batch
             outbox.put((key, out, None, read, buffer is not None and _over(out, buffer)))
         except BaseException as e:    # noqa: BLE001 - reported with the batch
             outbox.put((key, None, (f"{type(e).__name__}: {e}", traceback.format_exc()),
@@ -374,11 +369,6 @@ def _process_state(pid: Optional[int]) -> str:
 class WorkerPool:
     """``workers`` processes applying ``transform`` (or ``batch_transform``) to the
     batches submitted to them."""
-
-    #: batches reach the workers through shared memory (``submit(shared=)``)
-    shared_memory = True
-    #: the workers can read a batch's samples themselves (``submit_ids``)
-    reads_ids = True
 
     def __init__(self, workers: int, schema: Any, transform: Optional[Callable],
                  batch_transform: Optional[Callable], collate_fn: Optional[Callable],

@@ -44,18 +44,23 @@ def samples() -> list[dict]:
     return out
 
 
-def _writer():
-    spec = importlib.util.find_spec("streaming")
-    for name, sub in (("streaming", ""), ("streaming.base", "/base")):
-        m = types.ModuleType(name)
-        m.__path__ = [spec.submodule_search_locations[0] + sub]
-        sys.modules[name] = m
+def mds_writer():
+    """mosaicml-streaming's MDSWriter, its package's __init__ skipped; None when the
+    library is not importable (benchmarks/format/ingest_sources_bench.py uses it too)."""
+    if "streaming.base.format.mds.writer" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None:
+            return None
+        for name, sub in (("streaming", ""), ("streaming.base", "/base")):
+            m = types.ModuleType(name)
+            m.__path__ = [spec.submodule_search_locations[0] + sub]
+            sys.modules[name] = m
     from streaming.base.format.mds.writer import MDSWriter
     return MDSWriter
 
 
 def main() -> None:
-    MDSWriter = _writer()
+    MDSWriter = mds_writer()
     columns = {k: ("bytes" if v == "jpeg_bytes" else v) for k, v in COLUMNS.items()}
     for name, kw in (("plain", {"size_limit": 4096, "hashes": ["sha1", "xxh64"]}),
                      ("zstd", {"size_limit": 1 << 20, "compression": "zstd:7"})):

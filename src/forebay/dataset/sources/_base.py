@@ -59,6 +59,11 @@ REMOTE_SCHEMES = ("s3://",)
 _remote_source: Optional[Callable[..., Source]] = None
 
 
+def is_remote(root: Any) -> bool:
+    """Whether ``root`` is an object-store URL rather than a local path."""
+    return isinstance(root, str) and root.startswith(REMOTE_SCHEMES)
+
+
 def register_remote(factory: Callable[..., Source]) -> None:
     """How :func:`get_source` makes a source at an object-store URL (``factory(kind,
     url, **options)``)."""
@@ -81,11 +86,11 @@ def get_source(kind: str, root: "str | os.PathLike[str]", **options: Any) -> Sou
     except KeyError:
         raise InvalidArgumentError(f"unknown source kind {kind!r}; choose one of "
                          f"{', '.join(sorted(SOURCES))}") from None
-    if isinstance(root, str) and root.startswith(REMOTE_SCHEMES):
+    if is_remote(root):
         if _remote_source is None:
             raise InvalidArgumentError(f"{root}: object-store sources need "
                                        f"forebay.dataset.sources imported")
-        return _remote_source(kind, root, **options)
+        return _remote_source(kind, str(root), **options)
     options.pop("stage_dir", None)
     options.pop("progress", None)
     return cls(root, **options)

@@ -190,7 +190,7 @@ class MdsSource(Source):
             confine(self.root, [path], follow_links)
             self.units_.append({"path": str(path), "samples": n, "compression": kind,
                                 "hashes": dict(info.get("hashes") or {}),
-                                "bytes": info.get("bytes"), "where": where})
+                                "bytes": info.get("bytes")})
         if names is None:
             raise SourceError(f"{index}: lists no shards")
         self.names: list[str] = names

@@ -17,18 +17,13 @@ from typing import Any, Optional, Sequence
 
 from ...errors import EmptySourceError, SourceError
 from ...progress import as_progress
-from ._base import REMOTE_SCHEMES, SOURCES, Source, register_remote
+from ._base import REMOTE_SCHEMES, SOURCES, Source, is_remote, register_remote
 
 __all__ = ["REMOTE_SCHEMES", "StagedSource", "is_remote"]
 
 #: objects copied at once
 _TRANSFERS = 8
 _CHUNK = 8 << 20
-
-
-def is_remote(root: Any) -> bool:
-    """Whether ``root`` is an object-store URL rather than a local path."""
-    return isinstance(root, str) and root.startswith(REMOTE_SCHEMES)
 
 
 class StagedSource(Source):
@@ -93,13 +88,14 @@ class StagedSource(Source):
             raise SourceError(f"{self.url}: cannot list it ({e})") from None
         if not files:
             raise EmptySourceError(f"{self.url}: no objects there")
+        # each object's place under the staging directory: NAME (the URL's last part) for
+        # one object, NAME/its key under the prefix for a prefix's objects
         base = PurePosixPath(path)
         name = base.name or "source"
         rels = []
         for f in files:
-            rel = PurePosixPath(f.path).relative_to(base) if f.path != path else \
-                PurePosixPath(name)
-            if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            rel = PurePosixPath(name) / PurePosixPath(f.path).relative_to(base)
+            if ".." in rel.parts:
                 raise SourceError(f"{self.url}: object {f.path!r} would be written outside "
                                   f"the staging directory; refused")
             rels.append(rel)
@@ -110,13 +106,13 @@ class StagedSource(Source):
             raise SourceError(f"{self.url}: {total:,} bytes to copy, {free:,} free in {where} "
                               f"(stage_dir=, or FOREBAY_STAGE_DIR, names another directory)")
         self._dir = Path(tempfile.mkdtemp(prefix="forebay-stage-", dir=where))
-        root = self._dir / name
+        stage = self._dir
         prog = as_progress(self._progress)
         prog.start(total, desc=f"copy {self.url}", unit="B")
         lock = threading.Lock()
 
         def copy(f: Any, rel: PurePosixPath) -> None:
-            dst = root / rel if top.type != pafs.FileType.File else root
+            dst = stage / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             with fs.open_input_stream(f.path) as src, open(dst, "wb") as out:
                 while True:
@@ -138,7 +134,7 @@ class StagedSource(Source):
             raise
         finally:
             prog.close()
-        return root
+        return stage / name
 
 
 register_remote(StagedSource)
