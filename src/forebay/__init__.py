@@ -18,10 +18,12 @@ from .errors import ForebayError  # noqa: E402
 if TYPE_CHECKING:
     from .dataset import (DatasetWriter, PackedDataset, SampleBatch, Schema,  # noqa: F401
                           append, open_dataset, write_dataset)
+    from .mixture import Mixture  # noqa: F401
     from .plan import AccessPlan  # noqa: F401
 
 __all__ = [
-    "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "PackedDataset",
+    "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "Mixture",
+    "PackedDataset",
     "SampleBatch",
     "Schema", "append", "open_dataset", "write_dataset",
 ]
@@ -31,7 +33,7 @@ __all__ = [
 _LAZY = {"DatasetWriter": "dataset", "PackedDataset": "dataset", "SampleBatch": "dataset",
          "Schema": "dataset", "open_dataset": "dataset", "write_dataset": "dataset",
          "append": "dataset",
-         "AccessPlan": "plan"}
+         "AccessPlan": "plan", "Mixture": "mixture"}
 
 
 if not TYPE_CHECKING:      # type checkers see the imports above

@@ -22,6 +22,11 @@ samples of the same epoch's permutation: every sample is read at least once per 
 and exactly ``plan.padding`` of them (fewer than one global batch) twice.  Unlike
 ``DistributedSampler``, which pads only to a multiple of the world size and leaves the
 last batch smaller, every batch is full.
+
+Mixtures.  A plan over several datasets (:class:`forebay.Mixture`) carries an
+:class:`EpochOrder`: an epoch is then ``epoch_length`` positions, each mapped to a
+sample of one source by the mixture's rule; the cutting into global batches, the
+padding and every stream above are the same.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ from typing import Iterator, Optional
 import numpy as np
 from .errors import InvalidArgumentError
 
-__all__ = ["AccessPlan", "frequency_tail", "frequency_tail_monte_carlo", "permutation",
-           "positions"]
+__all__ = ["AccessPlan", "EpochOrder", "frequency_tail", "frequency_tail_monte_carlo",
+           "permutation", "positions"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -124,6 +129,25 @@ def positions(num_samples: int, seed: int, epoch: int, ids: np.ndarray) -> np.nd
     return _feistel(num_samples, seed, epoch).inverse(np.asarray(ids, dtype=np.uint64))
 
 
+class EpochOrder:
+    """What an epoch's positions read when it is not one shuffle of the whole dataset
+    (a :class:`forebay.Mixture`'s rule).  Pure functions of their arguments, as the
+    plan's own shuffle: every rank derives the same epochs without communication."""
+
+    #: the ids' range (the sum of the sources' sizes)
+    num_samples: int
+    #: positions in an epoch before the padding to whole global batches
+    epoch_length: int
+
+    def ids_at(self, seed: int, epoch: int, pos: np.ndarray, shuffle: bool) -> np.ndarray:
+        """Sample ids read at positions ``pos`` (``0 <= pos < epoch_length``)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What ranks and a resumed run must agree on (JSON-able)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class AccessPlan:
     """Who reads which sample when, for a whole run.
@@ -136,6 +160,8 @@ class AccessPlan:
         seed: shuffle seed.
         drop_last: skip the incomplete last global batch instead of padding it.
         shuffle: False reads samples in index order every epoch (evaluation).
+        order: an :class:`EpochOrder` (a mixture's), None for one shuffle of the
+            dataset per epoch.
     """
 
     num_samples: int
@@ -145,20 +171,25 @@ class AccessPlan:
     seed: int = 0
     drop_last: bool = False
     shuffle: bool = True
+    order: Optional[EpochOrder] = None
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "world_size", "batch_size", "epochs"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
-        if self.batch_size > self.num_samples:
-            raise InvalidArgumentError(f"batch_size {self.batch_size} is larger than the dataset "
-                             f"({self.num_samples} samples)")
-        if self.drop_last and self.global_batch > self.num_samples:
+        if self.order is not None and self.order.num_samples != self.num_samples:
+            raise InvalidArgumentError(f"the epoch order covers {self.order.num_samples} "
+                                       f"samples, the plan {self.num_samples}")
+        what = "the dataset" if self.order is None else "an epoch of the mixture"
+        if self.batch_size > self.epoch_length:
+            raise InvalidArgumentError(f"batch_size {self.batch_size} is larger than {what} "
+                                       f"({self.epoch_length} samples)")
+        if self.drop_last and self.global_batch > self.epoch_length:
             raise InvalidArgumentError(
                 f"the global batch ({self.batch_size} x {self.world_size} ranks = "
-                f"{self.global_batch}) is larger than the dataset "
-                f"({self.num_samples} samples): with drop_last no step is left")
+                f"{self.global_batch}) is larger than {what} "
+                f"({self.epoch_length} samples): with drop_last no step is left")
 
     # -- shape of an epoch ------------------------------------------------------------
     @property
@@ -166,14 +197,21 @@ class AccessPlan:
         return self.batch_size * self.world_size
 
     @property
+    def epoch_length(self) -> int:
+        """Positions in an epoch before padding: the dataset's size, or a mixture's
+        epoch."""
+        return self.num_samples if self.order is None else self.order.epoch_length
+
+    @property
     def steps_per_epoch(self) -> int:
-        q, r = divmod(self.num_samples, self.global_batch)
+        q, r = divmod(self.epoch_length, self.global_batch)
         return q if (self.drop_last or r == 0) else q + 1
 
     @property
     def padding(self) -> int:
-        """Samples read twice per epoch to complete the last global batch."""
-        return 0 if self.drop_last else self.steps_per_epoch * self.global_batch - self.num_samples
+        """Positions read twice per epoch to complete the last global batch."""
+        return 0 if self.drop_last else self.steps_per_epoch * self.global_batch - \
+            self.epoch_length
 
     def _check(self, rank: Optional[int], epoch: int) -> None:
         if rank is not None and not 0 <= rank < self.world_size:
@@ -184,8 +222,10 @@ class AccessPlan:
     # -- streams --------------------------------------------------------------------
     def _ids_at(self, epoch: int, pos: np.ndarray) -> np.ndarray:
         """Sample ids read at positions ``pos`` of the epoch (positions past the
-        dataset wrap around: the padding repeats the epoch's first samples)."""
-        pos = np.asarray(pos, dtype=np.int64) % self.num_samples
+        epoch wrap around: the padding repeats the epoch's first samples)."""
+        pos = np.asarray(pos, dtype=np.int64) % self.epoch_length
+        if self.order is not None:
+            return self.order.ids_at(self.seed, epoch, pos, self.shuffle)
         if not self.shuffle:
             return pos
         return _feistel(self.num_samples, self.seed, epoch).forward(pos)
@@ -194,6 +234,11 @@ class AccessPlan:
         """Where each sample is first read in the epoch's order (``-1``: dropped)."""
         self._check(None, epoch)
         ids = np.asarray(ids, dtype=np.int64)
+        if self.order is not None:       # a mixture's epoch: no inverse, one pass
+            read, at = np.unique(self.epoch_order(epoch), return_index=True)
+            first = np.full(self.num_samples, -1, dtype=np.int64)
+            first[read] = at
+            return first[ids]
         pos = positions(self.num_samples, self.seed, epoch, ids) if self.shuffle else ids.copy()
         pos[pos >= self.steps_per_epoch * self.global_batch] = -1
         return pos
@@ -249,7 +294,8 @@ class AccessPlan:
     def to_dict(self) -> dict:
         return dict(num_samples=self.num_samples, world_size=self.world_size,
                     batch_size=self.batch_size, epochs=self.epochs, seed=self.seed,
-                    drop_last=self.drop_last, shuffle=self.shuffle)
+                    drop_last=self.drop_last, shuffle=self.shuffle,
+                    **({} if self.order is None else {"order": self.order.describe()}))
 
 
 def frequency_tail(num_samples: int, world_size: int, epochs: int, delta: float) -> float:

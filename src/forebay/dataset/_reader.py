@@ -77,12 +77,17 @@ class PackedDataset:
 
     def __init__(self, path: "str | os.PathLike[str]", *, verify_on_read: bool = False,
                  readahead: str = "record") -> None:
+        self.path = Path(path)
+        self._open(Manifest.read(self.path), verify_on_read, readahead)
+
+    def _open(self, manifest: Manifest, verify_on_read: bool, readahead: str) -> None:
+        """Set up the index and the lazy maps of ``manifest``'s shards (file names
+        relative to :attr:`path`, or absolute: a mixture's)."""
         if readahead not in READAHEAD:
             raise InvalidArgumentError(f"readahead must be one of {READAHEAD}, got {readahead!r}")
-        self.path = Path(path)
         self.verify_on_read = verify_on_read
         self.readahead = readahead
-        self.manifest = Manifest.read(self.path)
+        self.manifest = manifest
         self.schema = self.manifest.schema
         self._layout = IndexLayout(self.schema)
         lay = self._layout
@@ -479,6 +484,18 @@ class PackedDataset:
         self._lock = threading.Lock()
         _live.add(self)
 
+    @property
+    def locator(self) -> Any:
+        """What another process opens this dataset from
+        (:func:`~forebay.dataset.open_locator`): its directory (a
+        :class:`~forebay.dataset.ConcatDataset`: its sources' directories)."""
+        return str(self.path)
+
+    def reopened(self, *, verify_on_read: bool) -> "PackedDataset":
+        """The same dataset opened again with another ``verify_on_read``."""
+        return PackedDataset(self.path, verify_on_read=verify_on_read,
+                             readahead=self.readahead)
+
     # -- access -----------------------------------------------------------------
     def __len__(self) -> int:
         return self.manifest.num_samples
@@ -685,3 +702,4 @@ def open_dataset(path: "str | os.PathLike[str]", *, verify_on_read: bool = False
     :meth:`PackedDataset.verify` to check every byte.
     """
     return PackedDataset(path, verify_on_read=verify_on_read, readahead=readahead)
+

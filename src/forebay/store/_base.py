@@ -271,9 +271,10 @@ class DirectStore(SampleStore):
 
     @property
     def read_path(self) -> Any:
-        """The dataset directory another process reads this store's batches from
-        (after :meth:`prepare`): the node cache's copy, or the dataset itself."""
-        return self.cache.dir if self.cache is not None else self.ds.path
+        """What another process reads this store's batches from (after
+        :meth:`prepare`; :func:`~forebay.dataset.open_locator`): the node cache's
+        copy, or the dataset itself."""
+        return str(self.cache.dir) if self.cache is not None else self.ds.locator
 
     def prepare(self, ids: np.ndarray) -> bool:
         """Make samples ``ids`` (normalised) readable at :attr:`read_path` (by this

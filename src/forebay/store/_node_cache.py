@@ -186,6 +186,10 @@ class NodeCache:
 
     def __init__(self, root: "str | os.PathLike[str]", src: PackedDataset, *,
                  cap_bytes: Optional[int] = None) -> None:
+        if not isinstance(src.locator, str):   # its shards are other datasets' files
+            raise InvalidArgumentError(
+                f"the node cache keeps one dataset's files: {src!r} reads several (a "
+                f"mixture's sources) and is not cached; leave node_cache unset")
         self.root = Path(root)
         self.src = src
         try:

@@ -15,7 +15,8 @@ import torch
 from .. import trace as _trace
 from ..dataset import (BufferPool, IndexLayout, PackedDataset, SampleBatch, SampleViews,
                        open_dataset)
-from ..plan import AccessPlan
+from ..mixture import Mixture
+from ..plan import AccessPlan, EpochOrder
 from ..store import ClairvoyantStore, DirectStore, DistributedStore, SampleStore
 from ..comm import is_mpi, mpi_thread_multiple
 from .._liveness import join as join_liveness, waiting
@@ -52,7 +53,9 @@ class DataLoader:
     ``pipeline=`` (what happens to them on the way to the loop).
 
     What to iterate:
-        dataset: a :class:`~forebay.dataset.PackedDataset` or its path.
+        dataset: a :class:`~forebay.dataset.PackedDataset` or its path, or a
+            :class:`~forebay.Mixture` of several (its rule decides which source each
+            position of an epoch reads; every store serves it).
         batch_size: per-rank batch; the global batch is ``batch_size * world_size``.
         epochs: epochs in the run (the access plan covers them all).
         seed, shuffle, drop_last: as :class:`~forebay.AccessPlan` (same seed and global
@@ -106,7 +109,8 @@ class DataLoader:
     at another world size with the same global batch resumes the same global batches.
     """
 
-    def __init__(self, dataset: "PackedDataset | str | os.PathLike[str]", batch_size: int, *,
+    def __init__(self, dataset: "PackedDataset | Mixture | str | os.PathLike[str]",
+                 batch_size: int, *,
                  seed: int = 0, epochs: int = 1, shuffle: bool = True, drop_last: bool = False,
                  store: "Optional[StoreSpec]" = None, pipeline: Optional[Pipeline] = None,
                  comm: Any = None, system: "Optional[str | os.PathLike[str]]" = None,
@@ -128,11 +132,15 @@ class DataLoader:
             spec, pipe = with_system_tiers(spec, pipe, profile.get("tiers", {}))
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
-        self.ds = dataset if isinstance(dataset, PackedDataset) else \
-            open_dataset(dataset, verify_on_read=bool(verify_on_read))
+        order: Optional[EpochOrder] = None
+        if isinstance(dataset, Mixture):   # its sources read as one, in proportions
+            self.ds = dataset.open(verify_on_read=bool(verify_on_read))
+            order = dataset.order(self.ds.part_sizes)
+        else:
+            self.ds = dataset if isinstance(dataset, PackedDataset) else \
+                open_dataset(dataset, verify_on_read=bool(verify_on_read))
         if verify_on_read and not self.ds.verify_on_read:   # the caller's object unchanged
-            self.ds = open_dataset(self.ds.path, verify_on_read=True,
-                                   readahead=self.ds.readahead)
+            self.ds = self.ds.reopened(verify_on_read=True)
         # the stores get this process alone as LOCAL (None would mean 'find the job')
         self._store_comm = LOCAL if self.comm is None else self.comm
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
@@ -141,12 +149,12 @@ class DataLoader:
         check_agreement(self.comm, "DataLoader's arguments", self.ds, {
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "verify_on_read": self.ds.verify_on_read,
-            **describe(spec)})
+            "mixture": None if order is None else order.describe(), **describe(spec)})
         # the loop's own step between two batches (DDP's all-reduce, a checkpoint's
         # save) is watched too: a peer node gone mid-step ends the job by name
         join_liveness(self.comm)
         self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
-                               drop_last=drop_last, shuffle=shuffle)
+                               drop_last=drop_last, shuffle=shuffle, order=order)
         self.collate_fn = pipe.collate_fn
         self.transform = pipe.transform
         self.batch_transform = pipe.batch_transform
@@ -256,12 +264,14 @@ class DataLoader:
         return {"epoch": epoch, "step": step, "seed": self.plan.seed,
                 "num_samples": self.plan.num_samples, "global_batch": self.plan.global_batch,
                 "epochs": self.plan.epochs, "drop_last": self.plan.drop_last,
-                "shuffle": self.plan.shuffle}
+                "shuffle": self.plan.shuffle,
+                "mixture": None if self.plan.order is None else self.plan.order.describe()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position; its plan must give the same global batches."""
         mine = self.state_dict()
-        for key in ("seed", "num_samples", "global_batch", "drop_last", "shuffle"):
+        for key in ("seed", "num_samples", "global_batch", "drop_last", "shuffle",
+                    "mixture"):
             if state.get(key) != mine[key]:
                 raise InvalidArgumentError(
                     f"cannot resume: saved {key}={state.get(key)!r} but this "
@@ -277,7 +287,7 @@ class DataLoader:
     def _fetch(self, ids: np.ndarray, epoch: int, step: int) -> Any:
         if isinstance(self._pool, WorkerPool) and isinstance(self.store, DirectStore) and \
                 self.store.prepare(ids := self.ds.normalize_ids(ids)):   # read by the worker
-            pending = self._pool.submit_ids(epoch, step, ids, str(self.store.read_path))
+            pending = self._pool.submit_ids(epoch, step, ids, self.store.read_path)
             rec = _trace.active()
             if rec is not None:   # its reads, as this rank's, when the batch comes back
                 pending.on_read = lambda t0, t1: self._trace_pfs(rec, ids, t0, t1,

@@ -320,6 +320,8 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
     if isinstance(spec, (Auto, Direct)):
         mine = spec.node_cache if isinstance(spec, Direct) else None
         root = node_cache_root(mine, "direct" if isinstance(spec, Direct) else "auto")
+        if mine is None and not isinstance(ds.locator, str):
+            root = None       # the environment's cache keeps one dataset, not a mixture
         if root is not None:        # with a node cache, nothing to warm in the files
             return DirectStore(ds, warm=None, node_cache=NodeCache(root, ds))
     if isinstance(spec, Auto):

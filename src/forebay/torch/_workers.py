@@ -320,12 +320,12 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
         if buffer is not None:
             recent.append(buffer)
         try:
-            if isinstance(payload, tuple):   # (ids, dataset directory): it reads them
+            if isinstance(payload, tuple):   # (ids, the dataset's locator): it reads them
                 ids, path = payload
                 if path not in opened:
-                    from ..dataset import open_dataset
+                    from ..dataset import open_locator
 
-                    opened[path] = open_dataset(path, verify_on_read=verify_on_read)
+                    opened[path] = open_locator(path, verify_on_read=verify_on_read)
                 t0 = time.perf_counter()
                 batch = opened[path].get_many(ids.numpy())
                 read = (t0, time.perf_counter())
@@ -448,10 +448,10 @@ class WorkerPool:
         self._inboxes[wid].put((key, _pack(batch, shared)))
         return _Pending(self, key, wid, batch.ids)
 
-    def submit_ids(self, epoch: int, step: int, ids: np.ndarray, path: str) -> _Pending:
+    def submit_ids(self, epoch: int, step: int, ids: np.ndarray, path: Any) -> _Pending:
         """Hand a batch to its worker by sample ids: the worker reads them from the
-        dataset at ``path`` itself (the loader's direct mode: nothing crosses but the
-        ids)."""
+        dataset at ``path`` (a :attr:`~forebay.dataset.PackedDataset.locator`) itself
+        (the loader's direct mode: nothing crosses but the ids)."""
         import torch
 
         if self._closed:
