@@ -250,3 +250,28 @@ def test_the_node_cache_refuses_a_mixture_and_leaves_the_sources_alone(sources, 
     after = {p: sorted((f.name, f.stat().st_size, f.read_bytes())
                        for f in Path(p).iterdir()) for p in sources.values()}
     assert after == before
+
+
+def test_forebay_plan_prints_each_sources_share(sources, cli, capsys):
+    code, out, err = cli("plan", "--mix", f"{sources['a']}=0.5", "--mix", f"{sources['b']}=0.3",
+                         "--mix", f"{sources['c']}=0.2", "-N", "2", "-E", "4",
+                         "--batch-size", "5", "--monte-carlo")
+    assert code == 0, err
+    assert "150 positions per epoch" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(tuple(sources.values()))}
+    assert [rows[sources[k]][3] for k in "abc"] == ["75", "45", "30"]
+    assert float(rows[sources["b"]][4]) == pytest.approx(4 * 45 / 13, abs=0.01)
+    with pytest.raises(SystemExit):
+        cli("plan", "--mix", "a.fb", "-N", "2", "-E", "1")
+    assert "give SOURCE=WEIGHT, got 'a.fb'" in capsys.readouterr().err
+
+
+def test_forebay_simulate_takes_a_mixture(sources, cli):
+    code, out, err = cli("simulate", "--mix", f"{sources['a']}=0.7", "--mix",
+                         f"{sources['b']}=0.3", "--mix-policy", "stop", "--workers", "2",
+                         "--epochs", "2", "--batch", "4", "--policies", "naive,forebay-preload")
+    assert code == 0, err
+    assert "policy='stop'" in out and "43 samples" not in out and "110 samples" in out
+    code, out, err = cli("simulate", "--workers", "2", "--epochs", "1")
+    assert code != 0 and "--dataset, or a mixture" in err

@@ -39,7 +39,7 @@ import numpy as np
 from .errors import InvalidArgumentError
 
 __all__ = ["AccessPlan", "EpochOrder", "frequency_tail", "frequency_tail_monte_carlo",
-           "permutation", "positions"]
+           "permutation", "positions", "read_counts"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -319,8 +319,13 @@ def frequency_tail(num_samples: int, world_size: int, epochs: int, delta: float)
 
 def frequency_tail_monte_carlo(plan: AccessPlan, delta: float, progress=None) -> float:
     """The same quantity measured on a real plan: the mean over ranks of the number of
-    samples a rank reads at least ``ceil((1+delta) E/N)`` times over the run.
+    samples a rank reads at least ``ceil((1+delta) E/N)`` times over the run."""
+    k0 = math.ceil((1 + delta) * plan.epochs / plan.world_size)
+    return float((read_counts(plan, progress) >= k0).sum(axis=1).mean())
 
+
+def read_counts(plan: AccessPlan, progress=None) -> np.ndarray:
+    """``int32[ranks, samples]``: how often each rank reads each sample over the run.
     One vectorized pass per epoch counts every (rank, sample) pair at once."""
     from .progress import as_progress
 
@@ -328,8 +333,8 @@ def frequency_tail_monte_carlo(plan: AccessPlan, delta: float, progress=None) ->
     from ._units import human_bytes
 
     n, f = plan.world_size, plan.num_samples
-    k0 = math.ceil((1 + delta) * plan.epochs / n)
-    need = n * f * 16 + f * 24          # the counts, one epoch's bincount, its order
+    span = plan.steps_per_epoch * plan.global_batch
+    need = n * f * 16 + span * 24      # the counts, one epoch's bincount, its order
     avail = available_memory()
     if avail is not None and need > avail:
         raise InvalidArgumentError(
@@ -337,8 +342,7 @@ def frequency_tail_monte_carlo(plan: AccessPlan, delta: float, progress=None) ->
             f"{human_bytes(need)} of memory, {human_bytes(avail)} available: use the "
             f"analytic tail (no --monte-carlo) or fewer samples")
     counts = np.zeros(n * f, dtype=np.int32)
-    owner = (np.arange(plan.steps_per_epoch * plan.global_batch) % plan.global_batch) \
-        // plan.batch_size
+    owner = (np.arange(span) % plan.global_batch) // plan.batch_size
     key_base = owner.astype(np.int64) * f
     prog = as_progress(progress)
     prog.start(plan.epochs, desc="monte carlo", unit="epoch")
@@ -346,4 +350,4 @@ def frequency_tail_monte_carlo(plan: AccessPlan, delta: float, progress=None) ->
         counts += np.bincount(key_base + plan.epoch_order(e), minlength=n * f).astype(np.int32)
         prog.update(1)
     prog.close()
-    return float((counts.reshape(n, f) >= k0).sum(axis=1).mean())
+    return counts.reshape(n, f)

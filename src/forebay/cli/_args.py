@@ -9,7 +9,7 @@ from typing import Any
 from .._units import parse_size
 
 __all__ = ["positive_int", "count_int", "positive_float", "nonneg_float", "fraction",
-           "sizes_list", "progress"]
+           "sizes_list", "progress", "mix_source", "add_mix_args", "mixture_of"]
 
 
 def progress():
@@ -60,3 +60,44 @@ def sizes_list(text: str) -> list[int]:
         except argparse.ArgumentTypeError as e:
             raise InvalidArgumentError(f"in {text!r}: {e}") from None
     return out
+
+
+def mix_source(text: str) -> tuple[str, float]:
+    """An argparse type: ``SOURCE=WEIGHT`` (the weight a number >= 0)."""
+    source, eq, weight = text.rpartition("=")
+    if not eq or not source:
+        raise argparse.ArgumentTypeError(f"give SOURCE=WEIGHT, got {text!r}")
+    try:
+        w = float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the weight {weight!r} is not a number") \
+            from None
+    if not w >= 0 or w == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the weight must be a number >= 0")
+    return source, w
+
+
+def add_mix_args(p: Any, what: str) -> None:
+    """``--mix SOURCE=WEIGHT`` (repeated), ``--mix-policy``, ``--samples-per-epoch``."""
+    p.add_argument("--mix", action="append", type=mix_source, metavar="SOURCE=WEIGHT",
+                   help=f"a weighted mixture instead of one dataset (repeat per source; "
+                        f"{what}); see forebay.Mixture")
+    p.add_argument("--mix-policy", default="cycle", choices=["cycle", "stop", "sample"],
+                   help="cycle: exact shares, small sources repeat (default); stop: the "
+                        "epoch ends at the first exhausted source; sample: by weight, with "
+                        "replacement")
+    p.add_argument("--samples-per-epoch", type=positive_int, default=None,
+                   help="positions per epoch of the mixture (default by policy)")
+
+
+def mixture_of(a: argparse.Namespace) -> Any:
+    """The :class:`~forebay.Mixture` of ``--mix``, or None."""
+    if not a.mix:
+        if a.samples_per_epoch is not None:
+            from ..errors import UsageError
+
+            raise UsageError("--samples-per-epoch is for a mixture (--mix SOURCE=WEIGHT ...)")
+        return None
+    from ..mixture import Mixture
+
+    return Mixture(a.mix, policy=a.mix_policy, samples_per_epoch=a.samples_per_epoch)

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UsageError
 from ..world import detect
-from ._args import (count_int, fraction, nonneg_float, positive_float, positive_int, progress,
-                    sizes_list)
+from ._args import (add_mix_args, count_int, fraction, mixture_of, nonneg_float,
+                    positive_float, positive_int, progress, sizes_list)
 
 __all__ = ["register"]
 
@@ -22,6 +22,11 @@ __all__ = ["register"]
 def cmd_plan(a: argparse.Namespace) -> int:
     from ..plan import AccessPlan, frequency_tail, frequency_tail_monte_carlo
 
+    mix = mixture_of(a)
+    if mix is not None:
+        return _plan_mixture(a, mix)
+    if a.samples is None:
+        raise UsageError("forebay plan needs --samples F, or a mixture (--mix SOURCE=WEIGHT)")
     mean = a.epochs / a.world
     k0 = int(np.ceil((1 + a.delta) * mean))
     analytic = frequency_tail(a.samples, a.world, a.epochs, a.delta)
@@ -34,6 +39,45 @@ def cmd_plan(a: argparse.Namespace) -> int:
         mc = frequency_tail_monte_carlo(plan, a.delta, progress=progress())
         print(f"  Monte Carlo (seed {a.seed}, mean over workers): {mc:,.1f}")
     return 0
+
+def _plan_mixture(a: argparse.Namespace, mix: Any) -> int:
+    """Each source's share of the epochs and how often a worker reads its samples."""
+    from ..plan import AccessPlan, read_counts
+    from ..sim import dataset_sizes
+
+    sizes = [len(dataset_sizes(p, seed=a.seed + i)[0]) for i, p in enumerate(mix.paths)]
+    order = mix.order(sizes)
+    plan = AccessPlan(sum(sizes), a.world, a.batch_size, a.epochs, a.seed, order=order)
+    shares = np.array([order.counts(e) for e in range(a.epochs)])   # [epochs, sources]
+    print(f"mixture of {len(sizes)} sources, policy {mix.policy}: {plan.epoch_length:,} "
+          f"positions per epoch ({plan.steps_per_epoch:,} steps of {plan.global_batch}), "
+          f"N={a.world} workers, E={a.epochs} epochs")
+    if a.monte_carlo:
+        counts = read_counts(plan, progress=progress())
+    name_w = max(len("source"), *(len(p) for p in mix.paths))
+    head = f"{'source':<{name_w}} {'samples':>10} {'weight':>7} {'per epoch':>10} " \
+           f"{'reads/sample':>13}"
+    if a.monte_carlo:
+        head += f" {'hot (>= k0 by a worker)':>24}"
+    print(head)
+    start = 0
+    for i, p in enumerate(mix.paths):
+        n = sizes[i]
+        reads = shares[:, i].sum() / n          # over the run, all workers together
+        row = f"{p:<{name_w}} {n:>10,} {order.weights_at(0)[i]:>7.3f} " \
+              f"{shares[0, i]:>10,} {reads:>13.2f}"
+        if a.monte_carlo:
+            k0 = int(np.ceil((1 + a.delta) * reads / a.world))
+            hot = (counts[:, start:start + n] >= max(k0, 1)).sum(axis=1).mean()
+            row += f" {hot:>14,.1f} (k0={k0})"
+        print(row)
+        start += n
+    if len(mix.schedule) > 1:
+        print("weights change at epochs " + ", ".join(str(e) for e, _ in mix.schedule[1:]))
+    print("reads/sample: how often each of the source's samples is read over the run "
+          "(all workers; 'sample' draws them, these are the expected shares)")
+    return 0
+
 
 def cmd_simulate(a: argparse.Namespace) -> int:
     from pathlib import Path
@@ -57,13 +101,18 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                        pfs_open_ms=a.pfs_open_ms)
     kw = dict(workers=a.workers, epochs=a.epochs, batch=a.batch, scale=a.scale, seed=a.seed,
               layout=a.layout)
+    mix = mixture_of(a)
+    if (mix is None) == (a.dataset is None):
+        raise UsageError("simulate needs --dataset, or a mixture (--mix SOURCE=WEIGHT ...), "
+                         "not both")
+    dataset = a.dataset if mix is None else mix
     if a.mode == "plan":
         from ..sim import format_plan, plan_capacity
 
         if a.target_au is None:
             raise InvalidArgumentError("simulate plan needs --target-au, e.g. 0.9")
         policy = (a.policies or "forebay-clairvoyant").split(",")[0]
-        res = plan_capacity(sysm, a.dataset, target_au=a.target_au, policy=policy,
+        res = plan_capacity(sysm, dataset, target_au=a.target_au, policy=policy,
                             progress=progress(), **kw)
         print(format_plan(res))
     elif a.mode == "sweep":
@@ -71,7 +120,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             raise InvalidArgumentError("simulate sweep needs --ram and --ssd lists, e.g. "
                              "--ram 0,60GB,120GB --ssd 0,450GB,900GB")
         policy = (a.policies or "forebay-clairvoyant").split(",")[0]
-        res = sweep(sysm, a.dataset, ram_bytes=_capacity(a.ram, "ram"),
+        res = sweep(sysm, dataset, ram_bytes=_capacity(a.ram, "ram"),
                     ssd_bytes=_capacity(a.ssd, "ssd"),
                     policy=policy, **kw)
         print(format_sweep(res))
@@ -81,7 +130,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     else:
         sysm = _capacities(a, sysm)
         names = a.policies.split(",") if a.policies else list(POLICIES)
-        res = simulate(sysm, a.dataset, policies=names, progress=progress(), **kw)
+        res = simulate(sysm, dataset, policies=names, progress=progress(), **kw)
         print(format_table(res))
         if a.plot:
             plot_policies(res, a.plot)
@@ -154,7 +203,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add this group's commands to the ``forebay`` parser."""
     pl = sub.add_parser("plan", help="access-frequency analysis of a shuffled run (NoPFS 3.1)")
-    pl.add_argument("--samples", "-F", type=positive_int, required=True)
+    pl.add_argument("--samples", "-F", type=positive_int, default=None,
+                    help="dataset size (or --mix)")
     pl.add_argument("--world", "-N", type=positive_int, required=True)
     pl.add_argument("--epochs", "-E", type=positive_int, required=True)
     pl.add_argument("--delta", type=positive_float, default=0.8,
@@ -165,6 +215,7 @@ def register(sub: Any) -> None:
     pl.add_argument("--batch-size", type=positive_int, default=32,
                     help="per-rank batch (Monte Carlo)")
     pl.add_argument("--seed", type=count_int, default=0)
+    add_mix_args(pl, "a dataset directory, scenario or normal:MEAN_MB,SD_MB,COUNT")
     pl.set_defaults(func=cmd_plan)
 
     sm = sub.add_parser("simulate", help="simulate I/O policies for a workload (NoPFS's model)",
@@ -179,7 +230,7 @@ def register(sub: Any) -> None:
     sm.add_argument("--system", default="lassen",
                     help="preset (lassen, hdmlp-thesis) or a TOML profile from forebay "
                     "calibrate")
-    sm.add_argument("--dataset", required=True,
+    sm.add_argument("--dataset", default=None,
                     help="scenario (mnist, imagenet-1k, openimages, imagenet-22k, cosmoflow, "
                          "cosmoflow-512), normal:MEAN_MB,SD_MB,COUNT (sizes drawn from a "
                          "normal distribution) or a packed dataset directory")
@@ -206,6 +257,8 @@ def register(sub: Any) -> None:
                     "(sweep: a list, e.g. 0,60GB,120GB)")
     sm.add_argument("--ssd", help="SSD per worker for caching, overriding the system's "
                     "(sweep: a list, e.g. 0,450GB,900GB)")
+    add_mix_args(sm, "each a scenario, normal:MEAN_MB,SD_MB,COUNT or a packed dataset; "
+                     "instead of --dataset")
     sm.add_argument("--json", help="write the results as JSON")
     sm.add_argument("--plot", help="write a PNG (stacked bars; heat map for sweep)")
     sm.set_defaults(func=cmd_simulate)

@@ -12,6 +12,9 @@ import os
 import time
 from typing import Any, Iterable, Optional
 
+import numpy as np
+
+from ..mixture import Mixture
 from ..plan import AccessPlan
 from ._datasets import SCENARIOS, DatasetSpec, dataset_sizes
 from ._engine import SOURCES, timeline
@@ -29,7 +32,8 @@ __all__ = ["simulate", "sweep", "System", "lassen", "hdmlp_thesis", "load_system
            "format_plan"]
 
 
-def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,
+def simulate(system: "System | str | os.PathLike[str]",
+             dataset: "str | os.PathLike[str] | Mixture", *,
              workers: int, epochs: int, batch: Optional[int] = None,
              policies: Optional[Iterable[str]] = None, scale: float = 1.0, seed: int = 0,
              layout: Optional[str] = None, progress: Any = None) -> dict[str, Any]:
@@ -37,8 +41,9 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
 
     Args:
         system: a :class:`System`, a preset name (``"lassen"``) or a TOML profile.
-        dataset: a scenario name (:data:`SCENARIOS`), ``normal:MEAN_MB,SD_MB,COUNT`` or
-            a packed dataset directory.
+        dataset: a scenario name (:data:`SCENARIOS`), ``normal:MEAN_MB,SD_MB,COUNT``,
+            a packed dataset directory, or a :class:`~forebay.Mixture` whose sources
+            are any of these (its rule decides what each epoch reads).
         workers: data-parallel workers N (one per node, as in NoPFS §4).
         batch: per-worker batch size; default the scenario's (32 when a directory).
         scale: simulate this fraction of the samples with every tier capacity scaled
@@ -53,7 +58,14 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
     from ..progress import as_progress
 
     sysm = system if isinstance(system, System) else load_system(system)
-    sizes, spec = dataset_sizes(dataset, scale=scale, seed=seed)
+    order = None
+    if isinstance(dataset, Mixture):   # each source's sizes, read by the mixture's rule
+        parts = [dataset_sizes(p, scale=scale, seed=seed + i)
+                 for i, p in enumerate(dataset.paths)]
+        sizes, spec = np.concatenate([sz for sz, _ in parts]), parts[0][1]
+        order = dataset.order([len(sz) for sz, _ in parts])
+    else:
+        sizes, spec = dataset_sizes(dataset, scale=scale, seed=seed)
     if scale < 1:
         sysm = sysm.scaled(scale)
     if batch is not None and batch <= 0:
@@ -63,7 +75,7 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
         raise InvalidArgumentError(f"layout must be 'files' or 'packed', got {layout!r}")
     layout = layout or ("files" if spec else "packed")
     plan = AccessPlan(num_samples=len(sizes), world_size=workers, batch_size=batch,
-                      epochs=epochs, seed=seed)
+                      epochs=epochs, seed=seed, order=order)
     w = Workload(sizes, plan, sysm, per_file=layout == "files")
     if workers * batch > len(sizes):
         raise InvalidArgumentError(
@@ -99,7 +111,8 @@ def simulate(system: "System | str | os.PathLike[str]", dataset: "str | os.PathL
             "system": sysm.describe(), "policies": out}
 
 
-def sweep(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]", *,
+def sweep(system: "System | str | os.PathLike[str]",
+          dataset: "str | os.PathLike[str] | Mixture", *,
           ram_bytes: Iterable[int], ssd_bytes: Iterable[int], policy: str = "forebay-clairvoyant",
           **kw: Any) -> dict[str, Any]:
     """Total time of ``policy`` over a grid of RAM and SSD capacities per worker (NoPFS
@@ -122,7 +135,8 @@ def sweep(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike
             "scale": kw.get("scale", 1.0)}
 
 
-def plan_capacity(system: "System | str | os.PathLike[str]", dataset: "str | os.PathLike[str]",
+def plan_capacity(system: "System | str | os.PathLike[str]",
+                  dataset: "str | os.PathLike[str] | Mixture",
                   *, target_au: float, policy: str = "forebay-clairvoyant",
                   tiers: Iterable[str] = ("ram", "ssd"), rel_tol: float = 0.02,
                   progress: Any = None, **kw: Any) -> dict[str, Any]:
