@@ -85,6 +85,15 @@ PRELUDES = {
         "forebay.write_dataset('train.fb', [{'x': np.full(4, i, np.float32)} "
         "for i in range(256)])\n"
         "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+    "forebay.write_dataset(\"real.fb\"": "",
+    "mix = Mixture({\"web.fb\": 0.7":
+        "import numpy as np, forebay\n"
+        "forebay.write_dataset('web.fb', [{'x': np.zeros(4, np.float32)}] * 700)\n"
+        "forebay.write_dataset('code.fb', [{'x': np.ones(4, np.float32)}] * 300)\n",
+    "mix = Mixture({\"real.fb\": 0.5":
+        "import numpy as np, forebay\n"
+        "forebay.write_dataset('real.fb', [{'x': np.zeros(4, np.float32)}] * 900)\n"
+        "forebay.write_dataset('sim.fb', [{'x': np.ones(4, np.float32)}] * 100)\n",
     "forebay.trace.enable(\"traces/\")          # or:": DATA + "E = 1\n"
                                                        "step = lambda batch: None\n",
 }
