@@ -4,6 +4,7 @@ from ._base import SOURCES, Source, get_source, ingest, list_files, register_sou
 from ._dlio import DlioSource, dlio_files, source_fingerprint
 from ._hdf5 import Hdf5Source
 from ._imagefolder import ImageFolderSource
+from ._litdata import LitdataSource
 from ._mds import MdsSource
 from ._numpy import NpySource, NpzSource, Stacked
 from ._parquet import ArrowSource, ParquetSource
@@ -16,5 +17,6 @@ __all__ = [
     "SOURCES", "Source", "get_source", "ingest", "list_files", "register_source", "units_per_task",
     "DlioSource", "dlio_files", "source_fingerprint", "Hdf5Source", "ImageFolderSource",
     "NpySource", "NpzSource", "ParquetSource", "ArrowSource", "PickleSource", "Stacked",
-    "WebDatasetSource", "ZarrSource", "MdsSource", "REMOTE_SCHEMES", "StagedSource", "is_remote",
+    "WebDatasetSource", "ZarrSource", "MdsSource", "LitdataSource", "REMOTE_SCHEMES",
+    "StagedSource", "is_remote",
 ]
