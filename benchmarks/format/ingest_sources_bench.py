@@ -1,20 +1,23 @@
 """Ingest throughput per source on the same data (issue S, item 4): the same samples (a
 4 KiB byte blob, a label, 128 float32s) written by each source's own library (NumPy's
 npz, pyarrow's Parquet and Arrow IPC, webdataset's TarWriter, zarr, mosaicml-streaming's
-MDSWriter), then packed by ``forebay.dataset.sources.ingest`` (one reader; interleaved
-rounds; the output written back with ``os.sync`` inside each timing).  Beside them, what
-a mosaic user does instead: the same npz converted to MDS by ``MDSWriter`` (a sample
-dict a row, as its docs show), timed the same way.
+MDSWriter, litdata's optimize), then packed by ``forebay.dataset.sources.ingest`` (one
+reader; interleaved rounds; the output written back with ``os.sync`` inside each
+timing).  Beside them, what a mosaic or litdata user does instead: the same npz
+converted to MDS by ``MDSWriter`` (a sample dict a row, as its docs show) and to
+litdata's chunks by ``litdata.optimize`` (with 1 and 2 workers), timed the same way.
 
-    PYTHONPATH=/tmp/ms:/tmp/ms2 python benchmarks/format/ingest_sources_bench.py \
+    PYTHONPATH=/tmp/peerlib python benchmarks/format/ingest_sources_bench.py \
         --out /tmp/isb --samples 20000 --rounds 3
 
-(mosaicml-streaming as in tests/data/mds/make.py; left out when not importable.)
+(mosaicml-streaming and litdata as peers_bench.py's docstring installs them; each left
+out when not importable.)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
 import shutil
@@ -71,14 +74,40 @@ def make(out: Path, n: int) -> dict[str, tuple[Path, dict]]:
     if _mds_writer() is not None:
         to_mds(out / "data.npz", out / "mds")
         made["mds"] = (out / "mds", {})
+    if importlib.util.find_spec("litdata") is not None:
+        to_litdata(out / "data.npz", out / "litdata", 1)
+        made["litdata"] = (out / "litdata", {})
     return made
+
+
+_NPZ: dict = {}
+
+
+def _lit_row(arg: tuple[str, int]) -> dict:
+    """One row of the npz, as a litdata user's ``fn`` returns it (the npz opened once per
+    optimize worker)."""
+    path, k = arg
+    if path not in _NPZ:
+        with np.load(path) as z:
+            _NPZ[path] = (z["blob"], z["label"], z["vec"])
+    blob, label, vec = _NPZ[path]
+    return {"blob": blob[k].tobytes(), "label": int(label[k]), "vec": vec[k]}
+
+
+def to_litdata(npz: Path, out: Path, workers: int) -> None:
+    """A litdata user's conversion: ``optimize`` over the npz's rows."""
+    import litdata
+
+    shutil.rmtree(out, ignore_errors=True)
+    with np.load(npz) as z:
+        n = len(z["label"])
+    litdata.optimize(fn=_lit_row, inputs=[(str(npz), k) for k in range(n)],
+                     output_dir=str(out), chunk_bytes="64MB", num_workers=workers)
 
 
 def _mds_writer():
     """mosaicml-streaming's MDSWriter (only the writer: the package's __init__ imports
     transformers and torchvision), or None: tests/data/mds/make.py's loader."""
-    import importlib.util
-
     make = Path(__file__).resolve().parents[2] / "tests" / "data" / "mds" / "make.py"
     spec = importlib.util.spec_from_file_location("mds_make", make)
     assert spec is not None and spec.loader is not None
@@ -113,15 +142,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     sources = make(a.out / "src", a.samples)
-    peer = "MDSWriter (npz -> MDS)"
-    names = list(sources) + ([peer] if "mds" in sources else [])
+    peers = {"MDSWriter (npz -> MDS)": lambda: to_mds(sources["npz"][0],
+                                                      a.out / "converted-mds")} \
+        if "mds" in sources else {}
+    if "litdata" in sources:
+        for w in (1, 2):
+            peers[f"litdata.optimize, {w} worker(s) (npz -> litdata)"] = \
+                lambda w=w: to_litdata(sources["npz"][0], a.out / "converted-lit", w)
+    names = list(sources) + list(peers)
     times: dict[str, list[float]] = {k: [] for k in names}
     nbytes = 0
     for r in range(a.rounds):
         for kind in (names if r % 2 == 0 else names[::-1]):
-            if kind == peer:
+            if kind in peers:
                 t0 = time.perf_counter()
-                to_mds(sources["npz"][0], a.out / "converted-mds")
+                peers[kind]()
                 os.sync()
                 times[kind].append(time.perf_counter() - t0)
                 continue
@@ -142,11 +177,10 @@ def main() -> None:
         m = statistics.median(ts)
         print(f"| {kind} | {a.samples / m:,.0f} ({a.samples / min(ts):,.0f}) | "
               f"{nbytes / m / 1e6:,.0f} |")
-    if peer in times:
+    for peer in peers:
         r = [p / f for p, f in zip(times[peer], times["npz"])]
-        print(f"\nforebay ingest --from npz against MDSWriter converting the same npz, "
-              f"per round (its time / forebay's): min {min(r):.2f}x, median "
-              f"{statistics.median(r):.2f}x")
+        print(f"\nforebay ingest --from npz against {peer} on the same npz, per round "
+              f"(its time / forebay's): min {min(r):.2f}x, median {statistics.median(r):.2f}x")
     shutil.rmtree(a.out, ignore_errors=True)
 
 
