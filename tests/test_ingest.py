@@ -23,7 +23,7 @@ def _by_name(sample):
 
 def test_registry_lists_every_kind():
     assert set(SOURCES) == {"npz", "npy", "pickle", "hdf5", "imagefolder", "dlio", "parquet",
-                            "arrow", "webdataset", "zarr", "mds"}
+                            "arrow", "webdataset", "zarr", "mds", "litdata"}
 
 
 @pytest.mark.parametrize("kind, gen", [("ising", ising_samples), ("molecules", molecule_samples)])
@@ -228,8 +228,20 @@ def _many_unit_sources(root):
             shutil.copyfile(plain / sh["raw_data"]["basename"], root / "mds" / name)
             shards.append({**sh, "raw_data": {**sh["raw_data"], "basename": name}})
     (root / "mds" / "index.json").write_text(json.dumps({**doc, "shards": shards}))
+    # litdata: optimize's chunks (tests/data/litdata/plain) listed 4 times over, as 32
+    lit = Path(__file__).parent / "data" / "litdata" / "plain"
+    doc = json.loads((lit / "index.json").read_text())
+    (root / "lit").mkdir()
+    chunks = []
+    for copy in range(4):
+        for ch in doc["chunks"]:
+            name = f"c{copy}-{ch['filename']}"
+            shutil.copyfile(lit / ch["filename"], root / "lit" / name)
+            chunks.append({**ch, "filename": name})
+    (root / "lit" / "index.json").write_text(json.dumps({**doc, "chunks": chunks}))
     return {
         "mds": get_source("mds", root / "mds"),
+        "litdata": get_source("litdata", root / "lit"),
         "zarr": get_source("zarr", root / "z.zarr", unit_bytes=1),      # a chunk per unit
         "webdataset": get_source("webdataset", root / "wds"),
         "parquet": get_source("parquet", root / "t.parquet"),

@@ -51,8 +51,11 @@ def cmd_ingest(a: argparse.Namespace) -> int:
                         stage_dir=a.stage_dir or Path(a.out).resolve().parent,
                         progress=progress())
     t0 = time.perf_counter()
+    compress: Any = a.compress
+    if compress and "=" in compress:     # FIELD=zstd[:LEVEL],...
+        compress = dict(part.split("=", 1) for part in compress.split(",") if part)
     m = ingest(source, a.out, shard_bytes=a.shard_size, workers=a.workers,
-               overwrite=a.overwrite, progress=progress())
+               overwrite=a.overwrite, progress=progress(), compress=compress)
     dt = time.perf_counter() - t0
     print(f"ingested {m.num_samples} samples ({human_bytes(m.payload_nbytes)}) into {a.out} "
           f"in {dt:.1f} s: {m.num_samples / dt:,.0f} samples/s, "
@@ -106,6 +109,8 @@ def cmd_info(a: argparse.Namespace) -> int:
             dims = [str(lo) if lo == hi else f"{lo}..{hi}"
                     for lo, hi in zip(f["shape_min"], f["shape_max"])]
             desc = f"{np.dtype(f['dtype']).name} ({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+        if f.get("codec"):
+            desc += f", {f['codec']}-compressed per sample"
         print(f"    {f['name']:<16} {desc}")
     meta = {k: v for k, v in info["metadata"].items()}
     if meta:
@@ -217,6 +222,10 @@ def register(sub: Any) -> None:
     g.add_argument("out")
     g.add_argument("--from", dest="from_", required=True, choices=sorted(SOURCES),
                    help="kind of source (SRC: a path, or s3://bucket/prefix)")
+    g.add_argument("--compress", metavar="zstd[:LEVEL] | FIELD=zstd[:LEVEL],...",
+                   help="store fields compressed, each sample's value a zstd frame of its "
+                        "own (read at random without its neighbours): every field, or "
+                        "the ones named")
     g.add_argument("--stage-dir", help="s3:// sources: where their objects are copied "
                    "before reading (default: beside OUT; removed at the end)")
     g.add_argument("--keys", help="comma-separated arrays/datasets/columns to keep (npz, hdf5, "

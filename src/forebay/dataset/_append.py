@@ -53,7 +53,9 @@ def append(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str, Any]],
                 shutil.rmtree(q, ignore_errors=True)
         tmp = path.parent / f".{path.name}.forebay-tmp-append-{uuid.uuid4().hex[:8]}"
         try:
-            new = write_dataset(tmp, samples, shard_bytes=shard_bytes, progress=progress)
+            new = write_dataset(tmp, samples, shard_bytes=shard_bytes, progress=progress,
+                                compress={f.name: "zstd" for f in cur.schema.fields
+                                          if f.codec} or None)
             if new.schema != cur.schema:
                 raise SchemaError(f"the samples' fields ({new.schema.describe()}) differ from "
                                   f"the dataset's ({cur.schema.describe()}): not appended")

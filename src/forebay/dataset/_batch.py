@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..errors import InvalidArgumentError, SchemaError
+from ._codec import inflate
 from ._schema import Schema
 
 __all__ = ["BufferPool", "FieldBatch", "ReadOnly", "SampleBatch", "SampleViews", "assemble_batch",
@@ -169,6 +170,8 @@ def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
     ``timings``, if a list, gets one ``(start, end)`` perf_counter pair per part
     (tracing attributes each part's time to its source).
     """
+    if layout.coded:
+        return _assemble_coded(ids, rows, schema, layout, parts, alloc, timings)
     if _FAST:
         if timings is None:
             got = _assemble_one_call(ids, rows, layout, parts, alloc)
@@ -201,6 +204,49 @@ def assemble_batch(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
         fields[f.name] = FieldBatch(values=out[b:b + int(totals[k])].view(f.dtype),
                                     offsets=elems[:, k], shapes=rows[:, layout.shape[f.name]])
     return SampleBatch(ids, schema, fields)
+
+
+def _assemble_coded(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
+                    parts: list[tuple[np.ndarray, np.ndarray, Any]], alloc,
+                    timings: Optional[list]) -> SampleBatch:
+    """:func:`assemble_batch` with compressed fields: the stored fields gathered into
+    the output as usual, the compressed ones' frames into a scratch buffer, then
+    decompressed into the output (their size is their shape's)."""
+    coded = layout.coded
+    plain = [k for k in range(len(schema.fields)) if k not in coded]
+    stored = rows[:, layout.nbytes_cols]                       # (n, nf) bytes in records
+    lens = stored.copy()                                       # (n, nf) bytes of values
+    for k in coded:
+        lens[:, k] = np.prod(rows[:, layout.fields[k][2]], axis=1) * layout.itemsizes[k]
+    totals = lens.sum(axis=0)
+    region = totals + (-totals) % ALIGN
+    base = np.concatenate([[0], np.cumsum(region)[:-1]]).astype(np.int64)
+    dst = np.cumsum(lens, axis=0) - lens + base
+    size = int(region.sum())
+    out = np.empty(size, dtype=np.uint8) if alloc is None else alloc(size)
+    frames = stored[:, coded]
+    fdst = (np.cumsum(frames.ravel()) - frames.ravel()).reshape(frames.shape)
+    scratch = np.empty(int(frames.sum()), dtype=np.uint8)
+    starts = rows[:, layout.off_cols]
+    for src, rec_start, sel in parts:
+        t0 = time.perf_counter() if timings is not None else 0.0
+        at = starts[sel] + np.asarray(rec_start, dtype=np.int64)[:, None]
+        gather_ranges(src, at[:, plain].ravel(), lens[sel][:, plain].ravel(), out,
+                      dst[sel][:, plain].ravel())
+        gather_ranges(src, at[:, coded].ravel(), frames[sel].ravel(), scratch,
+                      fdst[sel].ravel())
+        if timings is not None:
+            timings.append((t0, time.perf_counter()))
+    for j, k in enumerate(coded):
+        name = schema.fields[k].name
+        inflate(scratch, fdst[:, j], frames[:, j], lens[:, k], out, dst[:, k],
+                lambda i, name=name: f"sample {int(ids[i])}, field {name!r}")
+    elems = np.zeros((len(ids) + 1, len(schema.fields)), dtype=np.int64)
+    np.cumsum(lens // layout.itemsizes, axis=0, out=elems[1:])
+    return SampleBatch(ids, schema, {
+        f.name: FieldBatch(values=out[int(base[k]):int(base[k] + totals[k])].view(f.dtype),
+                           offsets=elems[:, k], shapes=rows[:, layout.shape[f.name]])
+        for k, f in enumerate(schema.fields)})
 
 
 _FAST = _native is not None and hasattr(_native, "assemble")
@@ -479,6 +525,10 @@ def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
     """Per-sample read-only views of ``ids``' fields where ``parts`` hold their records
     (:func:`assemble_batch`'s parts, each source a read-only array: see
     :class:`ReadOnly`); a range outside its source raises instead of viewing less."""
+    if layout.coded:
+        raise InvalidArgumentError(
+            f"field {schema.fields[layout.coded[0]].name!r} is stored compressed: its "
+            f"samples cannot be lent as views of the store's memory (leave views off)")
     n = len(ids)
     fields: dict[str, list[Any]] = {f.name: [None] * n for f in schema.fields}
     if n <= _FEW and timings is None:

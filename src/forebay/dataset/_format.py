@@ -17,13 +17,16 @@ from ..errors import (ChecksumError, CorruptDatasetError, DatasetNotFoundError,
 from ._schema import Schema
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME", "IndexLayout",
-    "ShardInfo", "Manifest", "checksum", "load_index", "read_npy_header", "replace_problem",
-    "seal_manifest",
+    "FORMAT_NAME", "FORMAT_VERSION", "CODED_FORMAT_VERSION", "ALIGNMENT", "MANIFEST_NAME",
+    "IndexLayout", "ShardInfo", "Manifest", "checksum", "load_index", "read_npy_header",
+    "replace_problem", "seal_manifest",
 ]
 
 FORMAT_NAME = "forebay.packed"
 FORMAT_VERSION = 1
+#: the version of a dataset with compressed fields: a reader of version 1 only would
+#: hand out compressed bytes as values, so it must refuse such a dataset
+CODED_FORMAT_VERSION = 2
 #: Every field array starts at a multiple of this many bytes within its shard.
 ALIGNMENT = 64
 MANIFEST_NAME = "manifest.json"
@@ -67,6 +70,9 @@ class IndexLayout:
         self.nbytes_cols = np.array([self.nbytes[f.name] for f in schema.fields], dtype=np.int64)
         self.off_cols = np.array([self.off[f.name] for f in schema.fields], dtype=np.int64)
         self.itemsizes = np.array([f.dtype.itemsize for f in schema.fields], dtype=np.int64)
+        #: positions of the fields stored compressed (their nbytes are what is stored;
+        #: their values' size is their shape's)
+        self.coded = [k for k, f in enumerate(schema.fields) if f.codec]
         #: (name, dtype, shape columns) of each field, in order (a batch's assembly)
         self.fields: list[tuple[str, np.dtype, slice]] = [
             (f.name, f.dtype, self.shape[f.name]) for f in schema.fields]
@@ -124,7 +130,7 @@ class Manifest:
         layout = IndexLayout(self.schema)
         doc = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": CODED_FORMAT_VERSION if self.schema.coded else FORMAT_VERSION,
             "num_samples": self.num_samples,
             "payload_nbytes": self.payload_nbytes,
             "alignment": ALIGNMENT,
@@ -159,9 +165,10 @@ class Manifest:
             raise ManifestError(f"{mpath}: not a forebay manifest (format is "
                                 f"{doc.get('format') if isinstance(doc, dict) else None!r})")
         version = doc.get("version")
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, CODED_FORMAT_VERSION) or isinstance(version, bool):
             raise FormatVersionError(f"{mpath}: format version {version!r} is not supported "
-                                     f"(this forebay reads version {FORMAT_VERSION})")
+                                     f"(this forebay reads versions {FORMAT_VERSION} and "
+                                     f"{CODED_FORMAT_VERSION})")
         at = raw.rfind(b",\n" + _SUM_KEY.encode())
         if at < 0:
             raise ManifestError(f"{mpath}: the manifest carries no checksum (damaged, or "
@@ -177,6 +184,9 @@ class Manifest:
             if doc.get("checksum_algorithm", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:
                 raise InvalidArgumentError(f"checksum algorithm {doc['checksum_algorithm']!r}")
             schema = Schema.from_dict(doc["schema"])
+            if schema.coded != (version == CODED_FORMAT_VERSION):
+                raise InvalidArgumentError(f"format version {version} with "
+                                           f"{'' if schema.coded else 'no '}compressed fields")
             shards = tuple(ShardInfo.from_dict(s) for s in doc["shards"])
             m = cls(num_samples=int(doc["num_samples"]), schema=schema, shards=shards,
                     payload_nbytes=int(doc.get("payload_nbytes", 0)),

@@ -23,6 +23,7 @@ from ..errors import (ArgumentTypeError, ChecksumError, CorruptDatasetError, Dat
 from .._intervals import merge_intervals
 from ..progress import Progress
 from ._batch import SampleBatch, SampleViews, _native, assemble_batch, assemble_views
+from ._codec import inflate_one
 from ._format import ALIGNMENT, IndexLayout, Manifest, checksum, load_index
 from ._files import close_all, map_file, open_checked, populate_ranges, pread_ranges, resident
 from ._verify import VerifyReport, bad_records, verify_files
@@ -95,6 +96,7 @@ class PackedDataset:
         self._field_cols = [(f.name, f.dtype, lay.off[f.name], lay.nbytes[f.name],
                              lay.shape[f.name].start, lay.shape[f.name].stop)
                             for f in self.schema.fields]
+        self._coded = {f.name for f in self.schema.fields if f.codec}
         self._load_index()
         self._maps: list[Optional[np.ndarray]] = [None] * len(self.manifest.shards)
         self._mmaps: list[Optional[mmap.mmap]] = [None] * len(self.manifest.shards)
@@ -421,7 +423,10 @@ class PackedDataset:
             # the product in float64 is exact below 2**53, and a valid one is below the
             # shard size; above, the row is wrong anyway
             prod = np.prod(shape.astype(np.float64), axis=1) * f.dtype.itemsize
-            field_bad |= prod != fnb.astype(np.float64)
+            if f.codec:     # a frame holds at most 2**15 bytes a byte (zstd's RLE blocks)
+                field_bad |= prod > (fnb.astype(np.float64) + 64) * 2.0 ** 15
+            else:
+                field_bad |= prod != fnb.astype(np.float64)
             # an empty array's other dimensions: numpy refuses a shape whose non-zero
             # dimensions overflow its index type ("array is too big") even at size 0
             span = np.prod(np.maximum(shape, 1).astype(np.float64), axis=1)
@@ -592,7 +597,15 @@ class PackedDataset:
         is ``writable`` (None: as ``buf``)."""
         out = {}
         for name, dtype, c_off, c_nb, c_shape, c_end in self._field_cols:
-            if row[c_nb] == 0:
+            if name in self._coded:        # a value of its own, decompressed
+                at = base + row[c_off]
+                raw = int(np.prod(row[c_shape:c_end])) * dtype.itemsize
+                a = inflate_one(buf[at:at + row[c_nb]], raw,
+                                f"{self.path}: field {name!r}").view(dtype).reshape(
+                                    row[c_shape:c_end])
+                if writable is False or (writable is None and not buf.flags.writeable):
+                    a.setflags(write=False)
+            elif row[c_nb] == 0:
                 a = np.empty(row[c_shape:c_end], dtype=dtype)
                 if writable is None:
                     writable = bool(buf.flags.writeable)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, NameNotFoundError, SchemaError, UnsupportedDtypeError
 
-__all__ = ["Field", "Schema", "as_field_array"]
+__all__ = ["CODECS", "Field", "Schema", "as_field_array"]
 
 # numpy dtype kinds we store: bool, signed, unsigned, float, complex.
 _STORABLE_KINDS = "biufc"
@@ -28,15 +28,21 @@ class Field:
         ndim: rank of the array in every sample (shapes may differ per sample).
         kind: ``"array"`` for numeric arrays, ``"bytes"`` for raw encoded blobs
             (stored as 1-D ``uint8``; a sample may give ``bytes``).
+        codec: ``""`` (stored as is) or ``"zstd"`` (each sample's value compressed on
+            its own: read at random without its neighbours).
     """
 
     name: str
     dtype: np.dtype
     ndim: int
     kind: str = KIND_ARRAY
+    codec: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype.str, "ndim": self.ndim, "kind": self.kind}
+        d = {"name": self.name, "dtype": self.dtype.str, "ndim": self.ndim, "kind": self.kind}
+        if self.codec:        # absent when stored as is: older manifests stay the same
+            d["codec"] = self.codec
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Field":
@@ -54,7 +60,15 @@ class Field:
         dtype = parse_dtype(d["dtype"], name)
         if kind == KIND_BYTES and (dtype != np.uint8 or ndim != 1):
             raise InvalidArgumentError(f"field {name!r}: a bytes field is 1-d uint8")
-        return cls(name=name, dtype=dtype, ndim=ndim, kind=kind)
+        codec = d.get("codec", "")
+        if codec not in CODECS:
+            raise InvalidArgumentError(f"field {name!r}: codec {codec!r} is not one forebay "
+                                       f"reads ({', '.join(c for c in CODECS if c)})")
+        return cls(name=name, dtype=dtype, ndim=ndim, kind=kind, codec=codec)
+
+
+#: how a field's values may be stored: as they are, or each compressed on its own
+CODECS = ("", "zstd")
 
 
 #: the most dimensions a field may have (numpy's own limit is 64)
@@ -133,9 +147,15 @@ class Schema:
     def describe(self) -> str:
         parts = []
         for f in self.fields:
-            parts.append(f"{f.name}: bytes" if f.kind == KIND_BYTES
-                         else f"{f.name}: {f.dtype.name}[{f.ndim}d]")
+            parts.append((f"{f.name}: bytes" if f.kind == KIND_BYTES
+                          else f"{f.name}: {f.dtype.name}[{f.ndim}d]")
+                         + (f" ({f.codec})" if f.codec else ""))
         return ", ".join(parts)
+
+    @property
+    def coded(self) -> bool:
+        """Whether any field is stored compressed."""
+        return any(f.codec for f in self.fields)
 
 
 def as_field_array(value: Any, name: str, where: str) -> tuple[np.ndarray, str]:

@@ -17,6 +17,7 @@ from ..progress import Progress, as_progress
 from .._fs import check_target, commit_dir, new_tmp_dir
 from ._format import ALIGNMENT, MANIFEST_NAME, IndexLayout, Manifest, ShardInfo, checksum
 from ._format import replace_problem
+from ._codec import Compressor, parse_compress
 from ._schema import Schema, as_field_array
 
 __all__ = ["DatasetWriter", "write_dataset", "DEFAULT_SHARD_BYTES"]
@@ -43,14 +44,19 @@ class DatasetWriter:
             anything else there is refused with :class:`DatasetExistsError`, never deleted.
         metadata: JSON-serializable mapping stored in the manifest (``ds.metadata``).
         progress: a :class:`forebay.progress.Progress` hook, updated per sample.
+        compress: ``"zstd"`` / ``"zstd:LEVEL"`` (every field) or ``{field:
+            "zstd[:LEVEL]"}``: those fields stored as one zstd frame per sample (read at
+            random without their neighbours; ``docs/format.md``).  Default: as is.
 
     Use as a context manager: leaving the block by an exception aborts the write.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  overwrite: bool = False, metadata: Optional[Mapping[str, Any]] = None,
-                 progress: "Progress | bool | None" = None) -> None:
+                 progress: "Progress | bool | None" = None, compress: Any = None) -> None:
         self.path = Path(path)
+        self._compress_spec = compress
+        self._compressors: dict[int, Compressor] = {}
         if shard_bytes <= 0:
             raise InvalidArgumentError(f"shard_bytes must be positive, got {shard_bytes}")
         self.shard_bytes = int(shard_bytes)
@@ -80,9 +86,11 @@ class DatasetWriter:
             raise UsageError("writer is closed")
         where = f"sample {self._count}"
         if self.schema is None:
-            self.schema = Schema.infer(sample, where)
-            self._layout = IndexLayout(self.schema)
+            self._set_schema(Schema.infer(sample, where))
         arrays = self._check(sample, where)
+        shapes = [a.shape for a in arrays]
+        for k, compressor in self._compressors.items():   # stored: the value's frame
+            arrays[k] = compressor(arrays[k])
         layout = self._layout
         assert layout is not None and self.schema is not None
         # Lay the record out: each field at an aligned offset relative to the record start.
@@ -122,10 +130,10 @@ class DatasetWriter:
         row[IndexLayout.REC_OFF] = start
         row[IndexLayout.REC_LEN] = rec_len
         row[IndexLayout.REC_SUM] = np.uint64(rec_sum).view(np.int64)
-        for f, a, off in zip(self.schema.fields, arrays, offsets):
+        for f, a, off, shape in zip(self.schema.fields, arrays, offsets, shapes):
             row[layout.off[f.name]] = off
             row[layout.nbytes[f.name]] = a.nbytes
-            row[layout.shape[f.name]] = a.shape
+            row[layout.shape[f.name]] = shape
             self._payload += a.nbytes
         self._count += 1
         self._progress.update(1)
@@ -190,6 +198,18 @@ class DatasetWriter:
         return self._count
 
     # -- internals ----------------------------------------------------------------
+    def _set_schema(self, schema: Schema) -> None:
+        """The samples' schema, with the codecs ``compress=`` asked for."""
+        import dataclasses
+
+        levels = parse_compress(self._compress_spec, schema.names)
+        fields = tuple(dataclasses.replace(f, codec="zstd") if f.name in levels else f
+                       for f in schema.fields)
+        self.schema = Schema(fields=fields)
+        self._layout = IndexLayout(self.schema)
+        self._compressors = {k: Compressor(levels[f.name])
+                             for k, f in enumerate(fields) if f.name in levels}
+
     def _check(self, sample: Mapping[str, Any], where: str) -> list[np.ndarray]:
         schema = self.schema
         assert schema is not None
@@ -269,7 +289,8 @@ class DatasetWriter:
 def write_dataset(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str, Any]], *,
                   shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
                   metadata: Optional[Mapping[str, Any]] = None,
-                  progress: "Progress | bool | None" = None) -> Manifest:
+                  progress: "Progress | bool | None" = None,
+                  compress: Any = None) -> Manifest:
     """Write an iterable of samples to a packed dataset at ``path``; return its manifest.
 
     The schema is inferred from the first sample; every later sample must have the
@@ -277,9 +298,10 @@ def write_dataset(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str,
     the sample index and field.  The write is atomic: on any error nothing is left
     at ``path``.  Raises :class:`DatasetExistsError` if ``path`` exists and
     ``overwrite`` is false, :class:`EmptySourceError` if ``samples`` is empty.
+    ``compress``: fields stored compressed, as :class:`DatasetWriter` says.
     """
     w = DatasetWriter(path, shard_bytes=shard_bytes, overwrite=overwrite, metadata=metadata,
-                      progress=progress)
+                      progress=progress, compress=compress)
     try:
         w.add_many(samples)
     except BaseException:

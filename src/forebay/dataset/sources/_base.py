@@ -182,26 +182,29 @@ def units_per_task(n_units: int, workers: int) -> int:
 def ingest(source: Source, out: "str | os.PathLike[str]", *,
            shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 1, overwrite: bool = False,
            metadata: Optional[Mapping[str, Any]] = None,
-           progress: "Progress | bool | None" = None) -> Manifest:
+           progress: "Progress | bool | None" = None, compress: Any = None) -> Manifest:
     """Read every unit of ``source`` (``workers`` processes in parallel) and write them,
     in order, into a packed dataset at ``out``.  Atomic like :func:`write_dataset`.
+    ``compress``: fields stored compressed (:class:`~forebay.dataset.DatasetWriter`).
     The source is closed at the end (:meth:`Source.close`)."""
     try:
-        return _ingest(source, out, shard_bytes, workers, overwrite, metadata, progress)
+        return _ingest(source, out, shard_bytes, workers, overwrite, metadata, progress,
+                       compress)
     finally:
         source.close()
 
 
 def _ingest(source: Source, out: "str | os.PathLike[str]", shard_bytes: int, workers: int,
             overwrite: bool, metadata: Optional[Mapping[str, Any]],
-            progress: "Progress | bool | None") -> Manifest:
+            progress: "Progress | bool | None", compress: Any) -> Manifest:
     units = list(source.units())
     if not units:
         raise EmptySourceError(f"{source.kind} source has nothing to ingest")
     meta = dict(source.metadata())
     meta.update(metadata or {})
     prog = as_progress(progress)
-    writer = DatasetWriter(out, shard_bytes=shard_bytes, overwrite=overwrite, metadata=meta)
+    writer = DatasetWriter(out, shard_bytes=shard_bytes, overwrite=overwrite, metadata=meta,
+                           compress=compress)
     prog.start(len(units), desc=f"ingest {source.kind}", unit=source.unit_name)
     try:
         if workers <= 1:

@@ -1,0 +1,206 @@
+"""Compressed fields (issue S, item 2): each sample's value a zstd frame of its own, read
+at random without its neighbours, bit-exact through every read path and store;
+checksums over what is stored; damaged or crafted frames named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import forebay
+from forebay.dataset import CODED_FORMAT_VERSION, seal_manifest
+from forebay.errors import (ChecksumError, CorruptDatasetError, InvalidArgumentError,
+                            ManifestError)
+
+pytest.importorskip("zstandard")
+N = 120
+
+
+def samples():
+    rng = np.random.default_rng(3)
+    for i in range(N):
+        yield {"x": np.repeat(rng.normal(size=(i % 6, 1)), 4, axis=1).astype(np.float32),
+               "blob": bytes([i % 7]) * (i % 11) + rng.bytes(i % 3),
+               "label": np.int64(i), "img": np.full((3, 4), i, np.uint8)}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cz")
+    forebay.write_dataset(d / "plain.fb", samples(), shard_bytes=4096)
+    forebay.write_dataset(d / "z.fb", samples(), shard_bytes=4096,
+                          compress={"x": "zstd", "blob": "zstd:19", "img": "zstd"})
+    return d / "plain.fb", d / "z.fb"
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), k
+
+
+def test_compressed_fields_read_bit_exact_one_by_one_and_in_batches(pair):
+    plain, z = (forebay.open_dataset(p) for p in pair)
+    assert [f.codec for f in z.schema.fields] == ["zstd", "zstd", "", "zstd"]
+    assert json.loads((pair[1] / "manifest.json").read_text())["version"] == \
+        CODED_FORMAT_VERSION
+    for i in range(N):
+        assert_same(z[i], plain[i])
+        assert not z[i]["x"].flags.writeable and z.sample(i, copy=True)["x"].flags.writeable
+    ids = np.random.default_rng(0).integers(0, N, 77)
+    got, want = z.get_many(ids), plain.get_many(ids)
+    for name in plain.schema.names:
+        assert got.field(name).equals(want.field(name)), name
+    assert z.verify().ok
+
+
+def test_each_value_is_its_own_frame(pair):
+    """A sample is read without its neighbours: its stored bytes decompress alone."""
+    import zstandard
+
+    z = forebay.open_dataset(pair[1])
+    lay, i = z.layout, 57
+    row = z.index[i]
+    rec = z.shard_buffer(int(z.shard_of[i]))[row[lay.REC_OFF]:row[lay.REC_OFF] + row[lay.REC_LEN]]
+    off, nb = row[lay.off["img"]], row[lay.nbytes["img"]]
+    assert zstandard.ZstdDecompressor().decompress(rec[off:off + nb].tobytes()) == \
+        np.full((3, 4), i, np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("store", ["preload", "clairvoyant", "direct"])
+def test_every_store_serves_compressed_fields(pair, store):
+    from forebay.torch import DataLoader, Pipeline
+
+    def labels_and_x(b):
+        return b["label"].copy(), b.field("x").values.copy(), b["img"].copy()
+
+    out = []
+    for path in pair:
+        with DataLoader(path, 16, seed=2, epochs=1, store=store, verify_on_read=True,
+                        pipeline=Pipeline(collate_fn=labels_and_x)) as loader:
+            out.append([tuple(t.tobytes() for t in b) for b in loader])
+    assert out[0] == out[1]
+
+
+def label_only(sample):
+    return {"label": sample["label"], "img": sample["img"]}
+
+
+def test_transform_workers_and_views_with_compressed_fields(pair):
+    from forebay.torch import DataLoader, Pipeline
+
+    got = []
+    for path in pair:
+        with DataLoader(path, 16, seed=1, store="direct",
+                        pipeline=Pipeline(workers=2, transform=label_only)) as loader:
+            got.append([(b["label"].tolist(), b["img"].numpy().tobytes()) for b in loader])
+    assert got[0] == got[1]
+    with DataLoader(pair[1], 16, store="direct", pipeline=Pipeline(views=True)) as loader:
+        with pytest.raises(InvalidArgumentError, match="field 'x' is stored compressed"):
+            next(iter(loader))
+
+
+def test_a_damaged_frame_is_named_and_verify_catches_it(pair, tmp_path):
+    d = tmp_path / "z.fb"
+    shutil.copytree(pair[1], d)
+    z = forebay.open_dataset(d)
+    i, lay = 40, z.layout
+    row = z.index[i]
+    at = int(row[lay.REC_OFF] + row[lay.off["img"]] + 4)      # inside the frame's header
+    shard = d / z.manifest.shards[int(z.shard_of[i])].data
+    data = bytearray(shard.read_bytes())
+    data[at] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    z = forebay.open_dataset(d)
+    with pytest.raises(CorruptDatasetError, match="field 'img'"):
+        z[i]
+    with pytest.raises(CorruptDatasetError, match=f"sample {i}, field 'img'"):
+        z.get_many([3, i, 5])
+    with pytest.raises(ChecksumError, match=f"sample {i}"):
+        forebay.open_dataset(d, verify_on_read=True).get_many([i])
+    with pytest.raises(ChecksumError, match=rf"damaged samples: \[{i}\]"):
+        z.verify()
+
+
+def _reseal(path, edit):
+    m = path / "manifest.json"
+    doc = json.loads(m.read_text())
+    edit(doc)
+    m.write_text(seal_manifest(doc))
+
+
+def test_crafted_manifests_with_codecs_are_refused(pair, tmp_path):
+    d = tmp_path / "z.fb"
+    shutil.copytree(pair[1], d)
+    _reseal(d, lambda doc: doc.update(version=1))        # an old reader's version, codecs in
+    with pytest.raises(ManifestError, match="version 1 with compressed fields"):
+        forebay.open_dataset(d)
+    _reseal(d, lambda doc: [doc.update(version=2)]
+            + [f.update(codec="lz4") for f in doc["schema"]["fields"] if "codec" in f])
+    with pytest.raises(ManifestError, match="codec 'lz4'"):
+        forebay.open_dataset(d)
+
+
+def test_a_crafted_shape_beyond_what_a_frame_can_hold_is_refused_at_open(pair, tmp_path):
+    import io
+
+    from forebay.dataset import checksum
+
+    d = tmp_path / "z.fb"
+    shutil.copytree(pair[1], d)
+    z = forebay.open_dataset(d)
+    col = z.layout.shape["img"].start
+    m = d / "manifest.json"
+    doc = json.loads(m.read_text())
+    ipath = d / doc["shards"][0]["index"]
+    rows = np.load(ipath)
+    rows[0, col] = 1 << 40                                 # 4 TiB from a few bytes
+    buf = io.BytesIO()
+    np.save(buf, rows, allow_pickle=False)
+    ipath.write_bytes(buf.getvalue())
+    doc["shards"][0].update(index_nbytes=len(buf.getvalue()),
+                            index_checksum=checksum(buf.getvalue()))
+    m.write_text(seal_manifest(doc))
+    with pytest.raises(CorruptDatasetError, match="field 'img'"):
+        forebay.open_dataset(d)
+
+
+def test_append_and_mixtures_keep_the_codecs(pair, tmp_path):
+    d = tmp_path / "z.fb"
+    shutil.copytree(pair[1], d)
+    forebay.append(d, samples())
+    z = forebay.open_dataset(d)
+    assert len(z) == 2 * N and [f.codec for f in z.schema.fields] == ["zstd", "zstd", "",
+                                                                        "zstd"]
+    assert_same(z[N + 5], forebay.open_dataset(pair[0])[5])
+    mix = forebay.Mixture({str(d): 0.5, str(pair[1]): 0.5})
+    from forebay.torch import DataLoader
+    with DataLoader(mix, 8, store="preload") as loader:
+        assert sum(len(b["label"]) for b in loader) == len(loader) * 8
+
+
+@pytest.mark.parametrize("spec, match", [("zstd:0", "level must be 1 to 22"),
+                                         ("lz4", "give 'zstd' or 'zstd:LEVEL'"),
+                                         ({"nope": "zstd"}, "'nope', not a field")])
+def test_bad_compress_settings_are_named(tmp_path, spec, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        forebay.write_dataset(tmp_path / "x.fb", samples(), compress=spec)
+    assert not (tmp_path / "x.fb").exists()
+
+
+def test_ingest_compress_option(tmp_path, cli):
+    src = tmp_path / "src"
+    src.mkdir()
+    np.savez(src / "a.npz", x=np.zeros((50, 64), np.float32), y=np.arange(50))
+    code, _, err = cli("ingest", src, tmp_path / "a.fb", "--from", "npz", "--compress",
+                       "x=zstd:5")
+    assert code == 0, err
+    ds = forebay.open_dataset(tmp_path / "a.fb")
+    assert [f.codec for f in ds.schema.fields] == ["zstd", ""]
+    assert ds.nbytes < 50 * 64 * 4 and np.array_equal(ds[7]["x"], np.zeros(64, np.float32))
+    code, out, _ = cli("info", tmp_path / "a.fb")
+    assert "zstd-compressed per sample" in out
