@@ -4,7 +4,7 @@ keeps the value's shape (its decompressed size is the shape's product times the
 itemsize) and the frame's stored size; the record checksum covers the stored bytes.
 A batch's frames are decompressed by one call (python-zstandard's
 ``multi_decompress_to_buffer``, which releases the GIL), then copied into the
-batch's buffer."""
+batch's buffer (a field's values are one region of it: one copy)."""
 
 from __future__ import annotations
 
@@ -93,15 +93,19 @@ def inflate_one(frame: np.ndarray, raw: int, where: str) -> np.ndarray:
 def inflate(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, raw: np.ndarray,
             out: np.ndarray, dst: np.ndarray, name: Any) -> None:
     """Decompress frame k (``src[starts[k]:starts[k]+lens[k]]``) into
-    ``out[dst[k]:dst[k]+raw[k]]`` for every k, the frames in one call.  ``name(k)``
-    says which sample and field frame k is, for an error."""
+    ``out[dst[k]:dst[k]+raw[k]]`` for every k, the places one region (a field's values
+    one after another), the frames in one call and one copy.  ``name(k)`` says which
+    sample and field frame k is, for an error."""
     zstd = _zstd()
     todo = np.flatnonzero(raw > 0)
     if not len(todo):
         return
+    sizes, first = raw[todo], int(dst[todo[0]])
     if (starts < 0).any() or (starts + lens > len(src)).any() or \
-            (dst[todo] + raw[todo] > len(out)).any():
+            first < 0 or first + int(sizes.sum()) > len(out):
         raise InvalidArgumentError("inflate: a frame or its place is out of bounds")
+    if (dst[todo] != first + np.cumsum(sizes) - sizes).any():
+        raise InvalidArgumentError("inflate: the values' places are not one region")
     seg = np.stack([starts[todo], lens[todo]], axis=1).astype(np.uint64)
     try:
         got = zstd.ZstdDecompressor().multi_decompress_to_buffer(
@@ -115,6 +119,4 @@ def inflate(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, raw: np.ndarr
             inflate_one(src[starts[k]:starts[k] + lens[k]], int(raw[k]), name(k))
         raise CorruptDatasetError(f"{name(int(todo[0]))}: a zstd frame of the batch does "
                                   f"not decompress to its shape's size")
-    for j, k in enumerate(todo.tolist()):
-        d = int(dst[k])
-        out[d:d + int(raw[k])] = np.frombuffer(got[j], dtype=np.uint8)
+    out[first:first + int(sizes.sum())] = np.frombuffer(b"".join(got), dtype=np.uint8)
