@@ -524,11 +524,11 @@ def assemble_views(ids: np.ndarray, rows: np.ndarray, schema: Schema, layout,
                    timings: Optional[list] = None) -> SampleViews:
     """Per-sample read-only views of ``ids``' fields where ``parts`` hold their records
     (:func:`assemble_batch`'s parts, each source a read-only array: see
-    :class:`ReadOnly`); a range outside its source raises instead of viewing less."""
-    if layout.coded:
-        raise InvalidArgumentError(
-            f"field {schema.fields[layout.coded[0]].name!r} is stored compressed: its "
-            f"samples cannot be lent as views of the store's memory (leave views off)")
+    :class:`ReadOnly`); a range outside its source raises instead of viewing less.
+    With compressed fields: read-only views of a decompressed copy."""
+    if layout.coded:      # compressed values are not where they would be lent from
+        return SampleViews.of_batch(assemble_batch(ids, rows, schema, layout, parts,
+                                                   timings=timings))
     n = len(ids)
     fields: dict[str, list[Any]] = {f.name: [None] * n for f in schema.fields}
     if n <= _FEW and timings is None:
