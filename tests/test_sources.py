@@ -3,6 +3,8 @@ bit-exact."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -109,6 +111,25 @@ def test_arrow_streams_as_hugging_face_saves_them_and_ipc_files(tmp_path, cli):
     src = get_source("arrow", tmp_path / "one.arrow", keys=["text"])
     assert [s["text"].tobytes().decode() for s in src.read_unit(tmp_path / "one.arrow")][:2] \
         == ["sample 0 é", "sample 1 é"]
+
+
+def test_a_directory_saved_by_hugging_face_datasets_ingests_bit_exact(tmp_path, cli):
+    """tests/data/hf/saved: ``datasets.Dataset.save_to_disk``'s own output (make.py)."""
+    import importlib.util
+
+    here = Path(__file__).parent / "data" / "hf"
+    spec = importlib.util.spec_from_file_location("hf_make", here / "make.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    code, _, err = cli("ingest", here / "saved", tmp_path / "ds", "--from", "arrow")
+    assert code == 0, err
+    ds, want = forebay.open_dataset(tmp_path / "ds"), mod.rows()
+    assert len(ds) == mod.N and list(ds.schema.names) == list(want)
+    for i in range(mod.N):
+        assert int(ds[i]["id"]) == want["id"][i] and float(ds[i]["score"]) == want["score"][i]
+        assert ds[i]["text"].tobytes().decode() == want["text"][i]
+        assert ds[i]["tokens"].tolist() == want["tokens"][i]
+        assert ds[i]["blob"].tobytes() == want["blob"][i]
 
 
 # ----------------------------------------------------------------------------- WebDataset

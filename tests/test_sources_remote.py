@@ -88,9 +88,23 @@ def _zarr(d):
     g.create_array("y", data=np.arange(64, dtype=np.int64), chunks=(16,))
 
 
-@pytest.mark.parametrize("kind, make", [("parquet", _parquet), ("webdataset", _webdataset),
-                                         ("zarr", _zarr)])
+def _fixture(name):
+    """A directory its library wrote (tests/data/NAME), copied to ``d``."""
+    def make(d):
+        import shutil
+        from pathlib import Path
+
+        shutil.copytree(Path(__file__).parent / "data" / name, d)
+    return make
+
+
+@pytest.mark.parametrize("kind, make", [
+    ("parquet", _parquet), ("webdataset", _webdataset), ("zarr", _zarr),
+    ("arrow", _fixture("hf/saved")), ("mds", _fixture("mds/zstd")),
+    ("litdata", _fixture("litdata/zstd"))])
 def test_a_source_at_an_s3_url_ingests_as_from_a_directory(tmp_path, cli, s3, kind, make):
+    if kind in ("mds", "litdata"):
+        pytest.importorskip("zstandard")
     make(tmp_path / "src")
     _upload(s3, tmp_path / "src", f"{kind}/v1")
     code, _, err = cli("ingest", tmp_path / "src", tmp_path / "local.fb", "--from", kind)
