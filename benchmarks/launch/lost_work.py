@@ -18,8 +18,11 @@ and the interval that minimises it is Young's, I * step_s = sqrt(2 * save_s * F)
 * **At N nodes** (``--nodes``, default 1,024, on a simulator system, default ``lassen``,
   and a dataset scenario, default ``imagenet-1k``): the store's set-up is the preload
   of the whole dataset by every node at once from the parallel file system, and the
-  restore is every node reading the model's state once (forebay's DCP reader reads
-  each item once per node), both timed by the simulator's conserving model
+  restore is, with ``--restore-from one`` (``Checkpoint``'s default for a replicated
+  state), one rank reading the state alone and broadcasting it down a binomial tree
+  (log2(N) hops of the whole state over the system's link), or with ``every`` every
+  node reading the state once (forebay's DCP reader reads each item once per node);
+  the file system's parts timed by the simulator's conserving model
   (:meth:`forebay.sim.System.pfs_setup_s_per_MB`: N readers share the file system's
   t(N), its table clamped past its largest reader count); a step is the worker's
   compute on a batch (``batch x mean sample / c``); detection of a killed node stays
@@ -70,7 +73,7 @@ def lost_share(recovery_s: float, step_s: float, save_s: float, every_s: float,
 
 
 def at_scale(nodes: int, system: str, dataset: str, batch: int, state_gb: float,
-             base: dict) -> dict:
+             base: dict, restore_from: str = "one") -> dict:
     """The components at ``nodes`` nodes (see the module's docstring)."""
     from forebay.sim import SCENARIOS, load_system
 
@@ -80,7 +83,11 @@ def at_scale(nodes: int, system: str, dataset: str, batch: int, state_gb: float,
     threads = sysm.staging_threads
     per_mb = sysm.pfs_setup_s_per_MB(nodes, threads)      # one thread's MB, all at once
     setup_s = data_mb / nodes / threads * per_mb             # each node its share
-    restore_s = state_gb * 1000 / threads * per_mb           # each node the whole state
+    if restore_from == "every":                              # each node the whole state
+        restore_s = state_gb * 1000 / threads * per_mb
+    else:               # one reader alone, then log2(N) hops of a broadcast tree
+        restore_s = state_gb * 1000 / threads * sysm.pfs_setup_s_per_MB(1, threads) + \
+            math.ceil(math.log2(max(nodes, 2))) * state_gb * 1000 / sysm.network_MBps
     step_s = batch * spec.mean_MB / sysm.compute_MBps
     out = {}
     for fault, m in base.items():
@@ -109,12 +116,17 @@ def main() -> None:
                    help="model and optimizer state at scale (ResNet-50 with momentum: 0.2)")
     p.add_argument("--save-ms-at-scale", type=float, default=12.9,
                    help="a save's hold at scale (537 MB from one H200: 12.9 ms)")
+    p.add_argument("--restore-from", choices=["one", "every"], default="one",
+                   help="at scale: the state read once and broadcast (Checkpoint's "
+                        "default for a replicated state), or by every node")
     a = p.parse_args()
     base = measured(a.measured)
-    scale = at_scale(a.nodes, a.system, a.dataset, a.batch, a.state_gb, base)
+    scale = at_scale(a.nodes, a.system, a.dataset, a.batch, a.state_gb, base,
+                     a.restore_from)
     print(f"# a {a.hours:g} h run; measured: {a.measured.name} (3 emulated nodes); "
           f"{a.nodes} nodes: {a.system} file system, {a.dataset}, batch {a.batch} a "
-          f"worker, {a.state_gb:g} GB of state; Young's checkpoint interval")
+          f"worker, {a.state_gb:g} GB of state, restored from {a.restore_from}; Young's "
+          f"checkpoint interval")
     print("\n| nodes | node lost | every | detection s | start s | store set-up s | "
           "restore s | loss to first step s | interval (steps) | replayed s | "
           "saves' hold | lost share of the run | lost hours |")

@@ -91,3 +91,56 @@ def test_a_ddp_job_that_dies_resumes_at_two_ranks_and_at_one(tmp_path):
     # the same state restored at 2 ranks and at 1 trains to the same weights (up to
     # summation order; bit-exact at one world size: tests/test_checkpoint.py)
     np.testing.assert_allclose(w_one, w_two, rtol=1e-5)
+
+
+def rank_restore_from(repo: str, out: str) -> None:
+    """Save a DDP model and Adam after a few steps, then restore them twice into
+    changed weights: once read by rank 0 and broadcast, once read by every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from forebay.torch import Checkpoint
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for k in range(3):
+        torch.manual_seed(10 * k + rank)
+        model(torch.randn(4, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    avg = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    ckpt = Checkpoint(repo, model=model, optimizer=opt)
+    ckpt.save(wait=True)
+    report = {}
+    for how in ("one", "every"):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+                opt.state[p]["exp_avg"].zero_()
+        again = Checkpoint(repo, model=model, optimizer=opt, restore_from=how)
+        again.restore()
+        assert all(torch.equal(p, want[n]) for n, p in model.named_parameters()), how
+        assert all(torch.equal(opt.state[p]["exp_avg"], avg[n])
+                   for n, p in model.named_parameters()), how
+        assert opt.param_groups[0]["lr"] == 0.01
+        report[how] = again.restore_stats
+        again.close()
+    ckpt.close()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_restore_reads_a_replicated_state_once_and_broadcasts_it(tmp_path):
+    """restore_from="one": the state's bytes come from the file system once per job (rank
+    0), the same values on every rank as when every rank reads them."""
+    repo = f"file://{tmp_path / 'repo'}"
+    assert_ranks_ok(run_torchrun(2, rank_restore_from, repo, tmp_path, timeout=240), 2)
+    r0, r1 = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1))
+    state = (512 * 256 + 256) * 4 * 3           # weights, exp_avg, exp_avg_sq (float32)
+    assert r0["one"]["from"] == "one" and r0["one"]["bytes_read"] >= state
+    assert r1["one"]["bytes_read"] < state // 20    # its own small items (random states)
+    assert r0["every"]["bytes_read"] >= state and r1["every"]["bytes_read"] >= state

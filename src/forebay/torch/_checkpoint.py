@@ -116,6 +116,39 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
+#: how :meth:`Checkpoint.restore` reads the state (see ``restore_from``)
+RESTORE_FROM = ("auto", "one", "every")
+
+
+def _without_tensors(sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` with the model's and optimizer's tensors left out (what a rank that gets
+    them by broadcast still reads: their non-tensor values, and all of "forebay")."""
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not isinstance(v, torch.Tensor)}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    return {k: (v if k == "forebay" else strip(v)) for k, v in sd.items()}
+
+
+def _take_values(into: Any, got: Any) -> None:
+    """Copy the values DCP loaded into ``got`` (a :func:`_without_tensors` copy) back
+    into ``into``, in place."""
+    if isinstance(into, dict):
+        for k, v in got.items():
+            if isinstance(v, (dict, list)) and isinstance(into.get(k), (dict, list)):
+                _take_values(into[k], v)
+            else:
+                into[k] = v
+    elif isinstance(into, list):
+        for i, v in enumerate(got):
+            if isinstance(v, (dict, list)):
+                _take_values(into[i], v)
+            else:
+                into[i] = v
+
+
 class _PinnedStager(AsyncStager):
     """DCP's staging step for a state on the GPU: each CUDA tensor copied into a pinned
     host buffer kept for the next save under the same key (DCP's default copies into
@@ -176,11 +209,20 @@ class Checkpoint:
             never meet the loop's; constructing it is then collective).  A job of
             several ranks where torch.distributed is not started yet (mpiexec, srun
             with MPI) starts it here (gloo, :func:`forebay.reduce.init_process_group`).
+        restore_from: how :meth:`restore` reads the state.  ``"one"``: the group's
+            first rank reads the model and optimizer and broadcasts them to the others,
+            which read only their own small items (loader position, step, random
+            states): the file system serves the state once per job instead of once per
+            rank.  ``"every"``: each rank reads what it holds (DCP's own load: sharded
+            states, FSDP).  ``"auto"`` (default): ``"one"`` when every model and
+            optimizer tensor is a plain tensor (a replicated, DDP state) on more than
+            one rank, else ``"every"``.
     """
 
     def __init__(self, repo: Any, *, name: str = "checkpoint", loader: Any = None,
                  model: Optional[torch.nn.Module] = None, optimizer: Any = None,
-                 every_steps: int = 0, keep: int = 2, process_group: Any = None) -> None:
+                 every_steps: int = 0, keep: int = 2, process_group: Any = None,
+                 restore_from: str = "auto") -> None:
         if not isinstance(every_steps, int) or isinstance(every_steps, bool) \
                 or every_steps < 0:
             raise InvalidArgumentError(f"every_steps must be a whole number >= 0, got "
@@ -189,6 +231,13 @@ class Checkpoint:
             raise InvalidArgumentError(f"keep must be a whole number >= 1, got {keep!r}")
         if optimizer is not None and model is None:
             raise UsageError("Checkpoint: an optimizer needs its model (model=...)")
+        if restore_from not in RESTORE_FROM:
+            raise InvalidArgumentError(f"restore_from must be one of {RESTORE_FROM}, got "
+                                       f"{restore_from!r}")
+        self.restore_from = restore_from
+        #: how the last restore read the state: ``{"from": "one" | "every",
+        #: "bytes_read": this rank's bytes}``
+        self.restore_stats: dict[str, Any] = {}
         self.repo, self.name, self.loader = repo, name, loader
         self.model, self.optimizer = model, optimizer
         self.every_steps, self.keep = every_steps, keep
@@ -266,8 +315,14 @@ class Checkpoint:
         for part in ("model", "optim"):
             if part in sd and not any(k.startswith(part + ".") for k in saved):
                 raise UsageError(f"{self.name!r} version {version} holds no {part} state")
-        dcp.load(sd, storage_reader=Reader(self.repo, self.name, version),
-                 process_group=self.group, no_dist=not _distributed())
+        reader = Reader(self.repo, self.name, version)
+        how = self._restore_how(sd)
+        if how == "one":
+            self._load_one(sd, reader)
+        else:
+            dcp.load(sd, storage_reader=reader, process_group=self.group,
+                     no_dist=not _distributed())
+        self.restore_stats = {"from": how, "bytes_read": reader.bytes_read}
         if self.model is not None:
             set_state_dict(self.model, [self.optimizer] if self.optimizer is not None else [],
                            model_state_dict=sd["model"],
@@ -279,6 +334,34 @@ class Checkpoint:
         self.step_count = int(meta["step"])
         self.saved_version = version
         return self.step_count
+
+    def _restore_how(self, sd: dict[str, Any]) -> str:
+        """``"one"`` or ``"every"`` (``restore_from`` resolved for this state)."""
+        _, world = _rank_world(self.group)
+        leaves = _tensors({k: v for k, v in sd.items() if k != "forebay"})
+        plain = all(type(t) is torch.Tensor for t in leaves)
+        if self.restore_from == "one" and not plain:
+            raise UsageError("restore_from='one' broadcasts plain tensors: this state holds "
+                             "sharded ones (DTensor, FSDP): use 'every' or 'auto'")
+        if self.restore_from == "one" or (self.restore_from == "auto" and plain):
+            return "one" if world > 1 else "every"
+        return "every"
+
+    def _load_one(self, sd: dict[str, Any], reader: Any) -> None:
+        """The group's first rank reads the model and optimizer and broadcasts their
+        tensors (in the state's order, the same on every rank: the same model and
+        optimizer); every rank reads its own small items and the optimizer's
+        non-tensor values itself."""
+        rank, _ = _rank_world(self.group)
+        if rank == 0:
+            dcp.load(sd, storage_reader=reader, no_dist=True)
+        else:
+            light = _without_tensors(sd)
+            dcp.load(light, storage_reader=reader, no_dist=True)
+            _take_values(sd, light)
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for t in _tensors({k: v for k, v in sd.items() if k != "forebay"}):
+            dist.broadcast(t, src=src, group=self.group)
 
     def step(self) -> bool:
         """Count one optimizer step; every ``every_steps`` steps start a save.  Returns
