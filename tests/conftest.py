@@ -156,6 +156,35 @@ def assert_ranks_ok(p, ranks: int) -> None:
         f"exit {p.returncode}, {ok}\n{p.stderr[-4000:]}"
 
 
+def say_global_batches(every: list, state=None) -> None:
+    """On the rank that gathered ``every`` rank's ``[epoch, *labels]`` rows: print the
+    global batch of each step ("GLOBAL" + JSON) and a saved loader state ("STATE")."""
+    import json
+
+    out = every[0]
+    steps = [sum((r[i][1:] for r in every), []) for i in range(len(out))]
+    say("GLOBAL " + json.dumps([[out[i][0]] + s for i, s in enumerate(steps)]))
+    if state is not None:
+        say("STATE " + json.dumps(state))
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    """A copy of a test data directory (to damage or edit)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_json(path: Path, edit) -> None:
+    """``edit(doc)`` applied to the JSON file at ``path``, in place."""
+    import json
+
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
 def say(line: str) -> None:
     """One atomic write per line, so lines of concurrent ranks never interleave."""
     os.write(1, (line + "\n").encode())

@@ -5,8 +5,6 @@ each of its zstd layouts; damaged or crafted ones are named and nothing is writt
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 import forebay
 from forebay.dataset.sources import get_source, ingest
 from forebay.errors import SourceError
+from conftest import copy_tree, edit_json
 
 DATA = Path(__file__).parent / "data" / "litdata"
 
@@ -63,15 +62,11 @@ def test_litdata_keys_select_leaves(tmp_path):
 
 
 def _copy(tmp_path, variant="plain"):
-    d = tmp_path / "lit"
-    shutil.copytree(DATA / variant, d)
-    return d
+    return copy_tree(DATA / variant, tmp_path / "lit")
 
 
 def _index(d, edit):
-    doc = json.loads((d / "index.json").read_text())
-    edit(doc)
-    (d / "index.json").write_text(json.dumps(doc))
+    edit_json(d / "index.json", edit)
 
 
 def _fails(d, out, match):

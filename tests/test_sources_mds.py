@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 import forebay
 from forebay.dataset.sources import get_source, ingest
 from forebay.errors import SourceError
+from conftest import copy_tree, edit_json
 
 DATA = Path(__file__).parent / "data" / "mds"
 
@@ -56,15 +56,11 @@ def test_mds_keys_select_columns(tmp_path):
 
 
 def _copy(tmp_path):
-    d = tmp_path / "mds"
-    shutil.copytree(DATA / "plain", d)
-    return d
+    return copy_tree(DATA / "plain", tmp_path / "mds")
 
 
 def _index(d, edit):
-    doc = json.loads((d / "index.json").read_text())
-    edit(doc)
-    (d / "index.json").write_text(json.dumps(doc))
+    edit_json(d / "index.json", edit)
 
 
 def _fails(d, out, match):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from forebay import AccessPlan
-from conftest import run_ranks, say
+from conftest import run_ranks, say_global_batches
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -42,10 +42,7 @@ def rank_global_batches(path: str, width: str, resume: str) -> None:
                 state = dl.state_dict()
     every = comm.gather(out, root=0)
     if comm.rank == 0:
-        steps = [sum((r[i][1:] for r in every), []) for i in range(len(out))]
-        say("GLOBAL " + json.dumps([[out[i][0]] + s for i, s in enumerate(steps)]))
-        if state is not None:
-            say("STATE " + json.dumps(state))
+        say_global_batches(every, state)
     dl.close()
 
 

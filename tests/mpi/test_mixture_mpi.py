@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import assert_ranks_ok, run_ranks, run_torchrun, say
+from conftest import assert_ranks_ok, run_ranks, run_torchrun, say_global_batches
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -52,10 +52,7 @@ def rank_mixed_batches(root: str, policy: str, store: str, resume: str) -> None:
     assert dl.world == world
     every = dl.comm.allgather(out)
     if dl.rank == 0:
-        steps = [sum((r[i][1:] for r in every), []) for i in range(len(out))]
-        say("GLOBAL " + json.dumps([[out[i][0]] + s for i, s in enumerate(steps)]))
-        if state is not None:
-            say("STATE " + json.dumps(state))
+        say_global_batches(every, state)
     dl.close()
 
 

@@ -472,6 +472,7 @@ class WorkerPool:
                 key, out, err, read, aliased = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
                 self._check_alive(p)
+                self._check_others()
                 if self.timeout is not None:
                     since = max(t0, self._ready_at.get(p.wid, float("inf")))
                     if since == float("inf") and \
@@ -523,6 +524,16 @@ class WorkerPool:
                 f"{proc.exitcode} while transforming the batch of epoch {p.key[1]} "
                 f"step {p.key[2]} (samples {p.ids[:8].tolist()}"
                 f"{'...' if len(p.ids) > 8 else ''})") from cause
+
+    def _check_others(self) -> None:
+        """Raise if any worker died: one killed while sending a result leaves the
+        results queue's lock held and the others blocked behind it."""
+        for w, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                raise TransformError(
+                    f"transform worker {w} (pid {proc.pid}) died with exit code "
+                    f"{proc.exitcode}: the other workers' results cannot be trusted to "
+                    f"come back past it, so the loader stops here")
 
     def _start_hint(self) -> str:
         """Why a worker dies while starting, where the start method explains it: a
