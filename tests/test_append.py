@@ -109,3 +109,84 @@ def test_producers_take_turns(tmp_path):
         block = got[a:b]
         assert block == list(range(block[0], block[0] + 40))
     assert ds.verify().ok
+
+
+# -- a loader over a dataset that grows (issue U, item 2) ------------------------------
+
+def _labels(loader, epoch):
+    loader.set_epoch(epoch)
+    return [b["y"].tolist() for b in loader]
+
+
+def _plan_labels(n, epoch, world=1, rank=0, batch=8):
+    plan = forebay.AccessPlan(n, world, batch, 3, seed=2)
+    return plan.batches(rank, epoch).tolist()
+
+
+def grow(path, start, n):
+    forebay.append(path, ({"y": np.int64(i)} for i in range(start, start + n)))
+
+
+def test_a_loader_follows_appends_at_epoch_fences_and_resumes_exactly(tmp_path):
+    from forebay.torch import DataLoader, Pipeline
+
+    path = tmp_path / "g.fb"
+    forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
+    pipe = Pipeline(collate_fn=lambda b: {"y": b["y"].copy()})
+    with DataLoader(path, 8, epochs=3, seed=2, store="direct", follow_appends=True,
+                    pipeline=pipe) as loader:
+        assert [[int(x) for x in b] for b in _labels(loader, 0)] == _plan_labels(40, 0)
+        grow(path, 40, 24)                           # a producer appends a generation
+        assert _labels(loader, 1) == _plan_labels(64, 1)     # it joins at the fence
+        loader.set_epoch(1)
+        it = iter(loader)
+        next(it), next(it)
+        state = loader.state_dict()
+    assert state["num_samples"] == 64
+    grow(path, 64, 16)                               # more while the job was down
+    with DataLoader(path, 8, epochs=3, seed=2, store="direct", follow_appends=True,
+                    pipeline=pipe) as again:
+        again.load_state_dict(state)                 # epoch 1 as it was: 64 samples
+        assert _labels(again, 1) == _plan_labels(64, 1)[2:]
+        assert _labels(again, 2) == _plan_labels(80, 2)
+
+
+def label_of(sample):
+    return {"y": sample["y"]}
+
+
+def test_transform_workers_read_the_new_generations(tmp_path):
+    from forebay.torch import DataLoader, Pipeline
+
+    path = tmp_path / "g.fb"
+    forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
+    with DataLoader(path, 8, epochs=2, seed=2, store="direct", follow_appends=True,
+                    pipeline=Pipeline(workers=2, transform=label_of)) as loader:
+        _labels(loader, 0)
+        grow(path, 40, 40)
+        assert _labels(loader, 1) == _plan_labels(80, 1)
+
+
+def test_follow_appends_needs_direct_reads(tmp_path):
+    from forebay.errors import InvalidArgumentError
+    from forebay.torch import DataLoader
+
+    path = tmp_path / "g.fb"
+    forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
+    with pytest.raises(InvalidArgumentError, match="store='direct'"):
+        DataLoader(path, 8, follow_appends=True)
+
+
+def test_resuming_on_a_replaced_dataset_is_refused(tmp_path):
+    from forebay.errors import InvalidArgumentError
+    from forebay.torch import DataLoader
+
+    path = tmp_path / "g.fb"
+    forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
+    with DataLoader(path, 8, epochs=2, store="direct", follow_appends=True) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    forebay.write_dataset(path, ({"y": np.int64(-i)} for i in range(48)), overwrite=True)
+    with DataLoader(path, 8, epochs=2, store="direct", follow_appends=True) as again:
+        with pytest.raises(InvalidArgumentError, match="replaced, not appended"):
+            again.load_state_dict(state)

@@ -87,6 +87,7 @@ PRELUDES = {
         "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
     "forebay.write_dataset(\"real.fb\"": "",
     "forebay.write_dataset(\"small.fb\"": "",
+    "forebay.write_dataset(\"frames.fb\"": "",
     "mix = Mixture({\"web.fb\": 0.7":
         "import numpy as np, forebay\n"
         "forebay.write_dataset('web.fb', [{'x': np.zeros(4, np.float32)}] * 700)\n"

@@ -4,7 +4,7 @@ clairvoyant store (NoPFS), and named arrays shared by ranks (``ArrayStore``)."""
 from ._arrays import ArrayStore
 from ._base import STATS_KEYS, DirectStore, SampleStore, warm_enabled
 from ._clairvoyant import ClairvoyantStore, tier_nbytes
-from ._agreement import check_agreement, node_size
+from ._agreement import agree_on_prefix, check_agreement, node_size, prefixes
 from ._base import StoreError
 from ._distributed import DistributedStore, default_comm
 from ._layout import StoreLayout, chunk_members
@@ -22,6 +22,7 @@ __all__ = ["ArrayStore", "SampleStore", "DirectStore", "STATS_KEYS", "Clairvoyan
            "DistributedStore",
            "FetchModel", "Placement", "ProfileError", "StoreError", "StoreLayout",
            "MEMORY_HEADROOM", "NONE", "RAM", "SSD", "available_memory", "calibrate",
-           "check_agreement", "chunk_members", "compute_coverage", "compute_placement",
+           "agree_on_prefix", "check_agreement", "chunk_members", "compute_coverage",
+           "compute_placement", "prefixes",
            "default_comm", "dump_profile", "fill_tiers", "interpolate", "load_profile", "node_size",
            "tier_nbytes", "warm_enabled"]

@@ -11,7 +11,8 @@ from ..dataset import PackedDataset
 from ..errors import RankMismatchError
 from ._base import StoreError
 
-__all__ = ["agree", "check_agreement", "raise_mismatches", "node_size"]
+__all__ = ["agree", "agree_on_prefix", "check_agreement", "prefixes", "raise_mismatches",
+           "node_size"]
 
 
 def agree(comm: Any, message: Optional[str], error: type[Exception] = StoreError) -> None:
@@ -34,18 +35,55 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, Any]) -> None:
+def prefixes(ds: PackedDataset) -> list[tuple[int, str]]:
+    """``(samples, fingerprint)`` of each generation of ``ds`` (issue U: a dataset that
+    grows): the fingerprint of the shards holding its first samples, the same in every
+    later generation (appends add shards and never change one)."""
+    import json
+
+    from ..dataset import checksum, generations
+
+    out, shards, count = [], [], 0
+    ends = set(generations(ds.manifest))
+    for s in ds.manifest.shards:
+        shards.append([s.data_checksum, s.index_checksum, s.num_samples])
+        count += s.num_samples
+        if count in ends:
+            out.append((count, checksum(json.dumps(shards).encode())))
+    return out
+
+
+def agree_on_prefix(comm: Any, ds: PackedDataset) -> int:
+    """The samples every rank of ``comm`` sees of a growing dataset: the largest
+    generation all of them opened (producers may append between two ranks' opens),
+    checked to be the same samples everywhere (else :class:`StoreError` on every
+    rank).  One allgather."""
+    mine = prefixes(ds)
+    every = comm.allgather(mine) if comm is not None else [mine]
+    n = min(p[-1][0] for p in every)
+    fps = {dict(p).get(n) for p in every}
+    if len(fps) != 1 or None in fps:
+        raise StoreError(f"ranks see different samples in {ds.path}: their generations "
+                         f"do not share the first {n} samples (a dataset replaced, not "
+                         f"appended to?)")
+    return n
+
+
+def check_agreement(comm: Any, what: str, ds: PackedDataset, params: dict[str, Any],
+                    dataset_id: Optional[tuple] = None) -> None:
     """Every rank of ``comm`` opened the same dataset (manifest fingerprint and size;
     else :class:`StoreError`) and passed the same ``params`` (everything that shapes the
     plan and the layout; else :class:`RankMismatchError`), raised on every rank naming
     each difference and each rank's value.  One allgather, the first collective of a
-    set-up, so ranks that disagree fail before they wait in different collectives."""
+    set-up, so ranks that disagree fail before they wait in different collectives.
+    ``dataset_id``: ``(identity, samples, path)`` compared instead of the dataset's
+    fingerprint (a growing dataset's ranks compare its prefix later)."""
     if comm is None:
         return
     from .._version import __version__
 
     mine = {"forebay version": __version__, **params}
-    every = comm.allgather(((ds.fingerprint, len(ds), str(ds.path)), mine))
+    every = comm.allgather((dataset_id or (ds.fingerprint, len(ds), str(ds.path)), mine))
     sets = [d for d, _ in every]
     if len({(fp, n) for fp, n, _ in sets}) > 1:
         ref = sets[0]

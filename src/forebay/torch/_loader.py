@@ -21,11 +21,11 @@ from ..store import ClairvoyantStore, DirectStore, DistributedStore, SampleStore
 from ..comm import is_mpi, mpi_thread_multiple
 from .._liveness import join as join_liveness, waiting
 from ..world import LOCAL, abort_on_uncaught, resolve_comm
-from ..store import check_agreement
+from ..store import agree_on_prefix, check_agreement, prefixes
 from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
-from ._options import (Pipeline, StoreSpec, build_store, describe, from_legacy, mode_of,
-                       store_spec, with_system_tiers)
+from ._options import (Direct, Pipeline, StoreSpec, build_store, describe, from_legacy,
+                       mode_of, store_spec, with_system_tiers)
 from ._start import choose_start, make_workers
 from ._threads import ThreadWorkers
 from ._workers import SharedAlloc, WorkerPool, _Pending, start_forkserver, transform_batch
@@ -56,6 +56,11 @@ class DataLoader:
         dataset: a :class:`~forebay.dataset.PackedDataset` or its path, or a
             :class:`~forebay.Mixture` of several (its rule decides which source each
             position of an epoch reads; every store serves it).
+        follow_appends: a dataset that grows (:func:`forebay.append`): at each epoch
+            fence (:meth:`set_epoch`, called by every rank) the generations appended
+            since that every rank sees join the plan; epoch e's order is the plan's for
+            the samples agreed at its fence (``state_dict`` records how many).  Direct
+            reads only (``store="direct"``).
         batch_size: per-rank batch; the global batch is ``batch_size * world_size``.
         epochs: epochs in the run (the access plan covers them all).
         seed, shuffle, drop_last: as :class:`~forebay.AccessPlan` (same seed and global
@@ -115,7 +120,7 @@ class DataLoader:
                  store: "Optional[StoreSpec]" = None, pipeline: Optional[Pipeline] = None,
                  comm: Any = None, system: "Optional[str | os.PathLike[str]]" = None,
                  verify_on_read: Optional[bool] = None, progress: Any = None,
-                 **legacy: Any) -> None:
+                 follow_appends: bool = False, **legacy: Any) -> None:
         store, pipeline = from_legacy(store, pipeline, legacy)
         spec = store_spec("preload" if store is None else store)
         pipe = Pipeline() if pipeline is None else pipeline
@@ -146,15 +151,24 @@ class DataLoader:
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world = self.comm.Get_size() if self.comm is not None else 1
         # ranks that disagree on what shapes the plan or the store fail here, together
+        self.follow_appends = bool(follow_appends)
+        if self.follow_appends and (order is not None or not isinstance(spec, Direct)):
+            raise InvalidArgumentError("follow_appends reads a growing dataset with "
+                                       "store='direct' (not a mixture, not another store)")
         check_agreement(self.comm, "DataLoader's arguments", self.ds, {
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "verify_on_read": self.ds.verify_on_read,
-            "mixture": None if order is None else order.describe(), **describe(spec)})
+            "follow_appends": self.follow_appends,
+            "mixture": None if order is None else order.describe(), **describe(spec)},
+            dataset_id=("grows", 0, str(self.ds.path)) if self.follow_appends else None)
+        # a growing dataset: the generations every rank sees (one allgather)
+        samples = agree_on_prefix(self.comm, self.ds) if self.follow_appends else len(self.ds)
         # the loop's own step between two batches (DDP's all-reduce, a checkpoint's
         # save) is watched too: a peer node gone mid-step ends the job by name
         join_liveness(self.comm)
-        self.plan = AccessPlan(len(self.ds), self.world, batch_size, epochs, seed,
+        self.plan = AccessPlan(samples, self.world, batch_size, epochs, seed,
                                drop_last=drop_last, shuffle=shuffle, order=order)
+        self._spec = spec
         self.collate_fn = pipe.collate_fn
         self.transform = pipe.transform
         self.batch_transform = pipe.batch_transform
@@ -252,8 +266,31 @@ class DataLoader:
                 f"epoch {epoch!r} out of range for a {self.plan.epochs}-epoch plan")
         if not (self._resumed and epoch == self.epoch):
             self._step = 0
+            if self.follow_appends:
+                self._follow(agree_on_prefix(self.comm, self.ds.reopened(
+                    verify_on_read=self.ds.verify_on_read)))
         self._resumed = False
         self.epoch = int(epoch)
+
+    def _follow(self, samples: int) -> None:
+        """Read the first ``samples`` of the dataset from now on (a growing dataset's
+        generations that every rank sees, or a resumed run's count)."""
+        import dataclasses
+
+        if samples == self.plan.num_samples:
+            return
+        fresh = self.ds.reopened(verify_on_read=self.ds.verify_on_read)
+        if samples > len(fresh):
+            raise InvalidArgumentError(f"{self.ds.path} holds {len(fresh)} samples, fewer "
+                                       f"than the {samples} asked: a growing dataset only "
+                                       f"grows")
+        old, self.ds = self.store, fresh
+        assert isinstance(self._spec, Direct)          # (checked at construction)
+        self.store = build_store(self._spec, fresh, self.plan, self.comm, self._store_comm,
+                                 None, None)
+        old.close()
+        self.plan = dataclasses.replace(self.plan, num_samples=samples)
+        self._requests_epoch = -1
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the run: the next batch to hand out is ``(epoch, step)`` (after
@@ -265,14 +302,23 @@ class DataLoader:
                 "num_samples": self.plan.num_samples, "global_batch": self.plan.global_batch,
                 "epochs": self.plan.epochs, "drop_last": self.plan.drop_last,
                 "shuffle": self.plan.shuffle,
-                "mixture": None if self.plan.order is None else self.plan.order.describe()}
+                "mixture": None if self.plan.order is None else self.plan.order.describe(),
+                **({"prefix": dict(prefixes(self.ds)).get(self.plan.num_samples)}
+                   if self.follow_appends else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position; its plan must give the same global batches."""
         mine = self.state_dict()
+        if self.follow_appends and isinstance(state.get("num_samples"), int):
+            self._follow(state["num_samples"])      # the samples its epoch had
+            if state.get("prefix") != dict(prefixes(self.ds)).get(state["num_samples"]):
+                raise InvalidArgumentError(
+                    f"cannot resume: the first {state['num_samples']} samples of "
+                    f"{self.ds.path} are not the ones the run had (replaced, not appended)")
         for key in ("seed", "num_samples", "global_batch", "drop_last", "shuffle",
                     "mixture"):
-            if state.get(key) != mine[key]:
+            if state.get(key) != mine[key] and not (key == "num_samples" and
+                                                     self.follow_appends):
                 raise InvalidArgumentError(
                     f"cannot resume: saved {key}={state.get(key)!r} but this "
                     f"loader has {key}={mine[key]!r} (global batch = batch_size x "

@@ -322,7 +322,7 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
         try:
             if isinstance(payload, tuple):   # (ids, the dataset's locator): it reads them
                 ids, path = payload
-                if path not in opened:
+                if path not in opened or int(ids.max()) >= len(opened[path]):   # it grew
                     from ..dataset import open_locator
 
                     opened[path] = open_locator(path, verify_on_read=verify_on_read)
