@@ -190,3 +190,30 @@ def test_resuming_on_a_replaced_dataset_is_refused(tmp_path):
     with DataLoader(path, 8, epochs=2, store="direct", follow_appends=True) as again:
         with pytest.raises(InvalidArgumentError, match="replaced, not appended"):
             again.load_state_dict(state)
+
+
+PRODUCER = """
+import sys, numpy as np, forebay
+path = sys.argv[1]
+forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
+for g in range(3):
+    forebay.append(path, ({"y": np.int64(i)} for i in range(40 + 8 * g, 48 + 8 * g)))
+"""
+
+
+def test_a_consumer_waits_for_samples_a_producer_has_not_published(tmp_path):
+    from forebay.dataset import wait_for
+    from forebay.errors import WaitTimeoutError
+
+    path = tmp_path / "w.fb"
+    with pytest.raises(WaitTimeoutError, match="0 samples after 0.1 s, waiting for 1"):
+        wait_for(path, 1, timeout=0.1)                     # not even created yet
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(path)])
+    try:
+        m = wait_for(path, 64, timeout=120)                # the third generation's
+        assert m.num_samples == 64 and generations(m)[-1] == 64
+    finally:
+        producer.wait(timeout=120)
+    assert forebay.open_dataset(path)[63]["y"] == 63
+    with pytest.raises(WaitTimeoutError, match="64 samples after"):
+        wait_for(path, 65, timeout=0.1)

@@ -36,6 +36,7 @@ __all__ = [
     "ModelMismatchError",
     "RankMismatchError",
     "LaunchError",
+    "WaitTimeoutError",
 ]
 
 
@@ -167,3 +168,8 @@ class LaunchError(ForebayError, RuntimeError):
     """The launcher reports several ranks that forebay's data plane cannot reach (no
     mpi4py, an mpi4py built for another MPI, torchrun without MPI): raised on every
     rank instead of running each as a world of one."""
+
+
+class WaitTimeoutError(ForebayError, TimeoutError):
+    """What a consumer waited for (samples a producer has not published yet) did not
+    come within its timeout."""

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .._fs import fsync_dir
-from ..errors import DatasetNotFoundError, SchemaError
+from ..errors import DatasetNotFoundError, SchemaError, WaitTimeoutError
 from ..progress import Progress
 from ._format import MANIFEST_NAME, Manifest
 from ._writer import DEFAULT_SHARD_BYTES, write_dataset
 
-__all__ = ["append", "generations"]
+__all__ = ["append", "generations", "wait_for"]
 
 _SHARD = re.compile(r"shard-(\d{5,})\.(bin|idx\.npy)\Z")
 
@@ -101,3 +101,40 @@ def generations(m: Manifest) -> list[int]:
     """The sample count after each generation (one generation: the dataset as written)."""
     return [int(g) for g in (m.metadata.get("generations") or [m.num_samples])]
 
+
+
+def wait_for(path: "str | os.PathLike[str]", samples: int, *,
+             timeout: "float | None" = None, poll: float = 0.05) -> Manifest:
+    """Wait until the dataset at ``path`` holds at least ``samples`` samples (a
+    producer appending generations: :func:`append`) and return its manifest; the
+    dataset may not exist yet.  Checks the manifest's file every ``poll`` seconds
+    (parsing it only when it changed: it works on a shared file system, where no
+    change notification crosses nodes); after ``timeout`` seconds (None: no limit)
+    raises :class:`~forebay.errors.WaitTimeoutError` saying how many there are."""
+    import time
+
+    path = Path(path)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seen: Any = None
+    have = 0
+    while True:
+        try:
+            st = (path / MANIFEST_NAME).stat()
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            key = None
+        if key is not None and key != seen:
+            seen = key
+            try:
+                m = Manifest.read(path)
+            except DatasetNotFoundError:
+                m = None
+            if m is not None:
+                have = m.num_samples
+                if have >= samples:
+                    return m
+        if deadline is not None and time.monotonic() >= deadline:
+            raise WaitTimeoutError(f"{path}: {have} samples after {timeout:g} s, waiting "
+                                   f"for {samples} (no producer appended them)")
+        time.sleep(poll if deadline is None else max(0.0, min(poll,
+                                                             deadline - time.monotonic())))
