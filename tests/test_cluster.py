@@ -900,3 +900,62 @@ def test_gets_from_a_peer_busy_outside_mpi_complete(cluster, labelled, kind):
     flag = cluster.shared / f"busy-{kind}"
     p = run_mpi(cluster, 2, 1, rank_get_from_a_busy_peer, labelled, flag, kind, timeout=150)
     assert p.returncode == 0 and p.stdout.count("BUSY-PEER") == 2, _why(p)
+
+
+def test_a_mummi_like_workflow_overlaps_producers_and_trainers(cluster):
+    """Issue U, item 4: producers on node2 and node3 append generations of frames to a
+    dataset on the shared file system while a trainer on node0 and node1 (mpiexec, 2
+    ranks) retrains every 2 generations; each round's global batches are the plan's
+    over the samples both ranks saw, and one trace shows the producers' appends, from
+    their nodes, going on after the training began."""
+    import gzip
+
+    from forebay.trace import analyze
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "mummi_workflow.py"
+    path, traces = cluster.shared / "frames.fb", cluster.shared / "wf-trace"
+    env = cluster.env({"FOREBAY_TRACE": str(traces)})
+    producers = [cluster.popen(k, [sys.executable, str(script), "produce", str(path),
+                                   "--producer", str(k - 2), "--generations", "3",
+                                   "--timeout", "120"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for k in (2, 3)]
+    try:
+        p = cluster.mpiexec([sys.executable, str(script), "train", str(path), "--rounds", "2",
+                             "--every", "2", "--timeout", "120"], nodes=2, ppn=1,
+                            timeout=240, env=env)
+    finally:
+        outs = [q.communicate(timeout=120) for q in producers]
+    assert p.returncode == 0, _why(p)
+    assert all(q.returncode == 0 for q in producers), [e[-2000:] for _, e in outs]
+    rounds = [json.loads(line[6:]) for line in p.stdout.splitlines()
+              if line.startswith("ROUND ")]
+    assert len(rounds) == 4
+    ds = forebay.open_dataset(path)
+    ids = np.array([int(ds[j]["id"]) for j in range(len(ds))])
+    for r in range(2):
+        mine = {x["rank"]: x for x in rounds if x["round"] == r}
+        n = mine[0]["samples"]
+        assert n == mine[1]["samples"] and n >= (r + 1) * 2 * 32
+        plan = forebay.AccessPlan(n, 2, 8, 2, seed=0)
+        for rank in (0, 1):
+            assert mine[rank]["ids"] == ids[plan.batches(rank, r).ravel()].tolist()
+    spans: dict[str, list[tuple[int, int, str]]] = {"producer": [], "dataloader": [],
+                                                    "consumer": []}
+    for f in traces.glob("*.pfw.gz"):
+        host = ""
+        with gzip.open(f, "rt") as fh:
+            events = [json.loads(line) for line in fh if line.startswith("{")]
+        for ev in events:
+            if ev.get("name") == "HH":
+                host = ev["args"]["name"]
+        for ev in events:
+            if ev.get("cat") in spans and ev.get("ph") == 1:       # complete events
+                spans[ev["cat"]].append((ev["ts"], ev["ts"] + ev["dur"], host))
+    assert {h for _, _, h in spans["producer"]} == {"node2", "node3"}
+    assert {h for _, _, h in spans["dataloader"]} == {"node0", "node1"}
+    # the trainer's first round began (its wait ended) before the producers' last
+    # appends started: they overlap (the producers wait for that, so it always holds)
+    began = min(t1 for _, t1, h in spans["consumer"] if h in ("node0", "node1"))
+    assert max(t0 for t0, _, _ in spans["producer"]) > began
+    assert not analyze(traces)["skipped"]

@@ -39,9 +39,12 @@ def append(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str, Any]],
     or not at all; returns the new manifest.  The samples must match the dataset's
     schema (:class:`SchemaError` otherwise, nothing changed).  Producers on any node of
     a shared file system that supports ``flock`` take turns."""
+    import time
+
     path = Path(path)
     if not (path / MANIFEST_NAME).is_file():
         raise DatasetNotFoundError(f"no dataset at {path} to append to")
+    t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)             # producers take turns
@@ -82,6 +85,7 @@ def append(path: "str | os.PathLike[str]", samples: Iterable[Mapping[str, Any]],
             fsync_dir(path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        _traced("producer", "append", t0, new.num_samples, new.payload_nbytes)
         return Manifest.read(path)
     finally:
         os.close(fd)
@@ -114,6 +118,7 @@ def wait_for(path: "str | os.PathLike[str]", samples: int, *,
     import time
 
     path = Path(path)
+    t0 = time.perf_counter()
     deadline = None if timeout is None else time.monotonic() + timeout
     seen: Any = None
     have = 0
@@ -132,9 +137,22 @@ def wait_for(path: "str | os.PathLike[str]", samples: int, *,
             if m is not None:
                 have = m.num_samples
                 if have >= samples:
+                    _traced("consumer", "wait_for", t0, samples, -1)
                     return m
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimeoutError(f"{path}: {have} samples after {timeout:g} s, waiting "
                                    f"for {samples} (no producer appended them)")
         time.sleep(poll if deadline is None else max(0.0, min(poll,
                                                              deadline - time.monotonic())))
+
+
+def _traced(cat: str, name: str, t0: float, count: int, nbytes: int) -> None:
+    """A span from ``t0`` to now in the trace, when one is recorded (a workflow's
+    producers and consumers in one timeline: ``forebay analyze``)."""
+    import time
+
+    from .. import trace as _trace
+
+    rec = _trace.active()
+    if rec is not None:
+        rec.span(cat, name, t0, time.perf_counter(), count=count, nbytes=nbytes)
