@@ -86,9 +86,12 @@ def train(a: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad()
             seen += ids.tolist()
-        print("ROUND " + json.dumps({"round": r, "rank": loader.rank,
-                                     "samples": loader.plan.num_samples, "ids": seen}),
-              flush=True)
+        report = {"round": r, "rank": loader.rank, "samples": loader.plan.num_samples,
+                  "ids": seen}
+        if a.out:                       # one file per rank and round
+            Path(a.out, f"round-{r}-rank-{loader.rank}.json").write_text(json.dumps(report))
+        print(f"round {r} rank {loader.rank}: {len(seen)} frames of the first "
+              f"{loader.plan.num_samples}", flush=True)
     if loader is not None:
         loader.close()
 
@@ -105,6 +108,7 @@ def main(argv: "list[str] | None" = None) -> int:
     tr.add_argument("--rounds", type=int, default=2)
     tr.add_argument("--every", type=int, default=2, help="generations per round")
     tr.add_argument("--batch-size", type=int, default=8, help="per rank")
+    tr.add_argument("--out", help="a directory for each rank's frames of each round (JSON)")
     for q in (pr, tr):
         q.add_argument("--frames", type=int, default=32, help="frames per generation")
         q.add_argument("--timeout", type=float, default=300.0,

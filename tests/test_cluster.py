@@ -921,15 +921,16 @@ def test_a_mummi_like_workflow_overlaps_producers_and_trainers(cluster):
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True) for k in (2, 3)]
     try:
+        out = cluster.shared / "wf-rounds"
+        out.mkdir()
         p = cluster.mpiexec([sys.executable, str(script), "train", str(path), "--rounds", "2",
-                             "--every", "2", "--timeout", "120"], nodes=2, ppn=1,
-                            timeout=240, env=env)
+                             "--every", "2", "--timeout", "120", "--out", str(out)], nodes=2,
+                            ppn=1, timeout=240, env=env)
     finally:
         outs = [q.communicate(timeout=120) for q in producers]
     assert p.returncode == 0, _why(p)
     assert all(q.returncode == 0 for q in producers), [e[-2000:] for _, e in outs]
-    rounds = [json.loads(line[6:]) for line in p.stdout.splitlines()
-              if line.startswith("ROUND ")]
+    rounds = [json.loads(f.read_text()) for f in sorted(out.glob("round-*.json"))]
     assert len(rounds) == 4
     ds = forebay.open_dataset(path)
     ids = np.array([int(ds[j]["id"]) for j in range(len(ds))])
