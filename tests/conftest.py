@@ -156,16 +156,17 @@ def assert_ranks_ok(p, ranks: int) -> None:
         f"exit {p.returncode}, {ok}\n{p.stderr[-4000:]}"
 
 
-def say_global_batches(every: list, state=None) -> None:
+def say_global_batches(every: list, state=None, tag: str = "") -> None:
     """On the rank that gathered ``every`` rank's ``[epoch, *labels]`` rows: print the
-    global batch of each step ("GLOBAL" + JSON) and a saved loader state ("STATE")."""
+    global batch of each step ("GLOBAL" + tag + JSON) and a saved loader state
+    ("STATE" + tag)."""
     import json
 
     out = every[0]
     steps = [sum((r[i][1:] for r in every), []) for i in range(len(out))]
-    say("GLOBAL " + json.dumps([[out[i][0]] + s for i, s in enumerate(steps)]))
+    say(f"GLOBAL{tag} " + json.dumps([[out[i][0]] + s for i, s in enumerate(steps)]))
     if state is not None:
-        say("STATE " + json.dumps(state))
+        say(f"STATE{tag} " + json.dumps(state))
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -25,35 +25,37 @@ def mixture(root: str, policy: str):
     return Mixture({f"{root}/s{i}.fb": w for i, w in enumerate(WEIGHTS)}, policy=policy)
 
 
-def rank_mixed_batches(root: str, policy: str, store: str, resume: str) -> None:
-    """One rank: 2 epochs of the mixture (or the rest from a state); rank 0 prints the
-    global batches as (source, sample) labels."""
+def rank_mixed_batches(root: str, configs: str, resume: str) -> None:
+    """One rank: 2 epochs of the mixture under each of ``configs`` ("policy:store,...")
+    in turn (or the rest from a state); rank 0 prints the global batches as (source,
+    sample) labels, tagged "-policy:store"."""
     import os
 
-    from forebay.torch import DataLoader, Pipeline
-
-    from forebay.torch import Clairvoyant
+    from forebay.torch import Clairvoyant, DataLoader, Pipeline
 
     world = int(os.environ.get("PMI_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-    # "tiers": RAM tiers smaller than a rank's share, the rest read from the files
-    spec = Clairvoyant(ram_bytes=600) if store == "tiers" else store
-    dl = DataLoader(mixture(root, policy), GLOBAL_BATCH // world, seed=9, epochs=2, store=spec,
-                    verify_on_read=True,
-                    pipeline=Pipeline(collate_fn=lambda b: (b.ids.copy(), b["label"].copy())))
-    if resume != "-":
-        dl.load_state_dict(json.loads(resume))
-    out, state = [], None
-    for epoch in range(dl.epoch, 2):
-        dl.set_epoch(epoch)
-        for k, (_ids, labels) in enumerate(dl):
-            out.append([epoch] + labels.tolist())
-            if resume == "-" and epoch == 0 and k == 2:
-                state = dl.state_dict()
-    assert dl.world == world
-    every = dl.comm.allgather(out)
-    if dl.rank == 0:
-        say_global_batches(every, state)
-    dl.close()
+    for config in configs.split(","):
+        policy, store = config.split(":")
+        # "tiers": RAM tiers smaller than a rank's share, the rest read from the files
+        spec = Clairvoyant(ram_bytes=600) if store == "tiers" else store
+        dl = DataLoader(mixture(root, policy), GLOBAL_BATCH // world, seed=9, epochs=2,
+                        store=spec, verify_on_read=True,
+                        pipeline=Pipeline(collate_fn=lambda b: (b.ids.copy(),
+                                                                b["label"].copy())))
+        if resume != "-":
+            dl.load_state_dict(json.loads(resume))
+        out, state = [], None
+        for epoch in range(dl.epoch, 2):
+            dl.set_epoch(epoch)
+            for k, (_ids, labels) in enumerate(dl):
+                out.append([epoch] + labels.tolist())
+                if resume == "-" and epoch == 0 and k == 2:
+                    state = dl.state_dict()
+        assert dl.world == world
+        every = dl.comm.allgather(out)
+        if dl.rank == 0:
+            say_global_batches(every, state, f"-{config}")
+        dl.close()
 
 
 @pytest.fixture(scope="module")
@@ -79,28 +81,36 @@ def expected(root: str, policy: str) -> list:
     return out
 
 
-def _run(launch, ranks, root, policy, store, resume="-"):
-    p = launch(ranks, rank_mixed_batches, root, policy, store, resume)
+def _run(launch, ranks, root, configs, resume="-"):
+    p = launch(ranks, rank_mixed_batches, root, ",".join(configs), resume)
     assert_ranks_ok(p, ranks)
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
-    return json.loads(lines["GLOBAL"]), json.loads(lines["STATE"]) if "STATE" in lines else None
+    return {c: (json.loads(lines[f"GLOBAL-{c}"]),
+                json.loads(lines[f"STATE-{c}"]) if f"STATE-{c}" in lines else None)
+            for c in configs}
 
 
-@pytest.mark.parametrize("ranks, policy, store", [
-    (2, "cycle", "preload"), (4, "stop", "clairvoyant"), (2, "sample", "direct"),
-    (4, "cycle", "tiers")])
-def test_every_store_gives_the_mixed_global_batches(root, ranks, policy, store):
-    got, _ = _run(run_ranks, ranks, root, policy, store)
-    assert got == expected(root, policy)
+CONFIGS = ["cycle:preload", "stop:clairvoyant", "sample:direct", "cycle:tiers"]
 
 
-def test_resume_a_mixture_on_another_world_size(root):
-    full, state = _run(run_ranks, 2, root, "cycle", "preload")
+@pytest.fixture(scope="module")
+def two_ranks(root):
+    """Every config on both ranks of one mpiexec job (one launch: the suite's time)."""
+    return _run(run_ranks, 2, root, CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_store_gives_the_mixed_global_batches(root, two_ranks, config):
+    assert two_ranks[config][0] == expected(root, config.split(":")[0])
+
+
+def test_resume_a_mixture_on_another_world_size(root, two_ranks):
+    full, state = two_ranks["cycle:preload"]
     assert state["epoch"] == 0 and state["step"] == 3
-    rest, _ = _run(run_ranks, 4, root, "cycle", "preload", json.dumps(state))
+    rest, _ = _run(run_ranks, 4, root, ["cycle:preload"], json.dumps(state))["cycle:preload"]
     assert rest == full[3:]
 
 
 def test_torchrun_gives_the_mixed_global_batches(root):
-    got, _ = _run(run_torchrun, 2, root, "cycle", "preload")
+    got, _ = _run(run_torchrun, 2, root, ["cycle:preload"])["cycle:preload"]
     assert got == expected(root, "cycle")
