@@ -234,18 +234,23 @@ class DataLoader:
         self.staging_bytes = pipe.staging_bytes
         self._staging_peak = 0
         self._train_t0: Optional[float] = None
+        self._trace_dataset()
+
+    def _trace_dataset(self) -> None:
+        """The dataset read, in the trace (again when a growing one grew: the analysis
+        compares the reads with the last)."""
         rec = _trace.active()
         if rec is not None:
             rec.world = self.world
-            records = int(self.ds.record_nbytes.sum())
             rec.meta("dataset", {"path": str(self.ds.path), "samples": len(self.ds),
                                  "bytes": int(self.ds.sample_nbytes.sum()),
-                                 "record_bytes": records,
+                                 "record_bytes": int(self.ds.record_nbytes.sum()),
                                  "file_bytes": sum(sh.data_nbytes
                                                    for sh in self.ds.manifest.shards),
                                  "mode": self.mode, "world": self.world,
                                  "transport": self.store.stats().get("transport", "local"),
-                                 "batch_size": batch_size, "epochs": epochs})
+                                 "batch_size": self.plan.batch_size,
+                                 "epochs": self.plan.epochs})
 
     # -- sizes and state ----------------------------------------------------------------
     def __len__(self) -> int:
@@ -291,6 +296,7 @@ class DataLoader:
         old.close()
         self.plan = dataclasses.replace(self.plan, num_samples=samples)
         self._requests_epoch = -1
+        self._trace_dataset()
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the run: the next batch to hand out is ``(epoch, step)`` (after
