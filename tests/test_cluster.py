@@ -570,6 +570,9 @@ def rank_train_checkpointed(path: str, repo: str, out: str) -> None:
     start = ckpt.restore()
     if rank == 0:
         say(f"RESTORED {start} AT WORLD {world}")
+    if start:                    # how it read the state: once, broadcast across the nodes
+        Path(out, f"restore-{rank}-world-{world}-from-{start}.json").write_text(
+            json.dumps(ckpt.restore_stats))
     log = Path(out, f"rank-{rank}-world-{world}-from-{start}.jsonl").open("w")
     ran = 0
     for epoch in range(loader.epoch, 3):
@@ -650,6 +653,11 @@ def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
     assert [w for w, _ in starts] == [3, 2, 3]
     assert starts[1][1] > 0 and starts[2][1] > starts[1][1]   # each went on from a save
     assert restored[-1] == starts[2][1]
+    # each restore read the replicated state on one rank and broadcast it to the others
+    for world, start in starts[1:]:
+        stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json")
+                            .read_text()) for r in range(world)]
+        assert {s["from"] for s in stats} == {"one"}, stats
 
 
 # -- every distributed path across nodes ----------------------------------------------
