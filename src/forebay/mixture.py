@@ -156,11 +156,13 @@ class Mixture:
 
     def plan(self, world_size: int, batch_size: int, epochs: int, seed: int = 0, *,
              drop_last: bool = False, shuffle: bool = True) -> AccessPlan:
-        """The :class:`~forebay.AccessPlan` of a run over this mixture (opens the
+        """The :class:`~forebay.AccessPlan` of a run over this mixture (reads the
         sources' manifests for their sizes)."""
-        from .dataset import ConcatDataset
+        from pathlib import Path
 
-        sizes = ConcatDataset(self.paths).part_sizes
+        from .dataset import Manifest
+
+        sizes = [Manifest.read(Path(p)).num_samples for p in self.paths]
         order = self.order(sizes)
         return AccessPlan(sum(sizes), world_size, batch_size, epochs, seed,
                           drop_last=drop_last, shuffle=shuffle, order=order)

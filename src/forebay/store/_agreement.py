@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..comm import node_ranks
-from ..dataset import PackedDataset
+from ..dataset import Manifest, PackedDataset
 from ..errors import RankMismatchError
 from ._base import StoreError
 
@@ -35,17 +35,19 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def prefixes(ds: PackedDataset) -> list[tuple[int, str]]:
-    """``(samples, fingerprint)`` of each generation of ``ds`` (issue U: a dataset that
-    grows): the fingerprint of the shards holding its first samples, the same in every
-    later generation (appends add shards and never change one)."""
+def prefixes(ds: "PackedDataset | Manifest") -> list[tuple[int, str]]:
+    """``(samples, fingerprint)`` of each generation of a dataset (or its manifest;
+    issue U: a dataset that grows): the fingerprint of the shards holding its first
+    samples, the same in every later generation (appends add shards and never change
+    one)."""
     import json
 
     from ..dataset import checksum, generations
 
+    m = ds.manifest if isinstance(ds, PackedDataset) else ds
     out, shards, count = [], [], 0
-    ends = set(generations(ds.manifest))
-    for s in ds.manifest.shards:
+    ends = set(generations(m))
+    for s in m.shards:
         shards.append([s.data_checksum, s.index_checksum, s.num_samples])
         count += s.num_samples
         if count in ends:
@@ -53,17 +55,18 @@ def prefixes(ds: PackedDataset) -> list[tuple[int, str]]:
     return out
 
 
-def agree_on_prefix(comm: Any, ds: PackedDataset) -> int:
-    """The samples every rank of ``comm`` sees of a growing dataset: the largest
-    generation all of them opened (producers may append between two ranks' opens),
-    checked to be the same samples everywhere (else :class:`StoreError` on every
-    rank).  One allgather."""
+def agree_on_prefix(comm: Any, ds: "PackedDataset | Manifest", where: str = "") -> int:
+    """The samples every rank of ``comm`` sees of a growing dataset (opened, or only its
+    manifest read): the largest generation all of them saw (producers may append
+    between two ranks' reads), checked to be the same samples everywhere (else
+    :class:`StoreError` on every rank).  One allgather."""
     mine = prefixes(ds)
     every = comm.allgather(mine) if comm is not None else [mine]
     n = min(p[-1][0] for p in every)
     fps = {dict(p).get(n) for p in every}
     if len(fps) != 1 or None in fps:
-        raise StoreError(f"ranks see different samples in {ds.path}: their generations "
+        name = ds.path if isinstance(ds, PackedDataset) else where
+        raise StoreError(f"ranks see different samples in {name}: their generations "
                          f"do not share the first {n} samples (a dataset replaced, not "
                          f"appended to?)")
     return n

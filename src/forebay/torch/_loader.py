@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import trace as _trace
-from ..dataset import (BufferPool, IndexLayout, PackedDataset, SampleBatch, SampleViews,
+from ..dataset import (BufferPool, IndexLayout, Manifest, PackedDataset, SampleBatch, SampleViews,
                        open_dataset)
 from ..mixture import Mixture
 from ..plan import AccessPlan, EpochOrder
@@ -272,8 +272,9 @@ class DataLoader:
         if not (self._resumed and epoch == self.epoch):
             self._step = 0
             if self.follow_appends:
-                self._follow(agree_on_prefix(self.comm, self.ds.reopened(
-                    verify_on_read=self.ds.verify_on_read)))
+                # the manifest alone: the dataset is opened again only if it grew
+                self._follow(agree_on_prefix(self.comm, Manifest.read(self.ds.path),
+                                             str(self.ds.path)))
         self._resumed = False
         self.epoch = int(epoch)
 
