@@ -209,3 +209,80 @@ def test_ingest_compress_option(tmp_path, cli):
     assert ds.nbytes < 50 * 64 * 4 and np.array_equal(ds[7]["x"], np.zeros(64, np.float32))
     code, out, _ = cli("info", tmp_path / "a.fb")
     assert "zstd-compressed per sample" in out
+    # forebay decompress: the node's copy (a job's prolog step), its path on stdout
+    code, out, err = cli("decompress", tmp_path / "a.fb", "--into", tmp_path / "local")
+    assert code == 0 and "50 samples, 12.9 KiB decompressed" in err, err
+    copy = forebay.open_dataset(out.strip())
+    assert not copy.layout.coded and np.array_equal(copy[7]["x"], ds[7]["x"])
+    code, again, _ = cli("decompress", tmp_path / "a.fb", "--into", tmp_path / "local")
+    assert again == out
+    code, out, err = cli("decompress", copy.path, "--into", tmp_path / "local")
+    assert code == 0 and out.strip() == str(copy.path) and "no compressed fields" in err
+
+
+def test_a_decompressed_copy_is_made_once_and_read_bit_exact(pair, tmp_path):
+    """The tiers hold the form they are given: a store over the node's decompressed
+    copy holds the values' bytes, over the source the frames (issue S, item 2)."""
+    from forebay.dataset import value_nbytes
+    from forebay.store import DistributedStore
+
+    plain, z = (forebay.open_dataset(p) for p in pair)
+    copy = forebay.decompressed(pair[1], tmp_path / "local")
+    assert copy.path == tmp_path / "local" / f"decompressed-{z.fingerprint}"
+    assert [(f.name, f.kind, f.codec) for f in copy.schema.fields] == \
+        [(f.name, f.kind, "") for f in z.schema.fields]
+    assert copy.metadata["decompressed_from"] == {"path": str(z.path),
+                                                  "fingerprint": z.fingerprint}
+    ids = np.random.default_rng(4).permutation(N)
+    got, want = copy.get_many(ids), plain.get_many(ids)
+    for name in plain.schema.names:
+        assert got.field(name).equals(want.field(name)), name
+    assert copy.verify().ok
+    assert np.array_equal(copy.sample_nbytes, value_nbytes(z))
+    # what a store holds: the frames over the source, the values over the copy
+    forebay.write_dataset(tmp_path / "big.fb", ({"x": np.full(1024, i, np.float32)}
+                                                for i in range(64)), compress="zstd")
+    big = forebay.open_dataset(tmp_path / "big.fb")
+    held = [DistributedStore(ds, None, progress=False)
+            for ds in (big, forebay.decompressed(big, tmp_path / "local"))]
+    assert held[0].nbytes < 64 * 4096 <= held[1].nbytes
+    assert held[1].get_many(ids % 64).equals(held[0].get_many(ids % 64))
+    for s in held:
+        s.close()
+    # a second call (another rank, a later job) opens the same copy, not a new one
+    made = (copy.path / "manifest.json").stat().st_mtime_ns
+    again = forebay.decompressed(z, tmp_path / "local")
+    assert again.path == copy.path and again.fingerprint == copy.fingerprint
+    assert (copy.path / "manifest.json").stat().st_mtime_ns == made
+    # a plain dataset is returned as is; a mixture is refused with the way to do it
+    assert forebay.decompressed(plain, tmp_path / "local") is plain
+    from forebay.dataset import ConcatDataset
+    with pytest.raises(forebay.errors.UsageError, match="one by one"):
+        forebay.decompressed(ConcatDataset([pair[1], pair[1]]), tmp_path / "local")
+
+
+def test_a_changed_source_gets_a_new_copy_and_a_damaged_one_none(pair, tmp_path):
+    d = tmp_path / "z.fb"
+    shutil.copytree(pair[1], d)
+    first = forebay.decompressed(d, tmp_path / "local")
+    forebay.append(d, samples())                      # another version: another copy
+    second = forebay.decompressed(d, tmp_path / "local")
+    assert second.path != first.path and len(second) == 2 * N and len(first) == N
+    assert_same(second[N + 7], forebay.open_dataset(pair[0])[7])
+    # a record that fails its checksum stops the copy: nothing left to be reused
+    z = forebay.open_dataset(d)
+    i, lay = 9, z.layout
+    at = int(z.index[i][lay.REC_OFF] + z.index[i][lay.off["label"]])
+    shard = d / z.manifest.shards[int(z.shard_of[i])].data
+    data = bytearray(shard.read_bytes())
+    data[at] ^= 0x01
+    shard.write_bytes(bytes(data))
+    forebay.append(d, samples())              # a new version, its shards now damaged
+    with pytest.raises(ChecksumError, match=f"sample {i} fails its checksum"):
+        forebay.decompressed(d, tmp_path / "local")
+    fp = forebay.open_dataset(d).fingerprint
+    assert not (tmp_path / "local" / f"decompressed-{fp}").exists()
+    # something else at the copy's place is named, not read as the copy
+    shutil.copytree(pair[0], tmp_path / "local" / f"decompressed-{fp}")
+    with pytest.raises(CorruptDatasetError, match="not a decompressed copy"):
+        forebay.decompressed(d, tmp_path / "local")

@@ -10,6 +10,9 @@ order, repeated:
 * ``forebay`` / ``forebay zstd``: ``PackedDataset.get_many`` of batches of 64 ids in a
   shuffled order (what every forebay store does per batch), plain or
   ``compress="zstd"`` (level 3, a frame per value);
+* ``forebay zstd, decompressed copy``: the zstd dataset given to the stores as the
+  node's decompressed copy (``forebay.decompressed(path, into=)``), made in epoch 1
+  (removed before each job: the first job on a node), read plain after;
 * ``mds zstd``: mosaicml-streaming's ``StreamingDataset(local=, shuffle=True)``
   iterated, over ``MDSWriter(compression="zstd")`` shards (its shards are decompressed
   whole into the directory on first use: removed before each job);
@@ -76,7 +79,7 @@ def prepare(a) -> dict[str, Path]:
         ingest(get_source("pickle", pff, trust_pickle=True), raw)
     if not z.exists():
         ingest(get_source("pickle", pff, trust_pickle=True), z, compress="zstd")
-    paths = {"forebay": raw, "forebay zstd": z}
+    paths = {"forebay": raw, "forebay zstd": z, "forebay zstd, decompressed copy": z}
     if importlib.util.find_spec("streaming") is not None:
         from peers_bench import _streaming
 
@@ -110,7 +113,9 @@ def worker(a) -> None:
         if c.startswith("forebay"):
             import forebay
 
-            if epoch == 0:
+            if epoch == 0 and c.endswith("copy"):
+                ds = forebay.decompressed(path, into=path.parent / "local")
+            elif epoch == 0:
                 ds = forebay.open_dataset(path)
             order = np.random.default_rng(epoch).permutation(len(ds))
             for s in range(0, len(order), BATCH):
@@ -155,6 +160,7 @@ def main() -> None:
         return
     paths = prepare(a)
     sizes = {c: _size(path) for c, path in paths.items()}
+    sizes["forebay zstd, decompressed copy"] += sizes["forebay"]      # both on the node
     names = list(paths)
     runs: dict[str, list[dict]] = {c: [] for c in names}
     for r in range(a.rounds):
@@ -163,6 +169,7 @@ def main() -> None:
             if c == "mds zstd":     # its shards decompressed by an earlier job
                 for f in paths[c].glob("*.mds"):
                     f.unlink()
+            shutil.rmtree(a.out / "local", ignore_errors=True)
             evict(files_under(paths[c]))
             proc = subprocess.run([sys.executable, __file__, "--worker", "--contender", c,
                                    "--path", str(paths[c])], capture_output=True, text=True,

@@ -17,7 +17,7 @@ from .errors import ForebayError  # noqa: E402
 
 if TYPE_CHECKING:
     from .dataset import (DatasetWriter, PackedDataset, SampleBatch, Schema,  # noqa: F401
-                          append, open_dataset, write_dataset)
+                          append, decompressed, open_dataset, write_dataset)
     from .mixture import Mixture  # noqa: F401
     from .plan import AccessPlan  # noqa: F401
 
@@ -25,14 +25,14 @@ __all__ = [
     "__version__", "errors", "AccessPlan", "ForebayError", "DatasetWriter", "Mixture",
     "PackedDataset",
     "SampleBatch",
-    "Schema", "append", "open_dataset", "write_dataset",
+    "Schema", "append", "decompressed", "open_dataset", "write_dataset",
 ]
 
 #: names made on first use (``import forebay`` stays light: the ``forebay`` command
 #: imports numpy and the rest inside the part that turns Ctrl-C into one line)
 _LAZY = {"DatasetWriter": "dataset", "PackedDataset": "dataset", "SampleBatch": "dataset",
          "Schema": "dataset", "open_dataset": "dataset", "write_dataset": "dataset",
-         "append": "dataset",
+         "append": "dataset", "decompressed": "dataset",
          "AccessPlan": "plan", "Mixture": "mixture"}
 
 

@@ -7,12 +7,12 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .errors import DatasetExistsError
 
 __all__ = ["check_target", "tmp_sibling", "commit_dir", "fsync_dir", "filesystem_type",
-           "NETWORK_FS", "NETWORK_FS_ENV", "network_fs", "create_private", "LiveLock",
+           "NETWORK_FS", "NETWORK_FS_ENV", "network_fs", "create_private", "Flock", "LiveLock",
            "abandoned", "new_tmp_dir"]
 
 #: temporaries whose liveness cannot be told (no lock, or locks unsupported) are stale
@@ -42,6 +42,35 @@ class LiveLock:
                 self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
+
+
+class Flock:
+    """An flock on ``path`` (created 0600), released by :meth:`release` or by the
+    kernel when the process dies."""
+
+    def __init__(self, path: "str | os.PathLike[str]", shared: bool = False,
+                 block: bool = True) -> None:
+        import fcntl
+
+        self.fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if block else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self.fd, flags)
+        except OSError:
+            os.close(self.fd)
+            self.fd = None
+            raise
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "Flock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 def abandoned(path: "str | os.PathLike[str]", newest: float) -> bool:

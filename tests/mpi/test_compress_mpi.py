@@ -52,6 +52,16 @@ def rank_compressed(root: str) -> None:
             assert all(one[k].tobytes() == ref[k].tobytes() for k in ref), (kind, i)
         store.close()
         comm.Barrier()
+    # every rank asks for the node's decompressed copy at once: one makes it, the
+    # others wait and open it; a preload store over it holds the values, bit-exact
+    copy = forebay.decompressed(z, f"{root}/local")
+    assert len(set(comm.allgather((str(copy.path), copy.fingerprint)))) == 1
+    assert len(list((copy.path.parent).glob("decompressed-*"))) == 1
+    store = DistributedStore(copy, comm, progress=False)
+    assert comm.allreduce(store.nbytes) >= int(forebay.dataset.value_nbytes(z).sum())
+    ids = np.random.default_rng(7).integers(0, len(z), 40)
+    assert store.get_many(ids).equals(plain.get_many(ids))
+    store.close()
 
 
 def test_every_distributed_store_serves_compressed_fields(tmp_path):

@@ -1,5 +1,5 @@
-"""``forebay synth``, ``ingest``, ``info``, ``verify`` and ``dlio-configs``: packed datasets
-made, described and checked."""
+"""``forebay synth``, ``ingest``, ``info``, ``verify``, ``decompress`` and
+``dlio-configs``: packed datasets made, described and checked."""
 
 from __future__ import annotations
 
@@ -147,6 +147,23 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_decompress(a: argparse.Namespace) -> int:
+    from ..dataset import decompressed, open_dataset
+
+    src = open_dataset(a.path)
+    if not src.layout.coded:
+        print(f"{src.path}: no compressed fields; read it as it is", file=sys.stderr)
+        print(src.path)
+        return 0
+    t0 = time.perf_counter()
+    copy = decompressed(src, a.into, progress=progress())
+    print(f"{len(copy):,} samples, {human_bytes(copy.nbytes)} decompressed "
+          f"({human_bytes(src.nbytes)} stored), ready in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    print(copy.path)
+    return 0
+
+
 def _cache_root(a: argparse.Namespace) -> Path:
     import os
 
@@ -273,6 +290,13 @@ def register(sub: Any) -> None:
     v = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     v.add_argument("path")
     v.set_defaults(func=cmd_verify)
+    d = sub.add_parser("decompress", help="a decompressed copy of a dataset with compressed "
+                       "fields in node-local storage, made once per node and reused (the "
+                       "stores' tiers then hold decompressed records); prints its path")
+    d.add_argument("path")
+    d.add_argument("--into", required=True, metavar="DIR",
+                   help="node-local directory (an SSD, the node's scratch)")
+    d.set_defaults(func=cmd_decompress)
     dc = sub.add_parser("dlio-configs", help="print the directory of forebay's DLIO workload "
                         "configs: dlio_benchmark --config-dir=$(forebay dlio-configs) "
                         "workload=forebay_unet3d")

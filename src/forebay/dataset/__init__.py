@@ -11,6 +11,7 @@ from ._verify import VerifyReport
 from ._schema import CODECS, KIND_BYTES, Field, Schema
 from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 from ._append import append, generations, wait_for
+from ._decoded import decompressed, value_nbytes
 
 __all__ = [
     "ALIGNMENT", "BufferPool", "CODED_FORMAT_VERSION", "ConcatDataset", "DEFAULT_SHARD_BYTES",
@@ -18,5 +19,5 @@ __all__ = [
     "Field", "FieldBatch", "IndexLayout", "Manifest", "PackedDataset", "PinnedPages", "ReadOnly",
     "SampleBatch", "SampleViews", "Schema", "VerifyReport", "assemble_batch",
     "assemble_views", "can_lock", "checksum", "gather_ranges", "open_dataset", "seal_manifest",
-    "write_dataset", "append", "generations", "wait_for",
+    "write_dataset", "append", "generations", "wait_for", "decompressed", "value_nbytes",
 ]

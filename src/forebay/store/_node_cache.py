@@ -30,7 +30,6 @@ so far: the loader reads it as it reads the original.  Guarantees:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._units import human_bytes
+from .._fs import Flock
 from ..dataset import IndexLayout, PackedDataset, open_dataset
 from ..errors import ChecksumError, InvalidArgumentError
 
@@ -54,32 +54,6 @@ NODE_CACHE_ENV = "FOREBAY_NODE_CACHE"
 #: the cap on the cache's bytes under its root (default: half the file system's free
 #: space when the cache is first opened, plus what it already holds)
 NODE_CACHE_BYTES_ENV = "FOREBAY_NODE_CACHE_BYTES"
-
-
-class _Flock:
-    """An flock on ``path`` (created 0600), released by :meth:`release` or by the
-    kernel when the process dies."""
-
-    def __init__(self, path: Path, shared: bool = False, block: bool = True) -> None:
-        self.fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if block else fcntl.LOCK_NB)
-        try:
-            fcntl.flock(self.fd, flags)
-        except OSError:
-            os.close(self.fd)
-            self.fd = None
-            raise
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self) -> "_Flock":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 
 def _allocated(d: Path) -> int:
@@ -114,7 +88,7 @@ def _read_meta(d: Path) -> dict[str, Any]:
 
 def _in_use(d: Path) -> bool:
     try:
-        lock = _Flock(d / "inuse", block=False)
+        lock = Flock(d / "inuse", block=False)
     except BlockingIOError:
         return True
     except OSError:
@@ -153,7 +127,7 @@ def clear_cache(root: "str | os.PathLike[str]", fingerprint: Optional[str] = Non
     kept: list[str] = []
     if not root.is_dir():
         return removed, kept
-    with _Flock(root / ".lock"):
+    with Flock(root / ".lock"):
         for e in cache_entries(root):
             if fingerprint is not None and e["fingerprint"] != fingerprint:
                 continue
@@ -165,7 +139,7 @@ def _evict(d: Path) -> bool:
     """Remove dataset directory ``d`` unless a job uses it (its inuse lock is held);
     the caller holds the root lock, so nobody opens it meanwhile."""
     try:
-        lock = _Flock(d / "inuse", block=False)
+        lock = Flock(d / "inuse", block=False)
     except BlockingIOError:
         return False
     try:
@@ -197,10 +171,10 @@ class NodeCache:
         except OSError as e:
             raise InvalidArgumentError(f"node cache {self.root}: cannot create it ({e})") from e
         self.dir = self.root / src.fingerprint
-        with _Flock(self.root / ".lock"):
+        with Flock(self.root / ".lock"):
             if not (self.dir / "present").is_file():
                 self._create()
-            self._inuse = _Flock(self.dir / "inuse", shared=True)
+            self._inuse = Flock(self.dir / "inuse", shared=True)
             used = _allocated(self.root)
             self.cap_bytes = self._cap(cap_bytes, used)
             self._used = self._make_room(used)
@@ -287,7 +261,7 @@ class NodeCache:
         with self._lock:
             if not self.full and self._used + need > self.cap_bytes:
                 # evict what no job uses, least recently used first, and count again
-                with _Flock(self.root / ".lock"):
+                with Flock(self.root / ".lock"):
                     self._used = self._make_room(_allocated(self.root), need)
             if self.full or self._used + need > self.cap_bytes:
                 self.full = True          # the caller reads this batch from the source
