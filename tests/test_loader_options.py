@@ -71,7 +71,7 @@ def test_mixed_or_unknown_spellings_are_refused(path):
         DataLoader(path, BATCH, comm=None, num_workers=2)
     # the old keywords' rule kept: a node cache with another kind is said, whatever else
     with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct'"):
-        DataLoader(path, BATCH, comm=None, mode="preload", ram_bytes=1 << 20,
+        DataLoader(path, BATCH, comm=None, mode="clairvoyant", ram_bytes=1 << 20,
                    node_cache=path.parent / "cache")
     with pytest.raises(InvalidArgumentError, match="pipeline must be a forebay.torch.Pipeline"):
         DataLoader(path, BATCH, comm=None, pipeline={"prefetch": 2})

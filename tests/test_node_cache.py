@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import forebay  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
 from forebay.store import NodeCache, cache_entries  # noqa: E402
-from forebay.torch import DataLoader, Direct, Pipeline  # noqa: E402
+from forebay.torch import DataLoader, Direct, Pipeline, Preload  # noqa: E402
 
 SAMPLES, BATCH = 96, 8
 
@@ -31,9 +31,10 @@ def _write(path, seed=0, n=SAMPLES, size=1000):
     return path
 
 
-def _epoch(path, cache=None, **kw):
+def _epoch(path, cache=None, kind="direct", **kw):
     """One epoch's batches (their bytes) and the loader's stats."""
-    dl = DataLoader(path, BATCH, comm=None, seed=3, store=Direct(node_cache=cache),
+    store = Direct(node_cache=cache) if kind == "direct" else Preload(node_cache=cache)
+    dl = DataLoader(path, BATCH, comm=None, seed=3, store=store,
                     pipeline=Pipeline(collate_fn=lambda b: [bytes(np.asarray(b.sample(k)["x"]))
                                           for k in range(len(b.ids))]),
                     **kw)
@@ -43,18 +44,52 @@ def _epoch(path, cache=None, **kw):
     return out, st
 
 
-def test_a_second_job_reads_the_node_cache_bit_exact(tmp_path):
+@pytest.mark.parametrize("kind", ["direct", "preload"])
+def test_a_second_job_reads_the_node_cache_bit_exact(tmp_path, kind):
     ds = _write(tmp_path / "pfs" / "ds")
     want, plain = _epoch(ds)
-    first, st1 = _epoch(ds, tmp_path / "cache")
+    first, st1 = _epoch(ds, tmp_path / "cache", kind)
     assert first == want
     assert st1["pfs_reads"] == SAMPLES and st1["node_cache_misses"] == SAMPLES
-    second, st2 = _epoch(ds, tmp_path / "cache")            # the next job on the node
+    second, st2 = _epoch(ds, tmp_path / "cache", kind)      # the next job on the node
     assert second == want
-    assert st2["pfs_reads"] == 0 and st2["fetches_by_source"] == {"local": SAMPLES}
+    assert st2["pfs_reads"] == 0 and st2["node_cache_misses"] == 0
+    if kind == "direct":
+        assert st2["fetches_by_source"] == {"local": SAMPLES}
     [e] = cache_entries(tmp_path / "cache")
     assert e["cached_samples"] == e["samples"] == SAMPLES and not e["in_use"]
     assert e["fingerprint"] == forebay.open_dataset(ds).fingerprint
+
+
+def _labels(b):
+    return b["label"].tolist()
+
+
+def rank_preload_cached(ds: str, cache: str) -> None:
+    """Three jobs' loaders in turn on every rank: without the cache, filling it, and
+    reading each rank's chunk from it."""
+    def epoch(c):
+        with DataLoader(ds, BATCH, seed=3, store=Preload(node_cache=c),
+                        pipeline=Pipeline(collate_fn=_labels)) as dl:
+            return [b for b in dl], dl.stats()
+
+    want, _ = epoch(None)
+    first, st1 = epoch(cache)
+    second, st2 = epoch(cache)
+    assert first == want and second == want
+    assert st1["pfs_reads"] == st1["node_cache_misses"] > 0
+    assert st2["pfs_reads"] == 0 and st2["node_cache_hits"] == st1["node_cache_misses"]
+
+
+@pytest.mark.mpi
+def test_each_rank_preloads_its_chunk_from_the_node_cache(tmp_path):
+    """Under mpiexec -n 2: each rank's chunk kept, and read from there by the next job."""
+    pytest.importorskip("mpi4py")
+    from conftest import assert_ranks_ok, run_ranks
+
+    ds = _write(tmp_path / "ds")
+    assert_ranks_ok(run_ranks(2, rank_preload_cached, ds, tmp_path / "cache"), 2)
+    assert cache_entries(tmp_path / "cache")[0]["cached_samples"] == SAMPLES
 
 
 def test_the_environment_names_the_cache_and_other_modes_are_told(tmp_path, monkeypatch):
@@ -62,9 +97,13 @@ def test_the_environment_names_the_cache_and_other_modes_are_told(tmp_path, monk
     monkeypatch.setenv("FOREBAY_NODE_CACHE", str(tmp_path / "env-cache"))
     _epoch(ds)
     assert cache_entries(tmp_path / "env-cache")[0]["cached_samples"] == SAMPLES
-    with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct'"):
-        DataLoader(ds, BATCH, comm=None, mode="preload", node_cache=tmp_path / "c")
-    dl = DataLoader(ds, BATCH, comm=None, store="preload")     # the variable: direct only
+    with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct' and "
+                                                   "'preload'"):
+        DataLoader(ds, BATCH, comm=None, mode="clairvoyant", node_cache=tmp_path / "c")
+    dl = DataLoader(ds, BATCH, comm=None, store="preload")     # the variable: preload too
+    assert dl.stats()["node_cache_hits"] == SAMPLES and dl.stats()["pfs_reads"] == 0
+    dl.close()
+    dl = DataLoader(ds, BATCH, comm=None, store="clairvoyant")  # not clairvoyant's tiers
     assert dl.stats().get("node_cache_hits") is None
     dl.close()
 
@@ -79,10 +118,11 @@ def test_a_changed_dataset_never_uses_the_old_copy(tmp_path):
     assert len(cache_entries(tmp_path / "cache")) == 2
 
 
-def test_a_damaged_cached_record_is_read_again(tmp_path):
+@pytest.mark.parametrize("kind", ["direct", "preload"])
+def test_a_damaged_cached_record_is_read_again(tmp_path, kind):
     ds = _write(tmp_path / "ds")
     want, _ = _epoch(ds)
-    _epoch(ds, tmp_path / "cache")
+    _epoch(ds, tmp_path / "cache", kind)
     src = forebay.open_dataset(ds)
     d = tmp_path / "cache" / src.fingerprint
     off = int(src.index[5, 0])                               # sample 5's record
@@ -92,7 +132,7 @@ def test_a_damaged_cached_record_is_read_again(tmp_path):
         b = fh.read(1)
         fh.seek(off + 3)
         fh.write(bytes([b[0] ^ 0xFF]))
-    got, st = _epoch(ds, tmp_path / "cache")
+    got, st = _epoch(ds, tmp_path / "cache", kind)
     assert got == want and st["pfs_reads"] == 1
 
 

@@ -59,6 +59,10 @@ FACTORIES = {
         ds, node_cache=_node_cache(ds, filled=True)),
     "direct-node-cache-full": lambda ds, comm: DirectStore(
         ds, node_cache=_node_cache(ds, cap=int(ds.record_nbytes.sum() // 2))),
+    "preload-node-cache": lambda ds, comm: DistributedStore(
+        ds, comm, progress=False, node_cache=_node_cache(ds)),
+    "preload-node-cache-reused": lambda ds, comm: DistributedStore(
+        ds, comm, progress=False, node_cache=_node_cache(ds, filled=True)),
     "preload-shm": lambda ds, comm: DistributedStore(ds, comm, transport="shm",
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
@@ -351,6 +355,14 @@ class TestDirectNodeCacheReused(StoreContract):
 
 class TestDirectNodeCacheFull(StoreContract):
     kind = "direct-node-cache-full"
+
+
+class TestPreloadNodeCache(StoreContract):
+    kind = "preload-node-cache"
+
+
+class TestPreloadNodeCacheReused(StoreContract):
+    kind = "preload-node-cache-reused"
 
 
 class TestPreloadShm(DistributedStoreContract):

@@ -262,6 +262,31 @@ class StoreSetup(StoreState):
         if self._pages is not None:
             self._map_dataset()
 
+    def _use_node_cache(self, cache: Any, prog: Progress) -> None:
+        """Make this rank's chunk present in the node cache (``Preload(node_cache=)``,
+        issue U: records an earlier job on this node kept are checked on their first
+        use, the others read from the files, checked, and kept), then preload from the
+        cache's copy instead of the files: when every rank's chunk is there (a cap
+        that leaves some out: every rank reads the files, as without a cache).
+        Collective."""
+        mine = np.flatnonzero(self._mine)
+        prog.start(int(self.ds.record_nbytes[mine].sum()),
+                   desc=f"node cache (rank {self.rank})", unit="B")
+        err: Optional[Exception] = None
+        ok = False
+        try:
+            ok = cache.ensure_all(mine, prog)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            err = e
+        finally:
+            prog.close()
+        failed = self._failure(err, "node cache")
+        if failed is not None:
+            raise failed
+        if all_true(self.comm, ok):
+            self.ds = cache.dataset.reopened(verify_on_read=self.ds.verify_on_read)
+            self._chunk_cached = True
+
     def _failure(self, err: Optional[Exception], what: str) -> Optional[Exception]:
         """What every rank raises when ``err`` (this rank's) or another rank's error
         ended ``what``: its own error on the rank it happened on, else an error of the

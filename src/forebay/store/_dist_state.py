@@ -74,6 +74,8 @@ class StoreState:
     _load_error: Optional[BaseException]
     _mine: np.ndarray
     _pages: Optional[PinnedPages]
+    cache: Any
+    _chunk_cached: bool
     _mapped: bool
     _map_lock: Any
     _known: np.ndarray

@@ -136,7 +136,8 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
                  width: Optional[int] = None, *, node_aware: bool = False,
                  transport: str = "auto", progress: "Progress | bool | None" = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
-                 read_threads: int = 4, overlap: "bool | str" = False) -> None:
+                 read_threads: int = 4, overlap: "bool | str" = False,
+                 node_cache: Any = None) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
@@ -152,6 +153,8 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         self._segment: Any = None    # the group's shared segment (shm transport)
         self._lender = Lender()      # the memory get_views lends
         self._closed = False
+        self.cache: Any = None       # the node-local cache of Preload(node_cache=)
+        self._chunk_cached = False   # this rank's chunk read from it, not the files
         self._fetches = {"local": 0, "peer": 0, "pfs": 0}
         self._file_bytes = 0         # read from the files for batches (overlap)
         self.on_pfs_read = on_pfs_read
@@ -170,6 +173,8 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         check_agreement(self.comm, "DistributedStore's arguments", self.ds, {
             "width": width, "node_aware": node_aware, "transport": transport,
             "verify_on_read": self.ds.verify_on_read, "overlap": overlap})
+        if node_cache is not None:
+            overlap = False     # the chunk comes from the cache before the first batch
         if overlap == "auto":   # any rank's files on a network file system: all overlap
             overlap = not all_true(self.comm, not overlap_by_default(self.ds.path,
                                                                     on_pfs_read))
@@ -187,6 +192,14 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         if progress is None:
             progress = TqdmProgress() if self.rank == 0 else None
         self._t0 = time.perf_counter()
+        if node_cache is not None:
+            self.cache = node_cache       # closed with the store
+            try:
+                self._use_node_cache(node_cache, as_progress(progress))
+            except BaseException:
+                node_cache.close()
+                self.cache = None
+                raise
         self._allocate(bool(overlap))
         if self.transport == "shm":
             self._map_peers()        # may find the MPI's layout unusable: then rma
@@ -455,14 +468,19 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         ``preload_skipped_bytes``: what the overlapped load did not read because
         batches had read and kept it."""
         mine = self._mine
+        # the chunk's reads from the dataset files: all of it, or what the node cache
+        # did not have
+        chunk = (int(mine.sum()), int(self.ds.record_nbytes[mine].sum()))
+        if self.cache is not None:      # (and a chunk past its cap: read again)
+            chunk = (self.cache.misses + (0 if self._chunk_cached else chunk[0]),
+                     self.cache.miss_bytes + (0 if self._chunk_cached else chunk[1]))
         return {"fetches_by_source": {k: v for k, v in self._fetches.items()
                                       if v or k != "pfs"},
-                "pfs_reads": int(mine.sum()) + self._fetches["pfs"] +
-                self._served_from_files[0],
-                "pfs_bytes": int(self.ds.record_nbytes[mine].sum()) + self._file_bytes +
-                self._served_from_files[1],
+                "pfs_reads": chunk[0] + self._fetches["pfs"] + self._served_from_files[0],
+                "pfs_bytes": chunk[1] + self._file_bytes + self._served_from_files[1],
                 "preload_seconds": self.preload_seconds, "transport": self.transport,
-                "overlap": self.overlap, "preload_skipped_bytes": self._kept_skipped}
+                "overlap": self.overlap, "preload_skipped_bytes": self._kept_skipped,
+                **(self.cache.stats() if self.cache is not None else {})}
 
     def abandon(self) -> None:
         self._stop_loading()
@@ -497,6 +515,9 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         if self.group_comm is not None:
             self.group_comm.Free()
             self.group_comm = None
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
 
     def __repr__(self) -> str:
         return (f"DistributedStore({self.ds.path}, rank={self.rank}/{self.world}, "

@@ -51,6 +51,8 @@ __all__ = ["NodeCache", "cache_entries", "clear_cache", "node_cache_root", "NODE
 
 #: where the cache lives when the loader is not told (unset: no cache)
 NODE_CACHE_ENV = "FOREBAY_NODE_CACHE"
+#: records read from the source at once by :meth:`NodeCache.ensure_all`
+PIECE_BYTES = 64 << 20
 #: the cap on the cache's bytes under its root (default: half the file system's free
 #: space when the cache is first opened, plus what it already holds)
 NODE_CACHE_BYTES_ENV = "FOREBAY_NODE_CACHE_BYTES"
@@ -289,6 +291,22 @@ class NodeCache:
         self._checked[missing] = True
         return True
 
+    def ensure_all(self, ids: np.ndarray, progress: Optional[Any] = None) -> bool:
+        """:meth:`ensure` of many samples (a preload's chunk), in pieces of about
+        :data:`PIECE_BYTES` of records (what is read from the source is held in memory
+        until it is written); False as soon as the cap leaves a piece out."""
+        lens = self.src.record_nbytes[ids]
+        cut = np.searchsorted(np.cumsum(lens), np.arange(PIECE_BYTES, int(lens.sum()),
+                                                         PIECE_BYTES), side="right")
+        first = 0
+        for end in np.unique(np.append(cut[cut > 0], len(ids))).tolist():
+            if not self.ensure(ids[first:end]):
+                return False
+            if progress is not None:
+                progress.update(int(lens[first:end].sum()))
+            first = end
+        return True
+
     def _fd(self, k: int) -> int:
         fd = self._fds.get(k)
         if fd is None:
@@ -317,15 +335,16 @@ class NodeCache:
 
 
 def node_cache_root(root: "str | os.PathLike[str] | None", mode: str) -> Optional[Path]:
-    """A loader's ``Direct(node_cache=)`` (else ``FOREBAY_NODE_CACHE``), checked against its
-    mode: the cache serves direct reads (``mode="auto"`` becomes direct with it)."""
+    """A loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``), checked against its
+    mode: the cache serves direct reads (``mode="auto"`` becomes direct with it) and
+    the preload's chunks; clairvoyant keeps its own tiers."""
     if root is None:
         root = os.environ.get(NODE_CACHE_ENV) or None
         if root is None:
             return None
-        if mode not in ("auto", "direct"):
+        if mode not in ("auto", "direct", "preload"):
             return None                 # the environment's default does not apply here
-    if mode not in ("auto", "direct"):
-        raise InvalidArgumentError(f"node_cache serves mode='direct' (preload and "
-                                   f"clairvoyant keep their own tiers), not mode={mode!r}")
+    if mode not in ("auto", "direct", "preload"):
+        raise InvalidArgumentError(f"node_cache serves mode='direct' and 'preload' "
+                                   f"(clairvoyant keeps its own tiers), not mode={mode!r}")
     return Path(root)

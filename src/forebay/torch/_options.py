@@ -51,6 +51,11 @@ class Preload:
         where the dataset is on a network file system or ``on_pfs_read`` is given.
     on_pfs_read: hook called with (bytes, samples, seconds) after each read of the
         dataset files (tracing, emulating a slower file system).
+    node_cache: a node-local directory where each rank's chunk is kept for later jobs
+        on the node (default ``FOREBAY_NODE_CACHE``; see
+        :class:`~forebay.store.NodeCache`): the next job's preload reads it from
+        there, checked, instead of the files.  The chunk is then loaded before the
+        first batch (no ``overlap``).
     """
 
     width: Optional[int] = None
@@ -58,6 +63,7 @@ class Preload:
     transport: str = "auto"
     overlap: "bool | str" = "auto"
     on_pfs_read: PfsHook = None
+    node_cache: Optional[PathLike] = None
     mode: ClassVar[str] = "preload"
 
     def __post_init__(self) -> None:
@@ -275,9 +281,9 @@ def from_legacy(store: Any, pipeline: Optional[Pipeline], legacy: dict[str, Any]
         else:
             cls = KINDS[mode]
             # as before: other kinds' settings are ignored, but a node cache is not
-            if "node_cache" in store_kw and cls is not Direct:
-                raise InvalidArgumentError(f"node_cache serves mode='direct' (preload and "
-                                           f"clairvoyant keep their own tiers), not "
+            if "node_cache" in store_kw and cls is Clairvoyant:
+                raise InvalidArgumentError(f"node_cache serves mode='direct' and 'preload' "
+                                           f"(clairvoyant keeps its own tiers), not "
                                            f"mode={mode!r}")
             store = _settings(cls, store_kw)
         args = ", ".join(f"{'overlap' if k == 'overlap_preload' else k}=..."
@@ -328,9 +334,13 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
         mode = choose_mode(ds, comm, spec.preload.width)
         spec = spec.preload if mode == "preload" else spec.clairvoyant
     if isinstance(spec, Preload):
+        root = node_cache_root(spec.node_cache, "preload")
+        if spec.node_cache is None and not isinstance(ds.locator, str):
+            root = None       # the environment's cache keeps one dataset, not a mixture
         return DistributedStore(ds, store_comm, spec.width, node_aware=spec.node_aware,
                                 transport=spec.transport, progress=progress,
-                                on_pfs_read=spec.on_pfs_read, overlap=spec.overlap)
+                                on_pfs_read=spec.on_pfs_read, overlap=spec.overlap,
+                                node_cache=None if root is None else NodeCache(root, ds))
     if isinstance(spec, Clairvoyant):
         warm = spec.on_pfs_read is None and warm_enabled(spec.warm_files, ds)
         ram = default_ram_bytes(comm) if spec.ram_bytes is None else spec.ram_bytes
