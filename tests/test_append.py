@@ -127,13 +127,14 @@ def grow(path, start, n):
     forebay.append(path, ({"y": np.int64(i)} for i in range(start, start + n)))
 
 
-def test_a_loader_follows_appends_at_epoch_fences_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("store", ["direct", "preload"])
+def test_a_loader_follows_appends_at_epoch_fences_and_resumes_exactly(tmp_path, store):
     from forebay.torch import DataLoader, Pipeline
 
     path = tmp_path / "g.fb"
     forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
     pipe = Pipeline(collate_fn=lambda b: {"y": b["y"].copy()})
-    with DataLoader(path, 8, epochs=3, seed=2, store="direct", follow_appends=True,
+    with DataLoader(path, 8, epochs=3, seed=2, store=store, follow_appends=True,
                     pipeline=pipe) as loader:
         assert [[int(x) for x in b] for b in _labels(loader, 0)] == _plan_labels(40, 0)
         grow(path, 40, 24)                           # a producer appends a generation
@@ -144,7 +145,7 @@ def test_a_loader_follows_appends_at_epoch_fences_and_resumes_exactly(tmp_path):
         state = loader.state_dict()
     assert state["num_samples"] == 64
     grow(path, 64, 16)                               # more while the job was down
-    with DataLoader(path, 8, epochs=3, seed=2, store="direct", follow_appends=True,
+    with DataLoader(path, 8, epochs=3, seed=2, store=store, follow_appends=True,
                     pipeline=pipe) as again:
         again.load_state_dict(state)                 # epoch 1 as it was: 64 samples
         assert _labels(again, 1) == _plan_labels(64, 1)[2:]
@@ -155,26 +156,33 @@ def label_of(sample):
     return {"y": sample["y"]}
 
 
-def test_transform_workers_read_the_new_generations(tmp_path):
+@pytest.mark.parametrize("store", ["direct", "preload"])
+def test_transform_workers_read_the_new_generations(tmp_path, store):
     from forebay.torch import DataLoader, Pipeline
 
     path = tmp_path / "g.fb"
     forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
-    with DataLoader(path, 8, epochs=2, seed=2, store="direct", follow_appends=True,
+    with DataLoader(path, 8, epochs=2, seed=2, store=store, follow_appends=True,
                     pipeline=Pipeline(workers=2, transform=label_of)) as loader:
         _labels(loader, 0)
         grow(path, 40, 40)
         assert _labels(loader, 1) == _plan_labels(80, 1)
 
 
-def test_follow_appends_needs_direct_reads(tmp_path):
+def test_follow_appends_reads_directly_or_preloads(tmp_path):
     from forebay.errors import InvalidArgumentError
-    from forebay.torch import DataLoader
+    from forebay.torch import DataLoader, Preload
 
     path = tmp_path / "g.fb"
     forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
-    with pytest.raises(InvalidArgumentError, match="store='direct'"):
-        DataLoader(path, 8, follow_appends=True)
+    for store in ("clairvoyant", "auto"):
+        with pytest.raises(InvalidArgumentError, match="store='direct' or 'preload'"):
+            DataLoader(path, 8, follow_appends=True, store=store)
+    with pytest.raises(InvalidArgumentError, match="store='direct' or 'preload'"):
+        DataLoader(forebay.Mixture({str(path): 1.0}), 8, follow_appends=True,
+                   store="direct")
+    with pytest.raises(InvalidArgumentError, match="node cache keeps one version"):
+        DataLoader(path, 8, follow_appends=True, store=Preload(node_cache=tmp_path / "c"))
 
 
 def test_resuming_on_a_replaced_dataset_is_refused(tmp_path):

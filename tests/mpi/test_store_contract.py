@@ -51,6 +51,28 @@ def _node_cache(ds, filled: bool = False, cap: "int | None" = None) -> NodeCache
     return NodeCache(d, ds, cap_bytes=cap)
 
 
+def _grown(ds, comm) -> DistributedStore:
+    """A preload that grew (issue U): ``ds``'s samples written as a dataset of 100 and a
+    generation appended, a store over the first generation, then one over both that
+    keeps its chunk (one rank: the chunk copied from the old store's memory)."""
+    from forebay.dataset import PrefixDataset
+
+    d = tempfile.mkdtemp(prefix="forebay-grown-")
+    atexit.register(shutil.rmtree, d, True)
+    every = [ds.sample(i, copy=True) for i in range(len(ds))]
+    coded = {f.name: "zstd" for f in ds.schema.fields if f.codec} or None
+    forebay.write_dataset(f"{d}/g", every[:100], shard_bytes=6 << 10, compress=coded)
+    forebay.append(f"{d}/g", every[100:], shard_bytes=4 << 10)
+    old = DistributedStore(PrefixDataset(f"{d}/g", 100), comm, transport="exchange",
+                           progress=False)
+    grown = DistributedStore(forebay.open_dataset(f"{d}/g"), comm, transport="exchange",
+                             progress=False, grown_from=old)
+    old.close()
+    assert grown.layout.segments == (100, len(ds)) and \
+        grown.stats()["pfs_reads"] == len(ds) - 100
+    return grown
+
+
 FACTORIES = {
     "direct": lambda ds, comm: DirectStore(ds),
     # records read kept in a node-local cache; the next job's; one whose cap is reached
@@ -63,6 +85,7 @@ FACTORIES = {
         ds, comm, progress=False, node_cache=_node_cache(ds)),
     "preload-node-cache-reused": lambda ds, comm: DistributedStore(
         ds, comm, progress=False, node_cache=_node_cache(ds, filled=True)),
+    "preload-grown": _grown,
     "preload-shm": lambda ds, comm: DistributedStore(ds, comm, transport="shm",
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
@@ -363,6 +386,10 @@ class TestPreloadNodeCache(StoreContract):
 
 class TestPreloadNodeCacheReused(StoreContract):
     kind = "preload-node-cache-reused"
+
+
+class TestPreloadGrown(StoreContract):
+    kind = "preload-grown"
 
 
 class TestPreloadShm(DistributedStoreContract):

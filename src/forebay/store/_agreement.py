@@ -40,18 +40,15 @@ def prefixes(ds: "PackedDataset | Manifest") -> list[tuple[int, str]]:
     issue U: a dataset that grows): the fingerprint of the shards holding its first
     samples, the same in every later generation (appends add shards and never change
     one)."""
-    import json
-
-    from ..dataset import checksum, generations
+    from ..dataset import generations, prefix_fingerprint
 
     m = ds.manifest if isinstance(ds, PackedDataset) else ds
-    out, shards, count = [], [], 0
+    out, count = [], 0
     ends = set(generations(m))
-    for s in m.shards:
-        shards.append([s.data_checksum, s.index_checksum, s.num_samples])
+    for k, s in enumerate(m.shards):
         count += s.num_samples
         if count in ends:
-            out.append((count, checksum(json.dumps(shards).encode())))
+            out.append((count, prefix_fingerprint(m.shards[:k + 1])))
     return out
 
 

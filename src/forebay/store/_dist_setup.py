@@ -235,6 +235,11 @@ class StoreSetup(StoreState):
         the set-up on every rank (the others do not wait for it)."""
         runs = self.layout.runs
         mine = np.flatnonzero(runs["member"] == self.member)
+        old = self._grown_from
+        kept = old is not None and self._pages is None and old._pages is None
+        if kept:          # what the old store held: its chunk's bytes, copied below
+            mine = mine[runs["segment"][mine] == len(self.layout.segments) - 1]
+            self._from_files[:old.layout.segments[-1]] = False   # (the old samples)
         total = int(runs["len"][mine].sum())
         prog.start(total, desc=f"preload (rank {self.rank})", unit="B")
         err: Optional[Exception] = None
@@ -242,7 +247,7 @@ class StoreSetup(StoreState):
             if self._pages is not None:
                 self._pin_runs(mine, prog)
             else:
-                self._read_runs(mine, prog)
+                self._read_runs(mine, prog, old if kept else None)
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             err = e
         finally:
@@ -304,14 +309,27 @@ class StoreSetup(StoreState):
                "ChecksumError": ChecksumError}.get(kind, StoreError)
         return cls(f"rank {r}'s {what} failed: {kind}: {msg}")
 
-    def _read_runs(self, mine: np.ndarray, prog: Progress) -> None:
-        """Read this rank's runs ``mine`` into its chunk's memory."""
+    def _read_runs(self, mine: np.ndarray, prog: Progress, old: Any = None) -> None:
+        """Read this rank's runs ``mine`` into its chunk's memory; first, from ``old``
+        (the store this one grows from), the chunk it held: the first bytes of this
+        one's (:class:`StoreLayout`'s segments)."""
         runs = self.layout.runs
         if self._win is not None:
             from mpi4py import MPI
 
             self._win.Lock(self.member, MPI.LOCK_EXCLUSIVE)
         try:
+            if old is not None:
+                held = int(self.layout.held_before[self.member])
+                if held != int(old.layout.nbytes[self.member]):
+                    raise StoreError(f"the grown layout does not begin with the old "
+                                     f"chunk ({held} B against {old.layout.nbytes[self.member]})")
+                t0 = time.perf_counter()
+                self._buf[:held] = old._buf[:held]
+                rec = _trace.active()
+                if rec is not None:
+                    rec.span("memstore", "kept", t0, time.perf_counter(),
+                             count=int((old.layout.member == self.member).sum()), nbytes=held)
             for shard in np.unique(runs["shard"][mine]).tolist():
                 path = self.ds.path / self.ds.manifest.shards[shard].data
                 fd = os.open(path, os.O_RDONLY)

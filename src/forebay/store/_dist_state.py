@@ -76,6 +76,8 @@ class StoreState:
     _pages: Optional[PinnedPages]
     cache: Any
     _chunk_cached: bool
+    _grown_from: Any
+    _from_files: np.ndarray
     _mapped: bool
     _map_lock: Any
     _known: np.ndarray

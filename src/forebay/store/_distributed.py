@@ -27,6 +27,7 @@ import numpy as np
 
 from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
+from ..dataset import prefix_fingerprint
 from ..dataset import IndexLayout, assemble_batch, assemble_views
 from ..errors import InvalidArgumentError
 from ..progress import Progress, TqdmProgress, as_progress
@@ -137,7 +138,8 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
                  transport: str = "auto", progress: "Progress | bool | None" = None,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  read_threads: int = 4, overlap: "bool | str" = False,
-                 node_cache: Any = None) -> None:
+                 node_cache: Any = None,
+                 grown_from: "Optional[DistributedStore]" = None) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
@@ -170,17 +172,29 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         if not isinstance(overlap, bool) and overlap != "auto":
             raise InvalidArgumentError(f"overlap must be True, False or 'auto', got "
                                        f"{overlap!r}")
+        segments = self._grown_segments(grown_from, width, node_cache)
         check_agreement(self.comm, "DistributedStore's arguments", self.ds, {
             "width": width, "node_aware": node_aware, "transport": transport,
-            "verify_on_read": self.ds.verify_on_read, "overlap": overlap})
-        if node_cache is not None:
-            overlap = False     # the chunk comes from the cache before the first batch
+            "verify_on_read": self.ds.verify_on_read, "overlap": overlap,
+            "segments": segments})
+        if node_cache is not None or grown_from is not None:
+            overlap = False     # the chunk comes from the cache (or the old store) first
         if overlap == "auto":   # any rank's files on a network file system: all overlap
             overlap = not all_true(self.comm, not overlap_by_default(self.ds.path,
                                                                     on_pfs_read))
         self._setup_groups(width, node_aware)
-        self.layout = StoreLayout(self.ds, self.width)
+        if grown_from is not None and (grown_from.width, grown_from.member) != \
+                (self.width, self.member):
+            raise InvalidArgumentError(f"grown_from holds member {grown_from.member} of "
+                                       f"{grown_from.width}, this store {self.member} of "
+                                       f"{self.width}: grow with the same replica groups")
+        self.layout = StoreLayout(self.ds, self.width, segments)
         self._mine = self.layout.member == self.member     # which samples this member holds
+        #: the old store whose chunk this one's begins with (a dataset that grew)
+        self._grown_from = grown_from
+        #: which samples this rank read from the files (its chunk, or the part of it
+        #: neither the node cache nor the old store had)
+        self._from_files = self._mine.copy()
         #: transport "pages": this rank's chunk held in the files' pages, locked
         self._pages: Optional[PinnedPages] = None
         self._mapped = False         # pages: the whole dataset mapped into this process
@@ -241,6 +255,26 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
             self.close()
             raise
         self.preload_seconds = time.perf_counter() - self._t0
+
+    def _grown_segments(self, old: "Optional[DistributedStore]", width: Optional[int],
+                        cache: Any) -> "tuple[int, ...] | None":
+        """The layout's segments of a store that grows from ``old`` (the same job's
+        store over the first generations of this dataset): its segments and this
+        dataset's size; None for a store of its own."""
+        if old is None:
+            return None
+        if cache is not None:
+            raise InvalidArgumentError("a store that grows from another does not read a "
+                                       "node cache (give one or the other)")
+        k = len(old.ds.manifest.shards)
+        if old._closed or old.preload_seconds is None or len(old.ds) >= len(self.ds) or \
+                old.world != self.world or (width is not None and width != old.width) or \
+                prefix_fingerprint(old.ds.manifest.shards) != \
+                prefix_fingerprint(self.ds.manifest.shards[:k]):
+            raise InvalidArgumentError(
+                f"grown_from must be an open, loaded store over the first generations of "
+                f"{self.ds.path} on the same ranks and width ({old!r})")
+        return old.layout.segments + (len(self.ds),)
 
     @staticmethod
     def from_arrays(arrays: "Mapping[str, np.ndarray]", comm: Any = None, *,
@@ -467,10 +501,10 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         this rank's chunk loaded (None while an overlapped load runs);
         ``preload_skipped_bytes``: what the overlapped load did not read because
         batches had read and kept it."""
-        mine = self._mine
         # the chunk's reads from the dataset files: all of it, or what the node cache
-        # did not have
-        chunk = (int(mine.sum()), int(self.ds.record_nbytes[mine].sum()))
+        # (or the store this one grew from) did not have
+        files = self._from_files
+        chunk = (int(files.sum()), int(self.ds.record_nbytes[files].sum()))
         if self.cache is not None:      # (and a chunk past its cap: read again)
             chunk = (self.cache.misses + (0 if self._chunk_cached else chunk[0]),
                      self.cache.miss_bytes + (0 if self._chunk_cached else chunk[1]))

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from .. import trace as _trace
-from ..dataset import (BufferPool, IndexLayout, Manifest, PackedDataset, SampleBatch, SampleViews,
-                       open_dataset)
+from ..dataset import (BufferPool, IndexLayout, Manifest, PackedDataset, PrefixDataset,
+                       SampleBatch, SampleViews, open_dataset)
 from ..mixture import Mixture
 from ..plan import AccessPlan, EpochOrder
 from ..store import ClairvoyantStore, DirectStore, DistributedStore, SampleStore
@@ -24,8 +24,8 @@ from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import agree_on_prefix, check_agreement, prefixes
 from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
-from ._options import (Direct, Pipeline, StoreSpec, build_store, describe, from_legacy,
-                       mode_of, store_spec, with_system_tiers)
+from ._options import (Direct, Pipeline, Preload, StoreSpec, build_store, describe,
+                       following_spec, from_legacy, mode_of, store_spec, with_system_tiers)
 from ._start import choose_start, make_workers
 from ._threads import ThreadWorkers
 from ._workers import SharedAlloc, WorkerPool, _Pending, start_forkserver, transform_batch
@@ -59,8 +59,9 @@ class DataLoader:
         follow_appends: a dataset that grows (:func:`forebay.append`): at each epoch
             fence (:meth:`set_epoch`, called by every rank) the generations appended
             since that every rank sees join the plan; epoch e's order is the plan's for
-            the samples agreed at its fence (``state_dict`` records how many).  Direct
-            reads only (``store="direct"``).
+            the samples agreed at its fence (``state_dict`` records how many).
+            ``store="direct"`` or ``"preload"`` (a preload grows: each rank keeps the
+            chunk it holds and reads only its share of the new generations).
         batch_size: per-rank batch; the global batch is ``batch_size * world_size``.
         epochs: epochs in the run (the access plan covers them all).
         seed, shuffle, drop_last: as :class:`~forebay.AccessPlan` (same seed and global
@@ -152,9 +153,8 @@ class DataLoader:
         self.world = self.comm.Get_size() if self.comm is not None else 1
         # ranks that disagree on what shapes the plan or the store fail here, together
         self.follow_appends = bool(follow_appends)
-        if self.follow_appends and (order is not None or not isinstance(spec, Direct)):
-            raise InvalidArgumentError("follow_appends reads a growing dataset with "
-                                       "store='direct' (not a mixture, not another store)")
+        if self.follow_appends:
+            spec = following_spec(spec, order is not None)
         check_agreement(self.comm, "DataLoader's arguments", self.ds, {
             "batch_size": batch_size, "epochs": epochs, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "verify_on_read": self.ds.verify_on_read,
@@ -163,6 +163,8 @@ class DataLoader:
             dataset_id=("grows", 0, str(self.ds.path)) if self.follow_appends else None)
         # a growing dataset: the generations every rank sees (one allgather)
         samples = agree_on_prefix(self.comm, self.ds) if self.follow_appends else len(self.ds)
+        if self.follow_appends and isinstance(spec, Preload):   # what every rank holds
+            self.ds = PrefixDataset(self.ds.path, samples, verify_on_read=self.ds.verify_on_read)
         # the loop's own step between two batches (DDP's all-reduce, a checkpoint's
         # save) is watched too: a peer node gone mid-step ends the job by name
         join_liveness(self.comm)
@@ -285,15 +287,19 @@ class DataLoader:
 
         if samples == self.plan.num_samples:
             return
-        fresh = self.ds.reopened(verify_on_read=self.ds.verify_on_read)
+        preload = isinstance(self._spec, Preload)
+        fresh = PrefixDataset(self.ds.path, samples, verify_on_read=self.ds.verify_on_read) \
+            if preload else self.ds.reopened(verify_on_read=self.ds.verify_on_read)
         if samples > len(fresh):
             raise InvalidArgumentError(f"{self.ds.path} holds {len(fresh)} samples, fewer "
                                        f"than the {samples} asked: a growing dataset only "
                                        f"grows")
         old, self.ds = self.store, fresh
-        assert isinstance(self._spec, Direct)          # (checked at construction)
+        assert isinstance(self._spec, (Direct, Preload))   # (checked at construction)
+        # a preload keeps what it held: the new store's chunks begin with the old ones
+        grows = preload and samples > len(old.ds)
         self.store = build_store(self._spec, fresh, self.plan, self.comm, self._store_comm,
-                                 None, None)
+                                 None, None, grown_from=old if grows else None)
         old.close()
         self.plan = dataclasses.replace(self.plan, num_samples=samples)
         self._requests_epoch = -1

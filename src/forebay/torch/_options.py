@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
+from ..dataset import PrefixDataset
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, NodeCache, SampleStore,
                      choose_mode, default_ram_bytes, node_cache_root, node_size, warm_enabled)
@@ -18,7 +19,7 @@ from ._start import START_METHODS
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 
 __all__ = ["Auto", "Clairvoyant", "Direct", "Pipeline", "Preload", "StoreSpec",
-           "store_settings"]
+           "following_spec", "store_settings"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 PfsHook = Optional[Callable[[int, int, float], None]]
@@ -319,10 +320,30 @@ def mode_of(store: SampleStore) -> str:
     return type(store).__name__
 
 
+def following_spec(spec: Any, mixture: bool) -> "Preload | Direct":
+    """The settings of a loader that follows appends (``follow_appends=True``): direct
+    reads as given; a preload loaded before the first batch (a store that grows from
+    the last one needs it whole), without a node cache (it keeps one dataset version,
+    and a growing dataset has a new one per generation)."""
+    if mixture or not isinstance(spec, (Direct, Preload)):
+        raise InvalidArgumentError("follow_appends reads a growing dataset with "
+                                   "store='direct' or 'preload' (not a mixture, not "
+                                   "another store)")
+    if isinstance(spec, Preload):
+        if spec.node_cache is not None:
+            raise InvalidArgumentError("follow_appends with Preload(node_cache=): the "
+                                       "node cache keeps one version of a dataset; leave "
+                                       "it unset")
+        return dataclasses.replace(spec, overlap=False)
+    return spec
+
+
 def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: Any,
-                comm: Any, store_comm: Any, progress: Any, fetch_model: Any) -> SampleStore:
+                comm: Any, store_comm: Any, progress: Any, fetch_model: Any,
+                grown_from: Any = None) -> SampleStore:
     """The store ``spec`` describes, for ``plan`` over ``ds`` (``comm``: the job's, None
-    for one process; ``store_comm``: what the store is given)."""
+    for one process; ``store_comm``: what the store is given; ``grown_from``: a
+    preload over the first generations of ``ds``, whose chunks the new one keeps)."""
     if isinstance(spec, (Auto, Direct)):
         mine = spec.node_cache if isinstance(spec, Direct) else None
         root = node_cache_root(mine, "direct" if isinstance(spec, Direct) else "auto")
@@ -335,12 +356,14 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
         spec = spec.preload if mode == "preload" else spec.clairvoyant
     if isinstance(spec, Preload):
         root = node_cache_root(spec.node_cache, "preload")
-        if spec.node_cache is None and not isinstance(ds.locator, str):
-            root = None       # the environment's cache keeps one dataset, not a mixture
+        if spec.node_cache is None and (not isinstance(ds.locator, str) or
+                                        isinstance(ds, PrefixDataset)):
+            root = None       # the environment's cache keeps one dataset version
         return DistributedStore(ds, store_comm, spec.width, node_aware=spec.node_aware,
                                 transport=spec.transport, progress=progress,
                                 on_pfs_read=spec.on_pfs_read, overlap=spec.overlap,
-                                node_cache=None if root is None else NodeCache(root, ds))
+                                node_cache=None if root is None else NodeCache(root, ds),
+                                grown_from=grown_from)
     if isinstance(spec, Clairvoyant):
         warm = spec.on_pfs_read is None and warm_enabled(spec.warm_files, ds)
         ram = default_ram_bytes(comm) if spec.ram_bytes is None else spec.ram_bytes
