@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -908,6 +909,56 @@ def test_gets_from_a_peer_busy_outside_mpi_complete(cluster, labelled, kind):
     flag = cluster.shared / f"busy-{kind}"
     p = run_mpi(cluster, 2, 1, rank_get_from_a_busy_peer, labelled, flag, kind, timeout=150)
     assert p.returncode == 0 and p.stdout.count("BUSY-PEER") == 2, _why(p)
+
+
+def test_a_consumer_gets_a_producers_samples_from_its_node_not_the_shared_fs(cluster):
+    """Issue U, item 3 (DYAD's path): a producer on node2 keeps its frames in node2's
+    own storage and serves them (``forebay serve``); a consumer on node0 waits for a
+    generation not yet published and mirrors it into node0's storage over the nodes'
+    link (node0 cannot see node2's storage: the bytes can only have come that way),
+    bit-exact; with node2's processes gone, the consumer reads the shared copy."""
+    bin_dir = Path(sys.executable).parent
+    produced = cluster.node_dir(2) / "frames.fb"         # node2's /local, from the host
+    forebay.write_dataset(produced, ({"x": np.full(300, i, np.float32), "id": np.int64(i)}
+                                     for i in range(40)), shard_bytes=16_000)
+    token = cluster.shared / "serve-token"
+    token.write_text("cluster-token\n")
+    local = cluster.local
+    assert cluster.run(0, ["test", "-e", str(local / "frames.fb")]).returncode == 1
+    server = cluster.popen(2, [str(bin_dir / "forebay"), "serve", str(local / "frames.fb"),
+                               "--listen", f"{cluster.address(2)}:7532", "--token-file",
+                               str(token)], env=cluster.env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        url = server.stdout.readline().split(" on ")[-1].strip()
+        assert url == f"http://{cluster.address(2)}:7532", server.stderr.read() \
+            if server.stderr else url
+        consumer = cluster.popen(0, [str(bin_dir / "forebay"), "mirror", url,
+                                     str(local / "mirror.fb"), "--samples", "64",
+                                     "--timeout", "120", "--token-file", str(token)],
+                                 env=cluster.env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        forebay.append(produced, ({"x": np.full(300, i, np.float32), "id": np.int64(i)}
+                                  for i in range(40, 64)), shard_bytes=16_000)
+        out, err = consumer.communicate(timeout=150)
+        assert consumer.returncode == 0 and "64 samples in" in out, err[-3000:]
+        got = forebay.open_dataset(cluster.node_dir(0) / "mirror.fb")   # node0's /local
+        want = forebay.open_dataset(produced)
+        every = np.arange(64)
+        assert len(got) == 64 and got.get_many(every).equals(want.get_many(every))
+        shared = cluster.shared / "frames-shared.fb"            # the producer's later copy
+        shutil.copytree(produced, shared)
+    finally:
+        server.terminate()
+        for stream in (server.stdout, server.stderr):
+            if stream is not None:
+                stream.close()
+        server.wait(timeout=30)
+    gone = cluster.run(0, [str(bin_dir / "forebay"), "mirror", url, str(local / "again.fb"),
+                           "--token-file", str(token), "--fallback", str(shared),
+                           "--samples", "64"], env=cluster.env())
+    assert gone.returncode == 0 and f"64 samples in {shared}" in gone.stdout, gone.stderr
 
 
 def test_a_mummi_like_workflow_overlaps_producers_and_trainers(cluster):

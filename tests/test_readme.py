@@ -96,6 +96,10 @@ PRELUDES = {
         "import numpy as np, forebay\n"
         "forebay.write_dataset('real.fb', [{'x': np.zeros(4, np.float32)}] * 900)\n"
         "forebay.write_dataset('sim.fb', [{'x': np.ones(4, np.float32)}] * 100)\n",
+    "server = serve_dataset(\"/local/frames.fb\"":
+        "import numpy as np, forebay\n"
+        "forebay.write_dataset('frames.fb', [{'x': np.full(4, i, np.float32)} "
+        "for i in range(4096)])\ntoken = 'a-shared-token'\n",
     "forebay.trace.enable(\"traces/\")          # or:": DATA + "E = 1\n"
                                                        "step = lambda batch: None\n",
 }
@@ -109,6 +113,10 @@ SUBST = [("file:///local/models", "file://{tmp}/models"),
          ("file:///scratch/models", "file://{tmp}/scratch"),
          ("file:///scratch/run7", "file://{tmp}/run7"),
          ("/local/ssd", "{tmp}"), ("/local/forebay-cache", "{tmp}/cache"),
+         # the producer's server on any free port here, its url from the server
+         ('"10.0.0.2:7532"', '"127.0.0.1:0"'), ('"http://10.0.0.2:7532"', "server.url"),
+         ("/local/frames.fb", "{tmp}/frames.fb"), ("/local/mirror.fb", "{tmp}/mirror.fb"),
+         ("/gpfs/project/frames.fb", "{tmp}/frames.fb"),
          ("forebay.torch.DataLoader(...)", 'forebay.torch.DataLoader("ising.fb", 16)'),
          # two spawned workers on CI's two cores, not four (each imports torch)
          ("workers=4))  # batches", "workers=2))  # batches")]

@@ -4,6 +4,11 @@ producer publishes a generation of frames a consumer in another process has read
 * ``forebay``: the producer ``forebay.append``s each generation; the consumer
   ``forebay.dataset.wait_for``s it (polling the manifest every ``--poll`` seconds),
   opens the dataset again and reads the new frames with one ``get_many``;
+* ``forebay serve + mirror`` (DYAD's path, issue U item 3): the producer appends to a
+  dataset in its own (node-local) directory and serves it (``forebay.dataset.serve_dataset``);
+  the consumer ``mirror``s it into its own directory, waiting on the server (which looks
+  at its manifest every 5 ms), and reads the new frames there; nothing goes through a
+  shared directory (here both ends are on one machine: loopback, no link);
 * ``npy files`` (what a workflow without forebay does, MuMMI's first version on GPFS):
   the producer writes each frame as an ``.npy`` file (written under a temporary name,
   then renamed), the consumer lists the directory every ``--poll`` seconds and loads
@@ -25,10 +30,12 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,17 +50,26 @@ def _frames(g: int, n: int, nbytes: int) -> list[dict]:
             for k in range(n)]
 
 
-def produce(kind: str, out: Path, a: argparse.Namespace, stamps: "multiprocessing.Queue"):
-    import forebay
+TOKEN = "handoff-bench"
 
+
+def produce(kind: str, out: Path, a: argparse.Namespace, stamps: "multiprocessing.Queue",
+            done: Any = None):
+    import forebay
+    from forebay.dataset import serve_dataset
+
+    server = None
     for g in range(a.generations):
         t_next = time.time() + a.interval
         frames = _frames(g, a.frames, a.frame_kb << 10)
-        if kind == "forebay":
+        if kind != "npy files":
+            where = out / "producer.fb" if kind.startswith("forebay serve") else out
             if g == 0:
-                forebay.write_dataset(out, frames)
+                forebay.write_dataset(where, frames)
+                if kind.startswith("forebay serve"):
+                    server = serve_dataset(where, f"127.0.0.1:{a.port}", token=TOKEN)
             else:
-                forebay.append(out, frames)
+                forebay.append(where, frames)
         else:
             out.mkdir(exist_ok=True)
             for f in frames:
@@ -62,16 +78,33 @@ def produce(kind: str, out: Path, a: argparse.Namespace, stamps: "multiprocessin
                 os.rename(tmp, out / f"{int(f['k']):08d}.npy")
         stamps.put((g, time.time()))
         time.sleep(max(0.0, t_next - time.time()))
+    if server is not None:
+        done.wait(300)               # serve until the consumer has the last generation
+        server.close()
 
 
-def consume(kind: str, out: Path, a: argparse.Namespace, seen: "multiprocessing.Queue"):
+def consume(kind: str, out: Path, a: argparse.Namespace, seen: "multiprocessing.Queue",
+            done: Any = None):
     import forebay
-    from forebay.dataset import wait_for
+    from forebay.dataset import mirror, wait_for
+    from forebay.errors import DatasetServerError
 
     have: set[str] = set()
     for g in range(a.generations):
         want = (g + 1) * a.frames
-        if kind == "forebay":
+        if kind.startswith("forebay serve"):
+            while True:
+                try:
+                    ds = mirror(f"http://127.0.0.1:{a.port}", out / "consumer.fb",
+                                samples=want, timeout=300, token=TOKEN)
+                    break
+                except DatasetServerError:         # the producer is not serving yet
+                    if g:
+                        raise
+                    time.sleep(a.poll)
+            batch = ds.get_many(np.arange(g * a.frames, want))
+            assert len(batch) == a.frames
+        elif kind == "forebay":
             wait_for(out, want, timeout=300, poll=a.poll)
             ds = forebay.open_dataset(out)
             batch = ds.get_many(np.arange(g * a.frames, want))
@@ -88,6 +121,8 @@ def consume(kind: str, out: Path, a: argparse.Namespace, seen: "multiprocessing.
                 np.load(out / name)
             have |= set(new)
         seen.put((g, time.time()))
+    if done is not None:
+        done.set()
 
 
 def main() -> None:
@@ -101,15 +136,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     ctx = multiprocessing.get_context("spawn")
-    lat: dict[str, list[float]] = {"forebay": [], "npy files": []}
+    lat: dict[str, list[float]] = {"forebay": [], "forebay serve + mirror": [],
+                                   "npy files": []}
+    with socket.socket() as sock:            # a free port for the producer's server
+        sock.bind(("127.0.0.1", 0))
+        a.port = sock.getsockname()[1]
     for r in range(a.rounds):
-        for kind in (list(lat) if r % 2 == 0 else list(lat)[::-1]):
+        k = r % len(lat)
+        for kind in list(lat)[k:] + list(lat)[:k]:
             out = a.out / f"{kind.replace(' ', '-')}-{r}"
             shutil.rmtree(out, ignore_errors=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            stamps, seen = ctx.Queue(), ctx.Queue()
-            procs = [ctx.Process(target=consume, args=(kind, out, a, seen)),
-                     ctx.Process(target=produce, args=(kind, out, a, stamps))]
+            stamps, seen, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+            if kind.startswith("forebay serve"):
+                out.mkdir(parents=True)
+            procs = [ctx.Process(target=consume, args=(kind, out, a, seen, done)),
+                     ctx.Process(target=produce, args=(kind, out, a, stamps, done))]
             for q in procs:
                 q.start()
             for q in procs:

@@ -37,6 +37,7 @@ __all__ = [
     "RankMismatchError",
     "LaunchError",
     "WaitTimeoutError",
+    "DatasetServerError",
 ]
 
 
@@ -173,3 +174,8 @@ class LaunchError(ForebayError, RuntimeError):
 class WaitTimeoutError(ForebayError, TimeoutError):
     """What a consumer waited for (samples a producer has not published yet) did not
     come within its timeout."""
+
+
+class DatasetServerError(ForebayError, ConnectionError):
+    """A dataset server (a producer's node serving its dataset: ``forebay serve``) does
+    not answer, refused the request, or answered something a mirror cannot use."""

@@ -1,5 +1,5 @@
-"""``forebay synth``, ``ingest``, ``info``, ``verify``, ``decompress`` and
-``dlio-configs``: packed datasets made, described and checked."""
+"""``forebay synth``, ``ingest``, ``info``, ``verify``, ``decompress``, ``serve``,
+``mirror`` and ``dlio-configs``: packed datasets made, described, checked and moved."""
 
 from __future__ import annotations
 
@@ -164,6 +164,41 @@ def cmd_decompress(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import threading
+
+    from ..dataset import serve_dataset
+    from ..models import token_from_file
+
+    token = token_from_file(a.token_file)
+    if not token and not a.no_token:
+        print("forebay serve: a token is required, even on 127.0.0.1, which every user of "
+              "this node can reach (--token-file or FOREBAY_TOKEN; --no-token to serve "
+              "anyone)", file=sys.stderr)
+        return 2
+    srv = serve_dataset(a.path, a.listen, token=token, workers=a.workers,
+                        allow_no_token=a.no_token)
+    print(f"serving {a.path} on {srv.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.close()
+    return 0
+
+
+def cmd_mirror(a: argparse.Namespace) -> int:
+    from ..dataset import mirror
+    from ..models import token_from_file
+
+    t0 = time.perf_counter()
+    ds = mirror(a.url, a.into, samples=a.samples, timeout=a.timeout,
+                token=token_from_file(a.token_file), fallback=a.fallback)
+    print(f"{len(ds):,} samples in {ds.path} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def _cache_root(a: argparse.Namespace) -> Path:
     import os
 
@@ -297,6 +332,27 @@ def register(sub: Any) -> None:
     d.add_argument("--into", required=True, metavar="DIR",
                    help="node-local directory (an SSD, the node's scratch)")
     d.set_defaults(func=cmd_decompress)
+    sv = sub.add_parser("serve", help="serve a (node-local) dataset to other nodes' "
+                        "'forebay mirror' until stopped (HTTP, GET only, token required)")
+    sv.add_argument("path")
+    sv.add_argument("--listen", default="127.0.0.1:7532",
+                    help="HOST:PORT (default 127.0.0.1:7532; this node's address for others)")
+    sv.add_argument("--token-file", help="file whose first line is the shared token "
+                    "(default: FOREBAY_TOKEN; one is required)")
+    sv.add_argument("--no-token", action="store_true",
+                    help="serve without a token: anyone who can reach the port may read")
+    sv.add_argument("--workers", type=int, default=16, help="requests served at once")
+    sv.set_defaults(func=cmd_serve)
+    mi = sub.add_parser("mirror", help="copy the generations a 'forebay serve' holds that "
+                        "the local mirror lacks (checked, each whole), waiting for --samples")
+    mi.add_argument("url", help="http://HOST:PORT of the producer's 'forebay serve'")
+    mi.add_argument("into", help="the mirror's directory (this node's storage)")
+    mi.add_argument("--samples", type=int, help="wait until the producer holds this many")
+    mi.add_argument("--timeout", type=float, help="seconds to wait (default: up to 600)")
+    mi.add_argument("--token-file", help="shared token (default: FOREBAY_TOKEN)")
+    mi.add_argument("--fallback", help="the dataset's copy on the shared file system, read "
+                    "when the producer does not answer")
+    mi.set_defaults(func=cmd_mirror)
     dc = sub.add_parser("dlio-configs", help="print the directory of forebay's DLIO workload "
                         "configs: dlio_benchmark --config-dir=$(forebay dlio-configs) "
                         "workload=forebay_unet3d")

@@ -13,6 +13,7 @@ from ._writer import DEFAULT_SHARD_BYTES, DatasetWriter, write_dataset
 from ._append import append, generations, wait_for
 from ._decoded import decompressed, value_nbytes
 from ._prefix import PrefixDataset, prefix_fingerprint
+from ._serve import DatasetServer, mirror, serve_dataset
 
 __all__ = [
     "ALIGNMENT", "BufferPool", "CODED_FORMAT_VERSION", "ConcatDataset", "DEFAULT_SHARD_BYTES",
@@ -21,5 +22,5 @@ __all__ = [
     "SampleBatch", "SampleViews", "Schema", "VerifyReport", "assemble_batch",
     "assemble_views", "can_lock", "checksum", "gather_ranges", "open_dataset", "seal_manifest",
     "write_dataset", "append", "generations", "wait_for", "decompressed", "value_nbytes",
-    "PrefixDataset", "prefix_fingerprint",
+    "PrefixDataset", "prefix_fingerprint", "DatasetServer", "mirror", "serve_dataset",
 ]
