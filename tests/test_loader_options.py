@@ -69,10 +69,6 @@ def test_mixed_or_unknown_spellings_are_refused(path):
         DataLoader(path, BATCH, comm=None, pipeline=Pipeline(), prefetch=2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'num_workers'"):
         DataLoader(path, BATCH, comm=None, num_workers=2)
-    # the old keywords' rule kept: a node cache with another kind is said, whatever else
-    with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct'"):
-        DataLoader(path, BATCH, comm=None, mode="clairvoyant", ram_bytes=1 << 20,
-                   node_cache=path.parent / "cache")
     with pytest.raises(InvalidArgumentError, match="pipeline must be a forebay.torch.Pipeline"):
         DataLoader(path, BATCH, comm=None, pipeline={"prefetch": 2})
     with pytest.raises(InvalidArgumentError, match="store must be one of"):

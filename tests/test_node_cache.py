@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import forebay  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
 from forebay.store import NodeCache, cache_entries  # noqa: E402
-from forebay.torch import DataLoader, Direct, Pipeline, Preload  # noqa: E402
+from forebay.torch import Clairvoyant, DataLoader, Direct, Pipeline, Preload  # noqa: E402
 
 SAMPLES, BATCH = 96, 8
 
@@ -33,7 +33,8 @@ def _write(path, seed=0, n=SAMPLES, size=1000):
 
 def _epoch(path, cache=None, kind="direct", **kw):
     """One epoch's batches (their bytes) and the loader's stats."""
-    store = Direct(node_cache=cache) if kind == "direct" else Preload(node_cache=cache)
+    store = {"direct": Direct, "preload": Preload,
+             "clairvoyant": Clairvoyant}[kind](node_cache=cache)
     dl = DataLoader(path, BATCH, comm=None, seed=3, store=store,
                     pipeline=Pipeline(collate_fn=lambda b: [bytes(np.asarray(b.sample(k)["x"]))
                                           for k in range(len(b.ids))]),
@@ -44,7 +45,7 @@ def _epoch(path, cache=None, kind="direct", **kw):
     return out, st
 
 
-@pytest.mark.parametrize("kind", ["direct", "preload"])
+@pytest.mark.parametrize("kind", ["direct", "preload", "clairvoyant"])
 def test_a_second_job_reads_the_node_cache_bit_exact(tmp_path, kind):
     ds = _write(tmp_path / "pfs" / "ds")
     want, plain = _epoch(ds)
@@ -65,31 +66,35 @@ def _labels(b):
     return b["label"].tolist()
 
 
-def rank_preload_cached(ds: str, cache: str) -> None:
-    """Three jobs' loaders in turn on every rank: without the cache, filling it, and
-    reading each rank's chunk from it."""
-    def epoch(c):
-        with DataLoader(ds, BATCH, seed=3, store=Preload(node_cache=c),
+def rank_cached(ds: str, cache: str) -> None:
+    """Three jobs' loaders in turn on every rank, for a preload and a clairvoyant
+    store: without the cache, filling it, and reading from it."""
+    def epoch(kind, c):
+        with DataLoader(ds, BATCH, seed=3, store=kind(node_cache=c),
                         pipeline=Pipeline(collate_fn=_labels)) as dl:
             return [b for b in dl], dl.stats()
 
-    want, _ = epoch(None)
-    first, st1 = epoch(cache)
-    second, st2 = epoch(cache)
-    assert first == want and second == want
-    assert st1["pfs_reads"] == st1["node_cache_misses"] > 0
-    assert st2["pfs_reads"] == 0 and st2["node_cache_hits"] == st1["node_cache_misses"]
+    want, _ = epoch(Direct, None)        # the plan's batches, whatever the store
+    for kind in (Preload, Clairvoyant):
+        where = f"{cache}/{kind.mode}"
+        first, st1 = epoch(kind, where)
+        second, st2 = epoch(kind, where)
+        assert first == want and second == want, kind
+        assert st1["pfs_reads"] == st1["node_cache_misses"] > 0, kind
+        assert st2["pfs_reads"] == 0, (kind, st2)
 
 
 @pytest.mark.mpi
-def test_each_rank_preloads_its_chunk_from_the_node_cache(tmp_path):
-    """Under mpiexec -n 2: each rank's chunk kept, and read from there by the next job."""
+def test_each_rank_reads_its_share_from_the_node_cache(tmp_path):
+    """Under mpiexec -n 2: what each rank read (a preload's chunk, a clairvoyant
+    store's tiers and misses) kept, and read from there by the next job."""
     pytest.importorskip("mpi4py")
     from conftest import assert_ranks_ok, run_ranks
 
     ds = _write(tmp_path / "ds")
-    assert_ranks_ok(run_ranks(2, rank_preload_cached, ds, tmp_path / "cache"), 2)
-    assert cache_entries(tmp_path / "cache")[0]["cached_samples"] == SAMPLES
+    assert_ranks_ok(run_ranks(2, rank_cached, ds, tmp_path / "cache"), 2)
+    for kind in ("preload", "clairvoyant"):
+        assert cache_entries(tmp_path / "cache" / kind)[0]["cached_samples"] == SAMPLES
 
 
 def test_the_environment_names_the_cache_and_other_modes_are_told(tmp_path, monkeypatch):
@@ -97,15 +102,14 @@ def test_the_environment_names_the_cache_and_other_modes_are_told(tmp_path, monk
     monkeypatch.setenv("FOREBAY_NODE_CACHE", str(tmp_path / "env-cache"))
     _epoch(ds)
     assert cache_entries(tmp_path / "env-cache")[0]["cached_samples"] == SAMPLES
-    with pytest.raises(InvalidArgumentError, match="node_cache serves mode='direct' and "
-                                                   "'preload'"):
-        DataLoader(ds, BATCH, comm=None, mode="clairvoyant", node_cache=tmp_path / "c")
-    dl = DataLoader(ds, BATCH, comm=None, store="preload")     # the variable: preload too
-    assert dl.stats()["node_cache_hits"] == SAMPLES and dl.stats()["pfs_reads"] == 0
-    dl.close()
-    dl = DataLoader(ds, BATCH, comm=None, store="clairvoyant")  # not clairvoyant's tiers
-    assert dl.stats().get("node_cache_hits") is None
-    dl.close()
+    for store in ("preload", "clairvoyant"):                   # the variable: every kind
+        with DataLoader(ds, BATCH, comm=None, store=store) as dl:
+            list(dl)
+            assert dl.stats()["node_cache_hits"] >= SAMPLES, store
+            assert dl.stats()["pfs_reads"] == 0, store
+    with pytest.raises(InvalidArgumentError, match="with a node cache the tier is a copy"):
+        DataLoader(ds, BATCH, comm=None,
+                   store=Clairvoyant(node_cache=tmp_path / "c", ram_tier="pages"))
 
 
 def test_a_changed_dataset_never_uses_the_old_copy(tmp_path):
@@ -118,7 +122,7 @@ def test_a_changed_dataset_never_uses_the_old_copy(tmp_path):
     assert len(cache_entries(tmp_path / "cache")) == 2
 
 
-@pytest.mark.parametrize("kind", ["direct", "preload"])
+@pytest.mark.parametrize("kind", ["direct", "preload", "clairvoyant"])
 def test_a_damaged_cached_record_is_read_again(tmp_path, kind):
     ds = _write(tmp_path / "ds")
     want, _ = _epoch(ds)

@@ -86,6 +86,12 @@ FACTORIES = {
     "preload-node-cache-reused": lambda ds, comm: DistributedStore(
         ds, comm, progress=False, node_cache=_node_cache(ds, filled=True)),
     "preload-grown": _grown,
+    "clairvoyant-node-cache": lambda ds, comm: ClairvoyantStore(
+        ds, _plan(ds, comm), comm, ram_bytes=int(ds.record_nbytes.sum() // 3),
+        node_cache=_node_cache(ds)),
+    "clairvoyant-node-cache-reused": lambda ds, comm: ClairvoyantStore(
+        ds, _plan(ds, comm), comm, ram_bytes=int(ds.record_nbytes.sum() // 3),
+        node_cache=_node_cache(ds, filled=True)),
     "preload-shm": lambda ds, comm: DistributedStore(ds, comm, transport="shm",
                                                      progress=False),
     "preload-rma": lambda ds, comm: DistributedStore(ds, comm, transport="rma",
@@ -386,6 +392,14 @@ class TestPreloadNodeCache(StoreContract):
 
 class TestPreloadNodeCacheReused(StoreContract):
     kind = "preload-node-cache-reused"
+
+
+class TestClairvoyantNodeCache(StoreContract):
+    kind = "clairvoyant-node-cache"
+
+
+class TestClairvoyantNodeCacheReused(StoreContract):
+    kind = "clairvoyant-node-cache-reused"
 
 
 class TestPreloadGrown(StoreContract):

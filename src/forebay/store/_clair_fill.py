@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .._liveness import waiting
-from ..dataset import IndexLayout, gather_ranges
+from ..dataset import IndexLayout, PackedDataset, gather_ranges
 from ..vocab import Backoff
 from ..comm import fence
 from ._base import raise_background_error
@@ -30,10 +30,19 @@ __all__ = ["ClairFill"]
 class ClairFill(ClairState):
     """The fill threads and presence of :class:`~forebay.store.ClairvoyantStore`."""
 
+    def _files_for(self, ids: np.ndarray) -> PackedDataset:
+        """The dataset whose files give samples ``ids`` now: with a node cache, its
+        copy once the records are there (kept by an earlier job, or read from the
+        dataset's files and kept now; each checked), else the dataset's own files
+        (the cache's cap reached)."""
+        if self.cache is not None and self.cache.ensure(np.asarray(ids, dtype=np.int64)):
+            return self.cache.dataset
+        return self.ds
+
     def _record_parts(self, ids: np.ndarray, rows: np.ndarray, populate: bool = False,
                       advise: Optional[np.ndarray] = None):
         """Parts for assemble_batch / gathers that read records from the dataset."""
-        return self.ds.record_parts(ids, rows, populate=populate, advise=advise)
+        return self._files_for(ids).record_parts(ids, rows, populate=populate, advise=advise)
 
     def _done_at(self, lpos: np.ndarray) -> np.ndarray:
         if len(self._state) == 0:
@@ -60,10 +69,11 @@ class ClairFill(ClairState):
             # pread: the kernel copies from its page cache into the tier; mapping the
             # files instead cost a page fault per 64 KiB read and an unmap after (so the
             # node did not hold each filled sample twice): 2-3x the CPU of the copy
-            self.ds.read_records(ids[tsel], rows[tsel], buf, dst[tsel])
-            if self.ds.verify_on_read:   # checked once, as it enters the tier
-                self.ds.check_records(ids[tsel], buf, dst[tsel],
-                                      where=f"(read into rank {self.rank}'s tier)")
+            files_ds = self._files_for(ids[tsel])
+            files_ds.read_records(ids[tsel], rows[tsel], buf, dst[tsel])
+            if files_ds.verify_on_read:   # checked once, as it enters the tier
+                files_ds.check_records(ids[tsel], buf, dst[tsel],
+                                       where=f"(read into rank {self.rank}'s tier)")
         nbytes = int(rows[:, IndexLayout.REC_LEN].sum())
         t1 = time.perf_counter()
         if self.on_pfs_read is not None and len(ids):

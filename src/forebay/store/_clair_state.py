@@ -126,6 +126,8 @@ class ClairState:
     _progress: Any
     _node_ranks: int
 
+    cache: Any
+
     if TYPE_CHECKING:    # what one concern calls on another
         def _dest(self, pos: np.ndarray) -> Any: ...
         def _peer_ssd(self, rank: int) -> np.ndarray: ...

@@ -121,7 +121,8 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
                  fill: bool = True, peer_wait: float = 1.0,
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  model: Any = None, ram_threads: int = 1, ssd_threads: int = 1,
-                 warm_files: "bool | str" = "auto", ram_tier: str = "auto") -> None:
+                 warm_files: "bool | str" = "auto", ram_tier: str = "auto",
+                 node_cache: Any = None) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
@@ -148,6 +149,14 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         self._publish_lock = threading.Lock()
         self._cursor: dict[str, int] = {}
         self._stats = {"local": 0, "peer": 0, "pfs": 0}
+        #: the node-local cache the dataset's records are read through (issue U: what
+        #: one job read from the shared file system, the next reads from the node)
+        self.cache = node_cache
+        if node_cache is not None:
+            if ram_tier == "pages":
+                raise InvalidArgumentError("ram_tier='pages' holds the dataset files' "
+                                           "pages; with a node cache the tier is a copy")
+            ram_tier, warm_files = "copy", False
         self.pfs_reads = 0
         self.pfs_bytes = 0
         self._fill_from_peers = 0
@@ -413,11 +422,12 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         traced = _trace.active() is not None
         if want.any():
             fidx = np.flatnonzero(want)
-            if self.ds.verify_on_read:   # (the files' pages may change under a tier)
-                self.ds.check_records(ids[fidx])
+            files_ds = self._files_for(ids[fidx])     # (the node cache's, with one)
+            if files_ds.verify_on_read:   # (the files' pages may change under a tier)
+                files_ds.check_records(ids[fidx])
             kind = np.where(local[fidx], 0, np.where(peer[fidx], 1, 2))
             # pages a tier locked are in memory: only the others are advised
-            for src, rec, sel in self._record_parts(
+            for src, rec, sel in files_ds.record_parts(
                     ids[fidx], rows[fidx], populate=lend,
                     advise=None if cold is None else cold[fidx]):
                 at, k = fidx[sel], kind[sel]
@@ -531,7 +541,11 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
                     "exchange_ended": self._exchange_ended,
                     "warmed_bytes": int(self.warmed.get("bytes", 0)),
                     "ram_tier": self.ram_tier, "buffer_bytes": len(self._buf),
-                    "locked_bytes": self._pages.nbytes if self._pages is not None else 0}
+                    "locked_bytes": self._pages.nbytes if self._pages is not None else 0,
+                    **({} if self.cache is None else {
+                        # through the node cache: what it read from the shared files
+                        "pfs_reads": self.cache.misses, "pfs_bytes": self.cache.miss_bytes,
+                        **self.cache.stats()})}
 
     def abandon(self) -> None:
         if self.comm is None:
@@ -563,6 +577,8 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         if self._ssd_file is not None:
             self._ssd_file.unlink(missing_ok=True)
             self._ssd_live.release(unlink=False)
+        if self.cache is not None:
+            self.cache.close()
         lent = self._lender.release()
         if self._progress is not None:
             self._progress.close()

@@ -255,7 +255,8 @@ class NodeCache:
             self._checked[fresh] = True
         missing = ids[~have]
         if not len(missing):
-            self.hits += asked
+            with self._lock:
+                self.hits += asked
             return True
         rows = self.src.rows(missing)
         lens = rows[:, IndexLayout.REC_LEN]
@@ -269,10 +270,10 @@ class NodeCache:
                 self.full = True          # the caller reads this batch from the source
                 return False
             self._used += need
-        wanted = int(count[~have].sum())      # requests of the missing (repeats too)
-        self.hits += asked - wanted
-        self.misses += wanted
-        self.miss_bytes += need
+            wanted = int(count[~have].sum())      # requests of the missing (repeats too)
+            self.hits += asked - wanted           # (fill threads and batches count here)
+            self.misses += wanted
+            self.miss_bytes += need
         dst = np.zeros(len(missing), dtype=np.int64)
         np.cumsum(lens[:-1], out=dst[1:])
         buf = np.empty(need, dtype=np.uint8)
@@ -335,16 +336,8 @@ class NodeCache:
 
 
 def node_cache_root(root: "str | os.PathLike[str] | None", mode: str) -> Optional[Path]:
-    """A loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``), checked against its
-    mode: the cache serves direct reads (``mode="auto"`` becomes direct with it) and
-    the preload's chunks; clairvoyant keeps its own tiers."""
+    """A loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``) for a store of kind
+    ``mode``: every kind reads through it (``mode="auto"`` becomes direct with it)."""
     if root is None:
         root = os.environ.get(NODE_CACHE_ENV) or None
-        if root is None:
-            return None
-        if mode not in ("auto", "direct", "preload"):
-            return None                 # the environment's default does not apply here
-    if mode not in ("auto", "direct", "preload"):
-        raise InvalidArgumentError(f"node_cache serves mode='direct' and 'preload' "
-                                   f"(clairvoyant keeps its own tiers), not mode={mode!r}")
-    return Path(root)
+    return None if root is None else Path(root)

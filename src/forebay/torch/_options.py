@@ -88,6 +88,10 @@ class Clairvoyant:
     warm_files: read the extents the node's tiers cover into the page cache ahead,
         with large sequential reads; ``"auto"`` (default): for small records.
     on_pfs_read: as :class:`Preload`'s.
+    node_cache: a node-local directory through which the dataset's records are read
+        and kept for later jobs on the node (default ``FOREBAY_NODE_CACHE``; see
+        :class:`~forebay.store.NodeCache`): the next job fills its tiers from there.
+        The RAM tier is then a copy (not the files' pages) and nothing is warmed.
 
     Fields left None take the loader's ``system=`` file's ``[tiers]`` values.
     """
@@ -101,6 +105,7 @@ class Clairvoyant:
     transport: str = "auto"
     warm_files: "bool | str" = "auto"
     on_pfs_read: PfsHook = None
+    node_cache: Optional[PathLike] = None
     mode: ClassVar[str] = "clairvoyant"
 
     def __post_init__(self) -> None:
@@ -280,13 +285,7 @@ def from_legacy(store: Any, pipeline: Optional[Pipeline], legacy: dict[str, Any]
         if mode == "auto":
             store = Auto(_settings(Preload, store_kw), _settings(Clairvoyant, store_kw))
         else:
-            cls = KINDS[mode]
-            # as before: other kinds' settings are ignored, but a node cache is not
-            if "node_cache" in store_kw and cls is Clairvoyant:
-                raise InvalidArgumentError(f"node_cache serves mode='direct' and 'preload' "
-                                           f"(clairvoyant keeps its own tiers), not "
-                                           f"mode={mode!r}")
-            store = _settings(cls, store_kw)
+            store = _settings(KINDS[mode], store_kw)
         args = ", ".join(f"{'overlap' if k == 'overlap_preload' else k}=..."
                          for k in store_kw)
         hints.append(f"store={type(store).__name__}({args})" if args else f"store={mode!r}")
@@ -367,12 +366,16 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
     if isinstance(spec, Clairvoyant):
         warm = spec.on_pfs_read is None and warm_enabled(spec.warm_files, ds)
         ram = default_ram_bytes(comm) if spec.ram_bytes is None else spec.ram_bytes
+        root = node_cache_root(spec.node_cache, "clairvoyant")
+        if spec.node_cache is None and not isinstance(ds.locator, str):
+            root = None       # the environment's cache keeps one dataset, not a mixture
         return ClairvoyantStore(ds, plan, store_comm, ram_bytes=ram, ssd_dir=spec.ssd_dir,
                                 ssd_bytes=spec.ssd_bytes or 0, transport=spec.transport,
                                 on_pfs_read=spec.on_pfs_read, model=fetch_model,
                                 ram_threads=spec.ram_threads or 1,
                                 ssd_threads=spec.ssd_threads or 1, warm_files=warm,
-                                ram_tier=spec.ram_tier)
+                                ram_tier=spec.ram_tier,
+                                node_cache=None if root is None else NodeCache(root, ds))
     # direct: the node reads every sample when every rank is on it (the store checks
     # that the files fit)
     world = comm.Get_size() if comm is not None else 1
