@@ -256,3 +256,19 @@ def jpeg_dataset(out: Path, samples: int) -> tuple[Path, Path]:
     if not packed.exists():
         ingest(get_source("imagefolder", src), packed)
     return src, packed
+
+
+def imagenet_dataset(path: Path, samples: int) -> Path:
+    """An ImageNet-sized packed dataset at ``path`` (``forebay synth imagenet`` ingested
+    from its ImageFolder), made once: the node-cache and growth benchmarks' data."""
+    import shutil
+    import subprocess
+
+    if not path.exists():
+        src = path.parent / f"{path.name}-src"
+        subprocess.run(["forebay", "synth", "imagenet", str(src), "--samples", str(samples),
+                        "--overwrite"], check=True)
+        subprocess.run(["forebay", "ingest", str(src), str(path), "--from", "imagefolder",
+                        "--overwrite"], check=True)
+        shutil.rmtree(src)
+    return path

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import evict, files_under, machine, throttled  # noqa: E402
+from _common import evict, files_under, imagenet_dataset, machine, throttled  # noqa: E402
 
 
 def job(a: argparse.Namespace) -> None:
@@ -83,13 +83,7 @@ def main() -> None:
         job(a)
         return
     a.out.mkdir(parents=True, exist_ok=True)
-    base = a.out / "base.fb"
-    if not base.exists():
-        subprocess.run(["forebay", "synth", "imagenet", str(a.out / "src"), "--samples",
-                        str(a.samples), "--overwrite"], check=True)
-        subprocess.run(["forebay", "ingest", str(a.out / "src"), str(base), "--from",
-                        "imagefolder", "--overwrite"], check=True)
-        shutil.rmtree(a.out / "src")
+    base = imagenet_dataset(a.out / "base.fb", a.samples)
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     runs: dict[str, list[dict]] = {"grow": [], "rebuild": []}
     with throttled(a.out, a.throttle) as dev:

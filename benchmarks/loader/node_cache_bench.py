@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import evict, files_under, machine, throttled  # noqa: E402
+from _common import evict, files_under, imagenet_dataset, machine, throttled  # noqa: E402
 
 
 def job(a: argparse.Namespace) -> None:
@@ -82,12 +82,7 @@ def main() -> None:
         job(a)
         return
     a.out.mkdir(parents=True, exist_ok=True)
-    if not (a.out / "data.fb").exists():
-        subprocess.run(["forebay", "synth", "imagenet", str(a.out / "src"), "--samples",
-                        str(a.samples), "--overwrite"], check=True)
-        subprocess.run(["forebay", "ingest", str(a.out / "src"), str(a.out / "data.fb"),
-                        "--from", "imagefolder", "--overwrite"], check=True)
-        shutil.rmtree(a.out / "src")
+    imagenet_dataset(a.out / "data.fb", a.samples)
     size = sum(f.stat().st_size for f in files_under(a.out / "data.fb"))
     rows: dict[str, list[float]] = {k: [] for k in (
         "cold start, epoch 1", "warm epoch (page cache)", "first job with the cache, epoch 1",

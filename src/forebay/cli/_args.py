@@ -101,3 +101,16 @@ def mixture_of(a: argparse.Namespace) -> Any:
     from ..mixture import Mixture
 
     return Mixture(a.mix, policy=a.mix_policy, samples_per_epoch=a.samples_per_epoch)
+
+
+def token_refused(token: "str | None", no_token: bool, command: str) -> bool:
+    """A server command without a token (and without ``--no-token``): says why on
+    stderr and returns True (the command exits 2)."""
+    import sys
+
+    if token or no_token:
+        return False
+    print(f"{command}: a token is required, even on 127.0.0.1, which every user of this "
+          f"node can reach (--token-file or FOREBAY_TOKEN; --no-token to serve anyone)",
+          file=sys.stderr)
+    return True

@@ -169,12 +169,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from ..dataset import serve_dataset
     from ..models import token_from_file
+    from ._args import token_refused
 
     token = token_from_file(a.token_file)
-    if not token and not a.no_token:
-        print("forebay serve: a token is required, even on 127.0.0.1, which every user of "
-              "this node can reach (--token-file or FOREBAY_TOKEN; --no-token to serve "
-              "anyone)", file=sys.stderr)
+    if token_refused(token, a.no_token, "forebay serve"):
         return 2
     srv = serve_dataset(a.path, a.listen, token=token, workers=a.workers,
                         allow_no_token=a.no_token)

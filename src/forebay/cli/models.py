@@ -74,12 +74,10 @@ def cmd_models_serve(a: argparse.Namespace) -> int:
 
 def _serve_models(a: argparse.Namespace) -> int:
     from ..models import serve, token_from_file
+    from ._args import token_refused
 
     token = token_from_file(a.token_file)
-    if not token and not a.no_token:
-        print("forebay models serve: a token is required, even on 127.0.0.1, which every "
-              "user of this node can reach (--token-file or FOREBAY_TOKEN; --no-token to "
-              "serve anyone)", file=sys.stderr)
+    if token_refused(token, a.no_token, "forebay models serve"):
         return 2
     try:
         serve(a.listen, a.store, token, workers=a.workers, max_data=a.max_frame,
