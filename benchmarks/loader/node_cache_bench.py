@@ -11,7 +11,7 @@ empty cache (it fills it), a second job with the cache filled.
 
     sudo .venv/bin/python benchmarks/loader/node_cache_bench.py --out /tmp/ncb \\
         --cache /dev/shm/forebay-ncb --samples 2000 --throttle 100 --rounds 3 \\
-        [--store preload]
+        [--store preload|clairvoyant]
 """
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ def job(a: argparse.Namespace) -> None:
     """One job: two epochs; prints their seconds and the loader's stats as JSON."""
     import numpy as np
 
-    from forebay.torch import DataLoader, Direct, Pipeline, Preload
+    from forebay.torch import Clairvoyant, DataLoader, Direct, Pipeline, Preload
 
     t0 = time.perf_counter()
-    store = Direct(warm_files=False, node_cache=a.cache or None) if a.store == "direct" \
-        else Preload(overlap=False, node_cache=a.cache or None)
+    cache = a.cache or None
+    store = {"direct": lambda: Direct(warm_files=False, node_cache=cache),
+             "preload": lambda: Preload(overlap=False, node_cache=cache),
+             # tiers that hold it all: the first epoch fills them (from the cache)
+             "clairvoyant": lambda: Clairvoyant(ram_bytes=1 << 30, warm_files=False,
+                                                node_cache=cache)}[a.store]()
     dl = DataLoader(a.data, 64, comm=None, seed=a.seed, epochs=2, store=store,
                     pipeline=Pipeline(collate_fn=lambda b: int(b.field("image").values.sum(dtype=np.uint64))))
     times = []
@@ -73,7 +77,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--throttle", default="100", help="MBPS[,IOPS] of the dataset's disk")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--store", choices=("direct", "preload"), default="direct")
+    p.add_argument("--store", choices=("direct", "preload", "clairvoyant"), default="direct")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
