@@ -30,6 +30,14 @@ and the interval that minimises it is Young's, I * step_s = sqrt(2 * save_s * F)
   deadline (30 s by default) plus one probe (3 s); the launcher's start and
   rendezvous is not modelled: the measured 3-node figure is used, a floor (at 1,024
   nodes srun and Python's imports from a shared file system take longer).
+* ``--preload-cache`` (``Preload(node_cache=)``: each node keeps the chunk it read):
+  ``same-nodes``, the job requeued on the survivors plus a spare node (the same world
+  size, so the same chunks): only the spare reads its chunk from the file system,
+  alone; ``survivors``, the job re-formed on the N-1 left: forebay's contiguous chunks
+  move, each survivor reads from the file system the part of its new chunk its cache
+  lacks (exact for each lost node, averaged over 64 of them), every survivor at once,
+  a fluid share of the file system among those still reading; then each node preloads
+  its chunk from its node-local storage (the SSD table).
 
     python benchmarks/launch/lost_work.py \\
         --measured benchmarks/results/recovery_2026-11-27.txt --hours 24
@@ -43,6 +51,9 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 #: seconds a silent peer is given before the liveness probe (FOREBAY_PEER_TIMEOUT's
 #: default) and what one probe may wait
@@ -72,8 +83,33 @@ def lost_share(recovery_s: float, step_s: float, save_s: float, every_s: float,
         interval_steps
 
 
+def cache_misses(nodes: int, lost: int) -> np.ndarray:
+    """Each survivor's share of the dataset (fractions) that its node cache lacks when a
+    store of ``nodes`` contiguous chunks re-forms on the ``nodes - 1`` left after node
+    ``lost`` is gone (forebay's layout: chunks balanced by bytes, in rank order)."""
+    old = np.arange(nodes + 1) / nodes
+    survivors = np.delete(np.arange(nodes), lost)
+    new = np.arange(nodes) / (nodes - 1)
+    overlap = np.clip(np.minimum(new[1:], old[survivors + 1]) -
+                      np.maximum(new[:-1], old[survivors]), 0.0, None)
+    return (new[1:] - new[:-1]) - overlap
+
+
+def fluid_read_s(amounts_mb: np.ndarray, threads: int, sysm: Any) -> float:
+    """Seconds until every node has read its ``amounts_mb`` from the file system, all
+    starting at once: the nodes still reading share it (the conserving model's rate for
+    that many readers), the smallest amounts finish first."""
+    t, done = 0.0, 0.0
+    left = np.sort(amounts_mb[amounts_mb > 0])
+    for i, m in enumerate(left.tolist()):
+        active = len(left) - i
+        t += (m - done) / (threads / sysm.pfs_setup_s_per_MB(active, threads))
+        done = m
+    return t
+
+
 def at_scale(nodes: int, system: str, dataset: str, batch: int, state_gb: float,
-             base: dict, restore_from: str = "one") -> dict:
+             base: dict, restore_from: str = "one", preload_cache: str = "none") -> dict:
     """The components at ``nodes`` nodes (see the module's docstring)."""
     from forebay.sim import SCENARIOS, load_system
 
@@ -83,6 +119,15 @@ def at_scale(nodes: int, system: str, dataset: str, batch: int, state_gb: float,
     threads = sysm.staging_threads
     per_mb = sysm.pfs_setup_s_per_MB(nodes, threads)      # one thread's MB, all at once
     setup_s = data_mb / nodes / threads * per_mb             # each node its share
+    if preload_cache != "none":
+        tier = "ssd" if sysm.ssd_read_MBps else "ram"   # each node its chunk, locally
+        local_s = data_mb / nodes / threads * sysm.local_s_per_MB(tier)
+        if preload_cache == "same-nodes":    # the spare alone reads its chunk
+            setup_s = fluid_read_s(np.array([data_mb / nodes]), threads, sysm) + local_s
+        else:
+            lost = np.linspace(0, nodes - 1, 64).round().astype(int)
+            setup_s = float(np.mean([fluid_read_s(cache_misses(nodes, d) * data_mb,
+                                                  threads, sysm) for d in lost])) + local_s
     if restore_from == "every":                              # each node the whole state
         restore_s = state_gb * 1000 / threads * per_mb
     else:               # one reader alone, then log2(N) hops of a broadcast tree
@@ -116,17 +161,21 @@ def main() -> None:
                    help="model and optimizer state at scale (ResNet-50 with momentum: 0.2)")
     p.add_argument("--save-ms-at-scale", type=float, default=12.9,
                    help="a save's hold at scale (537 MB from one H200: 12.9 ms)")
+    p.add_argument("--preload-cache", choices=["none", "same-nodes", "survivors"],
+                   default="none", help="at scale: each node's preload chunk kept in its "
+                   "node cache, the job requeued on the same nodes (a spare for the lost "
+                   "one) or re-formed on the survivors")
     p.add_argument("--restore-from", choices=["one", "every"], default="one",
                    help="at scale: the state read once and broadcast (Checkpoint's "
                         "default for a replicated state), or by every node")
     a = p.parse_args()
     base = measured(a.measured)
     scale = at_scale(a.nodes, a.system, a.dataset, a.batch, a.state_gb, base,
-                     a.restore_from)
+                     a.restore_from, a.preload_cache)
     print(f"# a {a.hours:g} h run; measured: {a.measured.name} (3 emulated nodes); "
           f"{a.nodes} nodes: {a.system} file system, {a.dataset}, batch {a.batch} a "
-          f"worker, {a.state_gb:g} GB of state, restored from {a.restore_from}; Young's "
-          f"checkpoint interval")
+          f"worker, {a.state_gb:g} GB of state, restored from {a.restore_from}, preload "
+          f"node cache: {a.preload_cache}; Young's checkpoint interval")
     print("\n| nodes | node lost | every | detection s | start s | store set-up s | "
           "restore s | loss to first step s | interval (steps) | replayed s | "
           "saves' hold | lost share of the run | lost hours |")
