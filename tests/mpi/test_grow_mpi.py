@@ -60,7 +60,7 @@ def rank_grow_preload(path: str) -> None:
     from mpi4py import MPI
 
     from forebay.dataset import PrefixDataset
-    from forebay.store import DistributedStore
+    from forebay.store import ClairvoyantStore, DistributedStore
     from forebay.torch import DataLoader, Pipeline, Preload
 
     comm = MPI.COMM_WORLD
@@ -83,6 +83,24 @@ def rank_grow_preload(path: str) -> None:
     # the store alone, over every transport: the same through two growths
     full = forebay.open_dataset(path)
     ids = np.random.default_rng(comm.rank).integers(0, 80, 50)
+    for transport in ("shm", "rma", "exchange"):     # a clairvoyant store's tiers too
+        plans = [forebay.AccessPlan(n, 2, 4, 2, seed=1) for n in (40, 80)]
+        a = ClairvoyantStore(PrefixDataset(path, 40), plans[0], comm, transport=transport,
+                             ram_bytes=1 << 20, ram_tier="copy")
+        a.wait_filled()
+        held = a.local_pos >= 0                  # what the old store's tiers hold
+        c = ClairvoyantStore(full, plans[1], comm, transport=transport, ram_bytes=1 << 20,
+                             ram_tier="copy", grown_from=a)
+        a.close()
+        c.wait_filled()
+        st = c.stats()
+        # kept: exactly the new tiers' samples the old tiers held; the rest came from
+        # the files (or a peer's tier)
+        want = int(held[c.fill_order[c.fill_order < 40]].sum())
+        assert st["kept_from_old_store"] == want > 0, (transport, st)
+        assert st["pfs_reads"] + st["filled_from_peers"] == len(c.fill_order) - want
+        assert c.get_many(ids).equals(full.get_many(ids)), transport
+        c.close()
     for transport in ("shm", "rma", "exchange"):
         a = DistributedStore(PrefixDataset(path, 40), comm, transport=transport,
                              progress=False)

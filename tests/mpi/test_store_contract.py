@@ -51,10 +51,10 @@ def _node_cache(ds, filled: bool = False, cap: "int | None" = None) -> NodeCache
     return NodeCache(d, ds, cap_bytes=cap)
 
 
-def _grown(ds, comm) -> DistributedStore:
-    """A preload that grew (issue U): ``ds``'s samples written as a dataset of 100 and a
+def _grown(ds, comm, kind: str = "preload") -> SampleStore:
+    """A store that grew (issue U): ``ds``'s samples written as a dataset of 100 and a
     generation appended, a store over the first generation, then one over both that
-    keeps its chunk (one rank: the chunk copied from the old store's memory)."""
+    keeps what it held (one rank: copied from the old store's memory)."""
     from forebay.dataset import PrefixDataset
 
     d = tempfile.mkdtemp(prefix="forebay-grown-")
@@ -63,10 +63,20 @@ def _grown(ds, comm) -> DistributedStore:
     coded = {f.name: "zstd" for f in ds.schema.fields if f.codec} or None
     forebay.write_dataset(f"{d}/g", every[:100], shard_bytes=6 << 10, compress=coded)
     forebay.append(f"{d}/g", every[100:], shard_bytes=4 << 10)
-    old = DistributedStore(PrefixDataset(f"{d}/g", 100), comm, transport="exchange",
-                           progress=False)
-    grown = DistributedStore(forebay.open_dataset(f"{d}/g"), comm, transport="exchange",
-                             progress=False, grown_from=old)
+    first, both = PrefixDataset(f"{d}/g", 100), forebay.open_dataset(f"{d}/g")
+    if kind == "clairvoyant":
+        ram = int(both.record_nbytes.sum() // 2)
+        old: SampleStore = ClairvoyantStore(first, _plan(first, comm), comm, ram_bytes=ram,
+                                            ram_tier="copy")
+        old.wait_filled()
+        grown: SampleStore = ClairvoyantStore(both, _plan(both, comm), comm, ram_bytes=ram,
+                                              ram_tier="copy", grown_from=old)
+        old.close()
+        assert grown.stats()["kept_from_old_store"] > 0
+        return grown
+    old = DistributedStore(first, comm, transport="exchange", progress=False)
+    grown = DistributedStore(both, comm, transport="exchange", progress=False,
+                             grown_from=old)
     old.close()
     assert grown.layout.segments == (100, len(ds)) and \
         grown.stats()["pfs_reads"] == len(ds) - 100
@@ -86,6 +96,7 @@ FACTORIES = {
     "preload-node-cache-reused": lambda ds, comm: DistributedStore(
         ds, comm, progress=False, node_cache=_node_cache(ds, filled=True)),
     "preload-grown": _grown,
+    "clairvoyant-grown": lambda ds, comm: _grown(ds, comm, "clairvoyant"),
     "clairvoyant-node-cache": lambda ds, comm: ClairvoyantStore(
         ds, _plan(ds, comm), comm, ram_bytes=int(ds.record_nbytes.sum() // 3),
         node_cache=_node_cache(ds)),
@@ -404,6 +415,10 @@ class TestClairvoyantNodeCacheReused(StoreContract):
 
 class TestPreloadGrown(StoreContract):
     kind = "preload-grown"
+
+
+class TestClairvoyantGrown(StoreContract):
+    kind = "clairvoyant-grown"
 
 
 class TestPreloadShm(DistributedStoreContract):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -48,6 +48,37 @@ class ClairFill(ClairState):
         if len(self._state) == 0:
             return np.zeros(len(lpos), dtype=bool)
         return (lpos >= 0) & (self._state[np.maximum(lpos, 0)] == _DONE)
+
+    def _keep_from(self, old: Any) -> int:
+        """Copy into this rank's tiers, before any fill, the samples it will hold that
+        ``old`` (the store over the dataset's first generations this one grows from)
+        holds in its own tiers, and mark them done: the fill threads then read only the
+        rest.  Tiers held in the files' pages are left to the fill (the page cache has
+        them).  Returns the samples copied."""
+        ids = self.fill_order
+        if not len(ids) or old is None:
+            return 0
+        pos = np.arange(len(ids))
+        lpos = np.full(len(ids), -1, dtype=np.int64)
+        inside = ids < len(old.local_pos)
+        lpos[inside] = old.local_pos[ids[inside]]
+        held = old._done_at(lpos)
+        sizes = self.ds.record_nbytes[ids]
+        copied = np.zeros(len(ids), dtype=bool)
+        for dbuf, dsel in self._dest(pos):
+            for sbuf, ssel in old._dest(np.maximum(lpos, 0)):
+                m = dsel & ssel & held
+                if dbuf is None or sbuf is None or not m.any():
+                    continue
+                gather_ranges(sbuf, old.local_off[ids[m]], sizes[m], dbuf,
+                              self.local_off[ids[m]])
+                copied |= m
+        self._sync()      # the data is visible before its state says done
+        with self._done_cv:
+            self._state[pos[copied]] = _DONE
+            self._done_cv.notify_all()
+        self._advance()
+        return int(copied.sum())
 
     def _claim(self, pos: np.ndarray) -> np.ndarray:
         """Claim tier positions for writing; returns which ones this caller got."""

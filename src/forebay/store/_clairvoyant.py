@@ -40,7 +40,7 @@ import numpy as np
 
 from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
-from ..dataset import IndexLayout, assemble_batch, assemble_views
+from ..dataset import IndexLayout, assemble_batch, assemble_views, prefix_fingerprint
 from ..comm import NodeSegment
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import InvalidArgumentError
@@ -122,7 +122,8 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
                  on_pfs_read: Optional[Callable[[int, int, float], None]] = None,
                  model: Any = None, ram_threads: int = 1, ssd_threads: int = 1,
                  warm_files: "bool | str" = "auto", ram_tier: str = "auto",
-                 node_cache: Any = None) -> None:
+                 node_cache: Any = None,
+                 grown_from: "Optional[ClairvoyantStore]" = None) -> None:
         self.comm = resolve_comm(comm)
         abort_on_uncaught(self.comm)   # a rank that raises ends the job, not a hang
         join_liveness(self.comm)       # a peer gone mid-wait ends the job, not a hang
@@ -177,12 +178,22 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         # choice is one decision, taken here rather than per batch
         self._peer_via_pfs = model is not None and model.prefer_pfs(1.0, self.world,
                                                                     self.world)
+        if grown_from is not None:
+            k = len(grown_from.ds.manifest.shards)
+            if grown_from._closed or grown_from.world != self.world or \
+                    len(grown_from.ds) >= len(self.ds) or \
+                    prefix_fingerprint(grown_from.ds.manifest.shards) != \
+                    prefix_fingerprint(self.ds.manifest.shards[:k]):
+                raise InvalidArgumentError(
+                    f"grown_from must be an open store over the first generations of "
+                    f"{self.ds.path} on the same ranks ({grown_from!r})")
         check_agreement(self.comm, "ClairvoyantStore's arguments", self.ds, {
             "plan": (f"{plan.num_samples} samples, world {plan.world_size}, batch "
                      f"{plan.batch_size}, {plan.epochs} epochs, seed {plan.seed}, "
                      f"drop_last {plan.drop_last}, shuffle {plan.shuffle}"),
             "transport": transport, "verify_on_read": self.ds.verify_on_read,
-            "ram_tier": ram_tier})
+            "ram_tier": ram_tier,
+            "grown_from": None if grown_from is None else len(grown_from.ds)})
         problems = []
         if plan.world_size != self.world:
             problems.append(f"the plan is for {plan.world_size} ranks, the world has {self.world}")
@@ -223,6 +234,8 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         self._fill_all = np.array([n for _, _, _, n in every], dtype=np.int64)
         self._steady: Optional[np.ndarray] = None
         self._allocate()
+        #: samples copied from the store this one grew from (not read again)
+        self.kept = self._keep_from(grown_from)
         #: rma across nodes: peers' gets from this rank complete while it is busy
         #: outside MPI (see TargetProgress)
         self._progress = target_progress(
@@ -542,6 +555,7 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
                     "warmed_bytes": int(self.warmed.get("bytes", 0)),
                     "ram_tier": self.ram_tier, "buffer_bytes": len(self._buf),
                     "locked_bytes": self._pages.nbytes if self._pages is not None else 0,
+                    "kept_from_old_store": self.kept,
                     **({} if self.cache is None else {
                         # through the node cache: what it read from the shared files
                         "pfs_reads": self.cache.misses, "pfs_bytes": self.cache.miss_bytes,

@@ -24,8 +24,8 @@ from ..world import LOCAL, abort_on_uncaught, resolve_comm
 from ..store import agree_on_prefix, check_agreement, prefixes
 from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
-from ._options import (Direct, Pipeline, Preload, StoreSpec, build_store, describe,
-                       following_spec, from_legacy, mode_of, store_spec, with_system_tiers)
+from ._options import (Direct, Pipeline, StoreSpec, build_store, describe, following_spec,
+                       from_legacy, grown_store, mode_of, store_spec, with_system_tiers)
 from ._start import choose_start, make_workers
 from ._threads import ThreadWorkers
 from ._workers import SharedAlloc, WorkerPool, _Pending, start_forkserver, transform_batch
@@ -60,8 +60,8 @@ class DataLoader:
             fence (:meth:`set_epoch`, called by every rank) the generations appended
             since that every rank sees join the plan; epoch e's order is the plan's for
             the samples agreed at its fence (``state_dict`` records how many).
-            ``store="direct"`` or ``"preload"`` (a preload grows: each rank keeps the
-            chunk it holds and reads only its share of the new generations).
+            ``store="direct"``, ``"preload"`` or ``"clairvoyant"`` (the last two grow:
+            each rank keeps what it holds and reads only the new generations' samples).
         batch_size: per-rank batch; the global batch is ``batch_size * world_size``.
         epochs: epochs in the run (the access plan covers them all).
         seed, shuffle, drop_last: as :class:`~forebay.AccessPlan` (same seed and global
@@ -163,7 +163,7 @@ class DataLoader:
             dataset_id=("grows", 0, str(self.ds.path)) if self.follow_appends else None)
         # a growing dataset: the generations every rank sees (one allgather)
         samples = agree_on_prefix(self.comm, self.ds) if self.follow_appends else len(self.ds)
-        if self.follow_appends and isinstance(spec, Preload):   # what every rank holds
+        if self.follow_appends and not isinstance(spec, Direct):   # what every rank holds
             self.ds = PrefixDataset(self.ds.path, samples, verify_on_read=self.ds.verify_on_read)
         # the loop's own step between two batches (DDP's all-reduce, a checkpoint's
         # save) is watched too: a peer node gone mid-step ends the job by name
@@ -287,21 +287,13 @@ class DataLoader:
 
         if samples == self.plan.num_samples:
             return
-        preload = isinstance(self._spec, Preload)
-        fresh = PrefixDataset(self.ds.path, samples, verify_on_read=self.ds.verify_on_read) \
-            if preload else self.ds.reopened(verify_on_read=self.ds.verify_on_read)
-        if samples > len(fresh):
-            raise InvalidArgumentError(f"{self.ds.path} holds {len(fresh)} samples, fewer "
-                                       f"than the {samples} asked: a growing dataset only "
-                                       f"grows")
-        old, self.ds = self.store, fresh
-        assert isinstance(self._spec, (Direct, Preload))   # (checked at construction)
-        # a preload keeps what it held: the new store's chunks begin with the old ones
-        grows = preload and samples > len(old.ds)
-        self.store = build_store(self._spec, fresh, self.plan, self.comm, self._store_comm,
-                                 None, None, grown_from=old if grows else None)
+        plan = dataclasses.replace(self.plan, num_samples=samples)
+        old = self.store
+        self.store = grown_store(self._spec, old, self.ds.path, samples, plan, self.comm,
+                                 self._store_comm, self.ds.verify_on_read)
+        self.ds = self.store.ds
         old.close()
-        self.plan = dataclasses.replace(self.plan, num_samples=samples)
+        self.plan = plan
         self._requests_epoch = -1
         self._trace_dataset()
 

@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from ..dataset import PrefixDataset
+from ..dataset import PrefixDataset, open_dataset
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..store import (ClairvoyantStore, DirectStore, DistributedStore, NodeCache, SampleStore,
                      choose_mode, default_ram_bytes, node_cache_root, node_size, warm_enabled)
@@ -19,7 +19,7 @@ from ._start import START_METHODS
 from ._workers import DEFAULT_TIMEOUT_S as WORKER_TIMEOUT_S
 
 __all__ = ["Auto", "Clairvoyant", "Direct", "Pipeline", "Preload", "StoreSpec",
-           "following_spec", "store_settings"]
+           "following_spec", "grown_store", "store_settings"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 PfsHook = Optional[Callable[[int, int, float], None]]
@@ -319,22 +319,37 @@ def mode_of(store: SampleStore) -> str:
     return type(store).__name__
 
 
-def following_spec(spec: Any, mixture: bool) -> "Preload | Direct":
+def following_spec(spec: Any, mixture: bool) -> "Preload | Clairvoyant | Direct":
     """The settings of a loader that follows appends (``follow_appends=True``): direct
     reads as given; a preload loaded before the first batch (a store that grows from
-    the last one needs it whole), without a node cache (it keeps one dataset version,
-    and a growing dataset has a new one per generation)."""
-    if mixture or not isinstance(spec, (Direct, Preload)):
+    the last one needs it whole); preload and clairvoyant without a node cache (it
+    keeps one dataset version, and a growing dataset has a new one per generation)."""
+    if mixture or not isinstance(spec, (Direct, Preload, Clairvoyant)):
         raise InvalidArgumentError("follow_appends reads a growing dataset with "
-                                   "store='direct' or 'preload' (not a mixture, not "
-                                   "another store)")
-    if isinstance(spec, Preload):
-        if spec.node_cache is not None:
-            raise InvalidArgumentError("follow_appends with Preload(node_cache=): the "
-                                       "node cache keeps one version of a dataset; leave "
-                                       "it unset")
-        return dataclasses.replace(spec, overlap=False)
-    return spec
+                                   "store='direct', 'preload' or 'clairvoyant' (not a "
+                                   "mixture, not another store)")
+    if isinstance(spec, (Preload, Clairvoyant)) and spec.node_cache is not None:
+        raise InvalidArgumentError(f"follow_appends with {type(spec).__name__}"
+                                   f"(node_cache=): the node cache keeps one version of a "
+                                   f"dataset; leave it unset")
+    return dataclasses.replace(spec, overlap=False) if isinstance(spec, Preload) else spec
+
+
+def grown_store(spec: Any, old: SampleStore, path: Any, samples: int, plan: Any,
+                comm: Any, store_comm: Any, verify_on_read: bool) -> SampleStore:
+    """The store of a loader that follows appends once the agreed samples changed:
+    over the first ``samples`` of the dataset at ``path`` and ``plan``; a preload or
+    clairvoyant store that grew keeps what ``old`` holds (its chunks, its tiers'
+    samples) instead of reading it again.  ``old`` is left to the caller to close."""
+    if isinstance(spec, Direct):
+        fresh = open_dataset(path, verify_on_read=verify_on_read)
+        if samples > len(fresh):
+            raise InvalidArgumentError(f"{path} holds {len(fresh)} samples, fewer than the "
+                                       f"{samples} asked: a growing dataset only grows")
+        return build_store(spec, fresh, plan, comm, store_comm, None, None)
+    fresh = PrefixDataset(path, samples, verify_on_read=verify_on_read)
+    return build_store(spec, fresh, plan, comm, store_comm, None, None,
+                       grown_from=old if samples > len(old.ds) else None)
 
 
 def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: Any,
@@ -370,6 +385,7 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
         if spec.node_cache is None and not isinstance(ds.locator, str):
             root = None       # the environment's cache keeps one dataset, not a mixture
         return ClairvoyantStore(ds, plan, store_comm, ram_bytes=ram, ssd_dir=spec.ssd_dir,
+                                grown_from=grown_from,
                                 ssd_bytes=spec.ssd_bytes or 0, transport=spec.transport,
                                 on_pfs_read=spec.on_pfs_read, model=fetch_model,
                                 ram_threads=spec.ram_threads or 1,
