@@ -13,7 +13,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .._liveness import waiting
-from ..dataset import IndexLayout, PackedDataset, gather_ranges
+from ..dataset import IndexLayout, PackedDataset, gather_ranges, prefix_fingerprint
+from ..errors import InvalidArgumentError
 from ..vocab import Backoff
 from ..comm import fence
 from ._base import raise_background_error
@@ -48,6 +49,30 @@ class ClairFill(ClairState):
         if len(self._state) == 0:
             return np.zeros(len(lpos), dtype=bool)
         return (lpos >= 0) & (self._state[np.maximum(lpos, 0)] == _DONE)
+
+    def _with_cache(self, ram_tier: str, warm_files: Any) -> "tuple[str, Any]":
+        """``ram_tier`` and ``warm_files`` as a node cache leaves them: the RAM tier a
+        copy (the files' pages would be the dataset's, not the cache's), nothing warmed
+        (the cache is node-local already)."""
+        if self.cache is None:
+            return ram_tier, warm_files
+        if ram_tier == "pages":
+            raise InvalidArgumentError("ram_tier='pages' holds the dataset files' pages; "
+                                       "with a node cache the tier is a copy")
+        return "copy", False
+
+    def _check_grown_from(self, old: Any) -> None:
+        """``grown_from`` is an open store of the same ranks over the first generations
+        of this store's dataset."""
+        if old is None:
+            return
+        k = len(old.ds.manifest.shards)
+        if old._closed or old.world != self.world or len(old.ds) >= len(self.ds) or \
+                prefix_fingerprint(old.ds.manifest.shards) != \
+                prefix_fingerprint(self.ds.manifest.shards[:k]):
+            raise InvalidArgumentError(f"grown_from must be an open store over the first "
+                                       f"generations of {self.ds.path} on the same ranks "
+                                       f"({old!r})")
 
     def _keep_from(self, old: Any) -> int:
         """Copy into this rank's tiers, before any fill, the samples it will hold that

@@ -40,7 +40,7 @@ import numpy as np
 
 from .._liveness import join as join_liveness
 from ..dataset import PackedDataset, PinnedPages, SampleBatch, SampleViews, open_dataset
-from ..dataset import IndexLayout, assemble_batch, assemble_views, prefix_fingerprint
+from ..dataset import IndexLayout, assemble_batch, assemble_views
 from ..comm import NodeSegment
 from ..world import abort_on_uncaught, resolve_comm
 from ..errors import InvalidArgumentError
@@ -153,11 +153,7 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         #: the node-local cache the dataset's records are read through (issue U: what
         #: one job read from the shared file system, the next reads from the node)
         self.cache = node_cache
-        if node_cache is not None:
-            if ram_tier == "pages":
-                raise InvalidArgumentError("ram_tier='pages' holds the dataset files' "
-                                           "pages; with a node cache the tier is a copy")
-            ram_tier, warm_files = "copy", False
+        ram_tier, warm_files = self._with_cache(ram_tier, warm_files)
         self.pfs_reads = 0
         self.pfs_bytes = 0
         self._fill_from_peers = 0
@@ -178,15 +174,7 @@ class ClairvoyantStore(ClairSetup, ClairFill, ClairExchange, SampleStore):
         # choice is one decision, taken here rather than per batch
         self._peer_via_pfs = model is not None and model.prefer_pfs(1.0, self.world,
                                                                     self.world)
-        if grown_from is not None:
-            k = len(grown_from.ds.manifest.shards)
-            if grown_from._closed or grown_from.world != self.world or \
-                    len(grown_from.ds) >= len(self.ds) or \
-                    prefix_fingerprint(grown_from.ds.manifest.shards) != \
-                    prefix_fingerprint(self.ds.manifest.shards[:k]):
-                raise InvalidArgumentError(
-                    f"grown_from must be an open store over the first generations of "
-                    f"{self.ds.path} on the same ranks ({grown_from!r})")
+        self._check_grown_from(grown_from)
         check_agreement(self.comm, "ClairvoyantStore's arguments", self.ds, {
             "plan": (f"{plan.num_samples} samples, world {plan.world_size}, batch "
                      f"{plan.batch_size}, {plan.epochs} epochs, seed {plan.seed}, "
