@@ -622,7 +622,7 @@ def test_no_policy_draws_more_from_the_file_system_than_it_has(workers):
     time those bytes need, stay within the table's largest rate."""
     # 1,024 workers: batches of 8 keep a step's samples within the 1% scale's 12,812
     kw = dict(scale=0.002) if workers == 4 else dict(scale=0.01, batch=8)
-    rep = simulate("lassen", "imagenet-1k", workers=workers, epochs=2, progress=False, **kw)
+    rep = simulate("lassen", "imagenet-1k", workers=workers, epochs=1, progress=False, **kw)
     top = max(lassen().pfs_MBps.values())
     for name, r in rep["policies"].items():
         if r["failed"] or name == "perfect":
@@ -635,7 +635,7 @@ def test_no_policy_draws_more_from_the_file_system_than_it_has(workers):
         return
     # the thesis' rule, on the same run, does draw more (what the issue found)
     thesis = simulate(replace(lassen(), model="thesis"), "imagenet-1k", workers=workers,
-                      epochs=2, policies=["staging"], progress=False,
+                      epochs=1, policies=["staging"], progress=False,
                       **kw)["policies"]["staging"]
     assert thesis["pfs_MB"] / thesis["total_s"] > top * 1.5
 
