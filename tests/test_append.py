@@ -171,7 +171,7 @@ def test_transform_workers_read_the_new_generations(tmp_path, store):
 
 def test_follow_appends_refuses_what_cannot_follow(tmp_path):
     from forebay.errors import InvalidArgumentError
-    from forebay.torch import DataLoader, Preload
+    from forebay.torch import DataLoader
 
     path = tmp_path / "g.fb"
     forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
@@ -180,8 +180,6 @@ def test_follow_appends_refuses_what_cannot_follow(tmp_path):
     with pytest.raises(InvalidArgumentError, match="store='direct', 'preload' or"):
         DataLoader(forebay.Mixture({str(path): 1.0}), 8, follow_appends=True,
                    store="direct")
-    with pytest.raises(InvalidArgumentError, match="node cache keeps one version"):
-        DataLoader(path, 8, follow_appends=True, store=Preload(node_cache=tmp_path / "c"))
 
 
 def test_resuming_on_a_replaced_dataset_is_refused(tmp_path):

@@ -7,6 +7,7 @@ shows and clears it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import forebay  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
-from forebay.store import NodeCache, cache_entries  # noqa: E402
+from forebay.store import NodeCache, cache_entries, node_cache_key  # noqa: E402
 from forebay.torch import Clairvoyant, DataLoader, Direct, Pipeline, Preload  # noqa: E402
 
 SAMPLES, BATCH = 96, 8
@@ -59,7 +60,52 @@ def test_a_second_job_reads_the_node_cache_bit_exact(tmp_path, kind):
         assert st2["fetches_by_source"] == {"local": SAMPLES}
     [e] = cache_entries(tmp_path / "cache")
     assert e["cached_samples"] == e["samples"] == SAMPLES and not e["in_use"]
-    assert e["fingerprint"] == forebay.open_dataset(ds).fingerprint
+    assert e["fingerprint"] == node_cache_key(forebay.open_dataset(ds))
+
+
+@pytest.mark.parametrize("kind", ["direct", "preload", "clairvoyant"])
+def test_a_dataset_that_grew_between_jobs_keeps_its_cached_generations(tmp_path, kind):
+    """The copy is keyed by the first generation: the next job over the grown dataset
+    reads only the new generation from the files; a dataset replaced after its first
+    generation does not use the old copy's later ones."""
+    ds = _write(tmp_path / "ds")
+    _epoch(ds, tmp_path / "cache", kind)
+    forebay.append(ds, ({"x": np.full(900, i % 251, np.uint8), "label": np.int64(i)}
+                        for i in range(SAMPLES, SAMPLES + 40)))
+    want, _ = _epoch(ds)
+    got, st = _epoch(ds, tmp_path / "cache", kind)
+    assert got == want and st["pfs_reads"] == 40 and st["node_cache_misses"] == 40
+    [e] = cache_entries(tmp_path / "cache")
+    assert e["samples"] == e["cached_samples"] == SAMPLES + 40
+    # the same first generation, another second one: the cached second is not used
+    shutil.rmtree(ds)
+    _write(ds)
+    forebay.append(ds, ({"x": np.full(900, 7, np.uint8), "label": np.int64(-i)}
+                        for i in range(40)))
+    want, _ = _epoch(ds)
+    got, st = _epoch(ds, tmp_path / "cache", kind)
+    assert got == want and st["pfs_reads"] == SAMPLES + 40
+
+
+@pytest.mark.parametrize("kind", [Direct, Preload, Clairvoyant])
+def test_a_loader_following_appends_reads_only_new_generations_from_the_files(tmp_path,
+                                                                               kind):
+    ds = _write(tmp_path / "ds", n=40)
+    pipe = Pipeline(collate_fn=_labels)
+    with DataLoader(ds, BATCH, comm=None, seed=3, epochs=2, follow_appends=True,
+                    store=kind(node_cache=tmp_path / "cache"), pipeline=pipe) as dl:
+        assert sum(len(b) for b in dl) == 40 and dl.stats()["pfs_reads"] == 40
+        forebay.append(ds, ({"x": np.full(900, i % 251, np.uint8), "label": np.int64(i)}
+                            for i in range(40, 64)))
+        dl.set_epoch(1)
+        got = [x for b in dl for x in b]
+        plan = forebay.AccessPlan(64, 1, BATCH, 2, seed=3)
+        assert got == plan.batches(0, 1).ravel().tolist()
+        assert dl.stats()["pfs_reads"] == 24            # the new generation, once
+    with DataLoader(ds, BATCH, comm=None, seed=3, epochs=2, follow_appends=True,
+                    store=kind(node_cache=tmp_path / "cache"), pipeline=pipe) as again:
+        list(again)
+        assert again.stats()["pfs_reads"] == 0          # the next job: from the node
 
 
 def _labels(b):
@@ -128,7 +174,7 @@ def test_a_damaged_cached_record_is_read_again(tmp_path, kind):
     want, _ = _epoch(ds)
     _epoch(ds, tmp_path / "cache", kind)
     src = forebay.open_dataset(ds)
-    d = tmp_path / "cache" / src.fingerprint
+    d = tmp_path / "cache" / node_cache_key(src)
     off = int(src.index[5, 0])                               # sample 5's record
     shard = d / src.manifest.shards[int(src.shard_of[5])].data
     with open(shard, "r+b") as fh:
@@ -180,9 +226,9 @@ def test_a_job_holding_the_cache_keeps_it_and_a_killed_one_does_not(tmp_path, cl
             p.wait()
         p.stdout.close()
     code_, out, err = cli("cache", "ls", tmp_path / "cache")
-    assert code_ == 0 and "in use" not in out and "1 dataset version(s)" in out, out
+    assert code_ == 0 and "in use" not in out and "1 dataset(s)" in out, out
     code_, out, err = cli("cache", "clear", tmp_path / "cache")
-    assert code_ == 0 and "removed 1 dataset version(s)" in out, out
+    assert code_ == 0 and "removed 1 dataset(s)" in out, out
     assert cache_entries(tmp_path / "cache") == []
     code_, out, err = cli("cache", "ls", tmp_path / "cache")
     assert code_ == 0 and "empty" in out

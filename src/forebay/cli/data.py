@@ -219,13 +219,13 @@ def cmd_cache_ls(a: argparse.Namespace) -> int:
     if not entries:
         print(f"{root}: empty")
         return 0
-    print(f"{'dataset version':<18} {'cached':>17} {'on disk':>10}  {'last used':<16}  source")
+    print(f"{'dataset key':<18} {'cached':>17} {'on disk':>10}  {'last used':<16}  source")
     for e in entries:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"]))
-        print(f"{e['fingerprint'][:16]:<18} {e['cached_samples']:>8,}/{e['samples']:<8,} "
+        print(f"{e['fingerprint']:<18} {e['cached_samples']:>8,}/{e['samples']:<8,} "
               f"{human_bytes(e['bytes']):>10}  {when:<16}  {e['source']}"
               f"{'  (in use)' if e['in_use'] else ''}")
-    print(f"{len(entries)} dataset version(s), {human_bytes(sum(e['bytes'] for e in entries))}"
+    print(f"{len(entries)} dataset(s), {human_bytes(sum(e['bytes'] for e in entries))}"
           f" in {root}")
     return 0
 
@@ -235,8 +235,8 @@ def cmd_cache_clear(a: argparse.Namespace) -> int:
 
     root = _cache_root(a)
     removed, kept = clear_cache(root, a.dataset)
-    print(f"removed {len(removed)} dataset version(s) from {root}"
-          + (f"; kept {len(kept)} a running job uses: {', '.join(k[:16] for k in kept)}"
+    print(f"removed {len(removed)} dataset(s) from {root}"
+          + (f"; kept {len(kept)} a running job uses: {', '.join(kept)}"
              if kept else ""))
     return 0
 
@@ -312,7 +312,8 @@ def register(sub: Any) -> None:
     cc = cs.add_parser("clear", help="remove what no running job uses")
     cc.add_argument("root", nargs="?", help="the cache's directory (default "
                     "FOREBAY_NODE_CACHE)")
-    cc.add_argument("--dataset", metavar="FINGERPRINT", help="only this dataset version")
+    cc.add_argument("--dataset", metavar="KEY", help="only this dataset (its key, as "
+                    "'forebay cache ls' shows it)")
     cc.set_defaults(func=cmd_cache_clear)
 
     i = sub.add_parser("info", help="describe a packed dataset")

@@ -12,12 +12,13 @@ from ._memory import MEMORY_HEADROOM, available_memory
 from ._model import FetchModel, interpolate
 from ._modes import choose_mode, default_ram_bytes
 from ._node_cache import (NODE_CACHE_BYTES_ENV, NODE_CACHE_ENV, NodeCache, cache_entries,
-                          clear_cache, node_cache_root)
+                          clear_cache, node_cache_key, node_cache_root)
 from ._placement import NONE, RAM, SSD, Placement, compute_coverage, compute_placement, fill_tiers
 from ._profile import ProfileError, calibrate, dump_profile, load_profile
 
 __all__ = ["ArrayStore", "SampleStore", "DirectStore", "STATS_KEYS", "ClairvoyantStore",
-           "NodeCache", "cache_entries", "clear_cache", "node_cache_root", "NODE_CACHE_ENV",
+           "NodeCache", "cache_entries", "node_cache_key", "clear_cache", "node_cache_root",
+           "NODE_CACHE_ENV",
            "NODE_CACHE_BYTES_ENV", "choose_mode", "default_ram_bytes",
            "DistributedStore",
            "FetchModel", "Placement", "ProfileError", "StoreError", "StoreLayout",

@@ -275,6 +275,8 @@ class StoreSetup(StoreState):
         that leaves some out: every rank reads the files, as without a cache).
         Collective."""
         mine = np.flatnonzero(self._mine)
+        if self._grown_from is not None:   # what the old store held is copied from it
+            mine = mine[mine >= self._grown_from.layout.segments[-1]]
         prog.start(int(self.ds.record_nbytes[mine].sum()),
                    desc=f"node cache (rank {self.rank})", unit="B")
         err: Optional[Exception] = None

@@ -172,7 +172,7 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
         if not isinstance(overlap, bool) and overlap != "auto":
             raise InvalidArgumentError(f"overlap must be True, False or 'auto', got "
                                        f"{overlap!r}")
-        segments = self._grown_segments(grown_from, width, node_cache)
+        segments = self._grown_segments(grown_from, width)
         check_agreement(self.comm, "DistributedStore's arguments", self.ds, {
             "width": width, "node_aware": node_aware, "transport": transport,
             "verify_on_read": self.ds.verify_on_read, "overlap": overlap,
@@ -256,16 +256,13 @@ class DistributedStore(ExchangeTransport, BackgroundLoad, StoreSetup, SampleStor
             raise
         self.preload_seconds = time.perf_counter() - self._t0
 
-    def _grown_segments(self, old: "Optional[DistributedStore]", width: Optional[int],
-                        cache: Any) -> "tuple[int, ...] | None":
+    def _grown_segments(self, old: "Optional[DistributedStore]", width: Optional[int]
+                        ) -> "tuple[int, ...] | None":
         """The layout's segments of a store that grows from ``old`` (the same job's
         store over the first generations of this dataset): its segments and this
         dataset's size; None for a store of its own."""
         if old is None:
             return None
-        if cache is not None:
-            raise InvalidArgumentError("a store that grows from another does not read a "
-                                       "node cache (give one or the other)")
         k = len(old.ds.manifest.shards)
         if old._closed or old.preload_seconds is None or len(old.ds) >= len(self.ds) or \
                 old.world != self.world or (width is not None and width != old.width) or \

@@ -3,20 +3,26 @@
 The first job on a node reads its samples from the shared file system and keeps each
 record it read in node-local storage (an SSD, a node's scratch); the next job on the
 same node reads them from there.  Layout under the cache's root, one directory per
-dataset *version* (its manifest checksum, :attr:`PackedDataset.fingerprint`)::
+dataset *line* (its first generation's fingerprint, :func:`node_cache_key`: a dataset
+that grows by appends keeps its directory, which grows with it)::
 
-    ROOT/.lock                      flock: creating and evicting datasets
-    ROOT/<fingerprint>/manifest.json, shard-*.idx.npy     copies (the dataset's own)
-    ROOT/<fingerprint>/shard-*.bin  sparse: a record at its offset in the shard once read
-    ROOT/<fingerprint>/present      one byte per sample: 1 once its record is written
-    ROOT/<fingerprint>/inuse        flock shared by every job using it
-    ROOT/<fingerprint>/cache.json   the source's path, sizes, last use
+    ROOT/.lock                      flock: creating, extending and evicting datasets
+    ROOT/<key>/manifest.json, shard-*.idx.npy     copies (the latest version seen)
+    ROOT/<key>/shard-*.bin          sparse: a record at its offset in the shard once read
+    ROOT/<key>/present              one byte per sample: 1 once its record is written
+    ROOT/<key>/inuse                flock shared by every job using it
+    ROOT/<key>/cache.json           the source's path, sizes, last use
 
 So the cached copy is itself a forebay dataset whose shard files hold the records read
-so far: the loader reads it as it reads the original.  Guarantees:
+so far: the loader reads it as it reads the original (its first generations, as many
+as the job's dataset has).  Guarantees:
 
-- **Never stale**: a changed dataset has another fingerprint, so another directory;
-  the old one is evicted as the least recently used.
+- **Never stale**: a dataset written again has another first generation, so another
+  directory; one that grew (appends never change a shard) gets the new generations'
+  shards added to its directory; one whose later generations are not the copy's (the
+  same first generation, then others) evicts the copy, or keeps a copy of its own
+  beside it while another job uses the old one.  Old directories are evicted as the
+  least recently used.
 - **Checked on reuse**: every cached record is checked against its checksum on its
   first use by a job (xxh3, gigabytes per second); a record that fails is read from the
   source again.  Records read from the source are checked before they are kept.
@@ -43,10 +49,12 @@ import numpy as np
 
 from .._units import human_bytes
 from .._fs import Flock
-from ..dataset import IndexLayout, PackedDataset, open_dataset
+from ..dataset import (IndexLayout, Manifest, PackedDataset, PrefixDataset, generations,
+                       open_dataset, prefix_fingerprint)
 from ..errors import ChecksumError, InvalidArgumentError
 
-__all__ = ["NodeCache", "cache_entries", "clear_cache", "node_cache_root", "NODE_CACHE_ENV",
+__all__ = ["NodeCache", "cache_entries", "node_cache_key", "clear_cache", "node_cache_root",
+           "NODE_CACHE_ENV",
            "NODE_CACHE_BYTES_ENV"]
 
 #: where the cache lives when the loader is not told (unset: no cache)
@@ -172,8 +180,10 @@ class NodeCache:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise InvalidArgumentError(f"node cache {self.root}: cannot create it ({e})") from e
-        self.dir = self.root / src.fingerprint
+        self.dir = self.root / node_cache_key(src)
         with Flock(self.root / ".lock"):
+            if (self.dir / "present").is_file() and not self._follow():
+                self.dir = self.root / f"{node_cache_key(src)}-{src.fingerprint}"   # (see _follow)
             if not (self.dir / "present").is_file():
                 self._create()
             self._inuse = Flock(self.dir / "inuse", shared=True)
@@ -185,7 +195,9 @@ class NodeCache:
                                   shape=(len(src),)) if len(src) else np.zeros(0, np.uint8)
         #: records checked in this job (a cached record is checked on its first use)
         self._checked = np.zeros(len(src), dtype=bool)
-        self.dataset = open_dataset(self.dir, verify_on_read=False)
+        #: the cached copy, as the source is (its directory may hold later generations)
+        self.dataset = PrefixDataset(self.dir, len(src), verify_on_read=False) if len(src) \
+            else open_dataset(self.dir, verify_on_read=False)
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         self.full = False
@@ -196,21 +208,47 @@ class NodeCache:
     # -- set-up -----------------------------------------------------------------------
     def _create(self) -> None:
         """The dataset's directory, made under a temporary name and renamed into place:
-        its manifest and index files copied, its shards sparse files of their size."""
+        its manifest (the source's view) and index files copied, its shards sparse
+        files of their size."""
         tmp = self.root / f".new-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(mode=0o700)
         try:
-            shutil.copy2(self.src.path / "manifest.json", tmp / "manifest.json")
-            for s in self.src.manifest.shards:
-                shutil.copy2(self.src.path / s.index, tmp / s.index)
-                with open(tmp / s.data, "wb") as fh:
-                    fh.truncate(s.data_nbytes)
+            self._add_shards(tmp, self.src.manifest.shards)
             with open(tmp / "present", "wb") as fh:
                 fh.truncate(len(self.src))
+            (tmp / "manifest.json").write_text(self.src.manifest.to_json())
             tmp.rename(self.dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _add_shards(self, d: Path, shards: Any) -> None:
+        for s in shards:
+            shutil.copy2(self.src.path / s.index, d / s.index)
+            with open(d / s.data, "wb") as fh:
+                fh.truncate(s.data_nbytes)
+
+    def _follow(self) -> bool:
+        """The cached copy of a dataset that grows (the root lock is held): where the
+        source holds generations the copy lacks, add their (empty) shards, presence
+        bytes and the source's manifest; where it holds fewer, read the copy's first
+        ones.  False when the copy's later generations are not the source's (the same
+        first generation, then others: a dataset replaced after its first
+        generation): that copy is evicted when no job uses it, else this job keeps a
+        copy of its own beside it."""
+        cached = Manifest.read(self.dir)
+        have, want = cached.shards, self.src.manifest.shards
+        common = min(len(have), len(want))
+        if have[:common] != want[:common]:
+            return _evict(self.dir)
+        if len(want) > len(have):
+            self._add_shards(self.dir, want[len(have):])
+            with open(self.dir / "present", "r+b") as fh:
+                fh.truncate(max(len(self.src), os.fstat(fh.fileno()).st_size))
+            staged = self.dir / f".manifest.{uuid.uuid4().hex[:8]}"
+            staged.write_text(self.src.manifest.to_json())
+            staged.replace(self.dir / "manifest.json")      # the new generations appear
+        return True
 
     def _cap(self, cap_bytes: Optional[int], used: int) -> int:
         if cap_bytes is None:
@@ -333,6 +371,18 @@ class NodeCache:
         except OSError:
             pass
         self._inuse.release()
+
+
+def node_cache_key(ds: PackedDataset) -> str:
+    """The key of a dataset's cached copy: its first generation's fingerprint, the same
+    in every later generation (so a dataset that grows keeps its copy), another for a
+    dataset written again."""
+    first = generations(ds.manifest)[0]
+    count, k = 0, 0
+    while count < first and k < len(ds.manifest.shards):
+        count += ds.manifest.shards[k].num_samples
+        k += 1
+    return prefix_fingerprint(ds.manifest.shards[:k])
 
 
 def node_cache_root(root: "str | os.PathLike[str] | None", mode: str) -> Optional[Path]:

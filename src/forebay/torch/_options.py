@@ -321,17 +321,12 @@ def mode_of(store: SampleStore) -> str:
 
 def following_spec(spec: Any, mixture: bool) -> "Preload | Clairvoyant | Direct":
     """The settings of a loader that follows appends (``follow_appends=True``): direct
-    reads as given; a preload loaded before the first batch (a store that grows from
-    the last one needs it whole); preload and clairvoyant without a node cache (it
-    keeps one dataset version, and a growing dataset has a new one per generation)."""
+    reads and clairvoyant as given; a preload loaded before the first batch (a store
+    that grows from the last one needs it whole)."""
     if mixture or not isinstance(spec, (Direct, Preload, Clairvoyant)):
         raise InvalidArgumentError("follow_appends reads a growing dataset with "
                                    "store='direct', 'preload' or 'clairvoyant' (not a "
                                    "mixture, not another store)")
-    if isinstance(spec, (Preload, Clairvoyant)) and spec.node_cache is not None:
-        raise InvalidArgumentError(f"follow_appends with {type(spec).__name__}"
-                                   f"(node_cache=): the node cache keeps one version of a "
-                                   f"dataset; leave it unset")
     return dataclasses.replace(spec, overlap=False) if isinstance(spec, Preload) else spec
 
 
@@ -370,9 +365,8 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
         spec = spec.preload if mode == "preload" else spec.clairvoyant
     if isinstance(spec, Preload):
         root = node_cache_root(spec.node_cache, "preload")
-        if spec.node_cache is None and (not isinstance(ds.locator, str) or
-                                        isinstance(ds, PrefixDataset)):
-            root = None       # the environment's cache keeps one dataset version
+        if spec.node_cache is None and not isinstance(ds.locator, str):
+            root = None       # the environment's cache keeps one dataset, not a mixture
         return DistributedStore(ds, store_comm, spec.width, node_aware=spec.node_aware,
                                 transport=spec.transport, progress=progress,
                                 on_pfs_read=spec.on_pfs_read, overlap=spec.overlap,
