@@ -186,6 +186,16 @@ def test_a_damaged_cached_record_is_read_again(tmp_path, kind):
     assert got == want and st["pfs_reads"] == 1
 
 
+def test_a_damaged_cached_manifest_is_a_stale_copy(tmp_path):
+    ds = _write(tmp_path / "ds")
+    want, _ = _epoch(ds, tmp_path / "cache")
+    d = tmp_path / "cache" / node_cache_key(forebay.open_dataset(ds))
+    (d / "manifest.json").write_text("{not json")
+    got, st = _epoch(ds, tmp_path / "cache")          # evicted, made again, filled
+    assert got == want and st["pfs_reads"] == SAMPLES
+    assert cache_entries(tmp_path / "cache")[0]["cached_samples"] == SAMPLES
+
+
 def test_the_cap_evicts_the_least_recently_used_and_reads_past_it(tmp_path):
     a, b = _write(tmp_path / "a", seed=0), _write(tmp_path / "b", seed=1)
     _epoch(a, tmp_path / "cache")

@@ -93,6 +93,11 @@ class DatasetServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host!s}:{port}"
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a consumer that went away mid-reply (it timed out, or its node is gone): the
+        # server goes on serving the others
+        log.debug("%s: request ended early", client_address, exc_info=True)
+
     def start(self) -> "DatasetServer":
         self._thread = threading.Thread(target=self.serve_forever, name="forebay-serve",
                                         daemon=True)
@@ -295,16 +300,10 @@ def mirror(url: str, into: "str | os.PathLike[str]", *, samples: Optional[int] =
     from ._append import _traced
 
     t0 = time.perf_counter()
-    client = _Client(url, _token(token), timeout=60.0 if timeout is None else
-                     max(60.0, timeout + 30.0))
+    client = _Client(url, _token(token), timeout=MAX_WAIT_S + 30.0)
     try:
         try:
-            if samples is None:
-                raw = _body(client.get("/manifest"), MAX_MANIFEST_BYTES)
-            else:
-                wait = MAX_WAIT_S if timeout is None else min(float(timeout), MAX_WAIT_S)
-                raw = _body(client.get(f"/wait?samples={int(samples)}&timeout={wait}"),
-                            MAX_MANIFEST_BYTES)
+            raw = _wait(client, samples, timeout)
         except DatasetServerError:
             if fallback is None:
                 raise
@@ -319,6 +318,22 @@ def mirror(url: str, into: "str | os.PathLike[str]", *, samples: Optional[int] =
         client.close()
     _traced("consumer", "mirror", t0, got, -1)
     return open_dataset(into)
+
+
+def _wait(client: _Client, samples: Optional[int], timeout: Optional[float]) -> bytes:
+    """The producer's manifest, once it holds ``samples`` (None: as it is now); waits of
+    at most :data:`MAX_WAIT_S` each, asked again until ``timeout`` (None: no limit)."""
+    if samples is None:
+        return _body(client.get("/manifest"), MAX_MANIFEST_BYTES)
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    while True:
+        left = MAX_WAIT_S if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return _body(client.get(f"/wait?samples={int(samples)}&timeout="
+                                    f"{min(left, MAX_WAIT_S):.3f}"), MAX_MANIFEST_BYTES)
+        except WaitTimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def _body(r: http.client.HTTPResponse, limit: int) -> bytes:

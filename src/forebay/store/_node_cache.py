@@ -51,7 +51,8 @@ from .._units import human_bytes
 from .._fs import Flock
 from ..dataset import (IndexLayout, Manifest, PackedDataset, PrefixDataset, generations,
                        open_dataset, prefix_fingerprint)
-from ..errors import ChecksumError, InvalidArgumentError
+from ..errors import (ChecksumError, CorruptDatasetError, DatasetNotFoundError,
+                      InvalidArgumentError)
 
 __all__ = ["NodeCache", "cache_entries", "node_cache_key", "clear_cache", "node_cache_root",
            "NODE_CACHE_ENV",
@@ -236,7 +237,10 @@ class NodeCache:
         first generation, then others: a dataset replaced after its first
         generation): that copy is evicted when no job uses it, else this job keeps a
         copy of its own beside it."""
-        cached = Manifest.read(self.dir)
+        try:
+            cached = Manifest.read(self.dir)
+        except (CorruptDatasetError, DatasetNotFoundError):     # a damaged copy: stale
+            return _evict(self.dir)
         have, want = cached.shards, self.src.manifest.shards
         common = min(len(have), len(want))
         if have[:common] != want[:common]:
