@@ -197,13 +197,11 @@ def test_resuming_on_a_replaced_dataset_is_refused(tmp_path):
             again.load_state_dict(state)
 
 
-PRODUCER = """
-import sys, numpy as np, forebay
-path = sys.argv[1]
-forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
-for g in range(3):
-    forebay.append(path, ({"y": np.int64(i)} for i in range(40 + 8 * g, 48 + 8 * g)))
-"""
+def rank_produce(path: str) -> None:
+    """A producer process: a dataset of 40, then three generations of 8."""
+    forebay.write_dataset(path, ({"y": np.int64(i)} for i in range(40)))
+    for g in range(3):
+        forebay.append(path, ({"y": np.int64(i)} for i in range(40 + 8 * g, 48 + 8 * g)))
 
 
 def test_a_consumer_waits_for_samples_a_producer_has_not_published(tmp_path):
@@ -213,7 +211,10 @@ def test_a_consumer_waits_for_samples_a_producer_has_not_published(tmp_path):
     path = tmp_path / "w.fb"
     with pytest.raises(WaitTimeoutError, match="0 samples after 0.1 s, waiting for 1"):
         wait_for(path, 1, timeout=0.1)                     # not even created yet
-    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(path)])
+    from conftest import rank_command
+
+    cmd, env = rank_command(rank_produce, [path])
+    producer = subprocess.Popen([sys.executable, *cmd], env=env)
     try:
         m = wait_for(path, 64, timeout=120)                # the third generation's
         assert m.num_samples == 64 and generations(m)[-1] == 64

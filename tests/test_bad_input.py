@@ -668,14 +668,17 @@ def test_private_files_are_created_0600_whatever_the_umask(tmp_path):
 
 
 # -- leftovers after crashes (issue M.10) ------------------------------------------------------
-def _start_and_kill(code: str, *args) -> None:
-    """Run ``code`` in a new Python, wait until it prints 'ready', kill -9 it."""
+def _start_and_kill(func, *args) -> None:
+    """Run ``func(*args)`` (a function of this module) in a new Python, wait until it
+    prints 'ready', kill -9 it."""
     import signal
     import subprocess
     import sys
 
-    p = subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
-                         stdout=subprocess.PIPE, text=True)
+    from conftest import rank_command
+
+    cmd, env = rank_command(func, [str(a) for a in args])
+    p = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout.readline().strip() == "ready"
     finally:
@@ -684,21 +687,22 @@ def _start_and_kill(code: str, *args) -> None:
         p.stdout.close()
 
 
-_WRITER = """
-import sys, time, numpy as np, forebay
-w = forebay.DatasetWriter(sys.argv[1])
-w.add({"x": np.arange(3)})
-print("ready", flush=True)
-time.sleep(600)
-"""
+def rank_hold_a_writer(path: str) -> None:
+    """A writer with one sample added, then waiting to be killed."""
+    import time
+
+    w = forebay.DatasetWriter(path)
+    w.add({"x": np.arange(3)})
+    print("ready", flush=True)
+    time.sleep(600)
 
 
 def test_a_killed_writers_temporaries_are_removed_by_the_next_write(tmp_path):
     out = tmp_path / "ds"
-    _start_and_kill(_WRITER, out)
+    _start_and_kill(rank_hold_a_writer, out)
     first = leftovers(tmp_path)
     assert len(first) == 1                        # what a kill -9 leaves
-    _start_and_kill(_WRITER, out)                 # its start removed the first one
+    _start_and_kill(rank_hold_a_writer, out)      # its start removed the first one
     second = leftovers(tmp_path)
     assert len(second) == 1 and second != first
     forebay.write_dataset(out, [{"x": np.arange(3)}])
@@ -717,16 +721,18 @@ def test_a_live_writers_temporary_is_left_alone(tmp_path):
     assert forebay.open_dataset(out)[0]["x"].tolist() == [0, 1, 2, 3]
 
 
-_TIER = """
-import sys, time, forebay
-from forebay.store import ClairvoyantStore
-from forebay.world import LOCAL
-ds = forebay.open_dataset(sys.argv[1])
-st = ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 1, 4, 1), LOCAL, ram_bytes=0,
-                      ssd_dir=sys.argv[2], ssd_bytes=1 << 20, fill=False)
-print("ready", flush=True)
-time.sleep(600)
-"""
+def rank_hold_an_ssd_tier(path: str, ssd: str) -> None:
+    """A clairvoyant store with an SSD tier file, then waiting to be killed."""
+    import time
+
+    from forebay.store import ClairvoyantStore
+    from forebay.world import LOCAL
+
+    ds = forebay.open_dataset(path)
+    ClairvoyantStore(ds, forebay.AccessPlan(len(ds), 1, 4, 1), LOCAL, ram_bytes=0,
+                     ssd_dir=ssd, ssd_bytes=1 << 20, fill=False)
+    print("ready", flush=True)
+    time.sleep(600)
 
 
 def test_a_killed_ranks_ssd_tier_file_is_removed_at_the_next_start(tmp_path):
@@ -736,7 +742,7 @@ def test_a_killed_ranks_ssd_tier_file_is_removed_at_the_next_start(tmp_path):
     forebay.write_dataset(tmp_path / "ds", [{"x": np.arange(9)}] * 20)
     ssd = tmp_path / "ssd"
     ssd.mkdir()
-    _start_and_kill(_TIER, tmp_path / "ds", ssd)
+    _start_and_kill(rank_hold_an_ssd_tier, tmp_path / "ds", ssd)
     assert len(list(ssd.glob("*.tier"))) == 1
     ds = forebay.open_dataset(tmp_path / "ds")
     st = ClairvoyantStore(ds, forebay.AccessPlan(20, 1, 4, 1), LOCAL, ram_bytes=0,
@@ -750,17 +756,20 @@ def test_a_killed_ranks_ssd_tier_file_is_removed_at_the_next_start(tmp_path):
     assert list(ssd.glob("*.tier")) == []
 
 
-_POOL = """
-import os, sys, time, multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from forebay.dataset.sources._base import _die_with_parent
-if __name__ == "__main__":
+def rank_pool_then_wait() -> None:
+    """A pool of two spawned workers that die with this process; prints their pids."""
+    import multiprocessing
+    import os
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from forebay.dataset.sources._base import _die_with_parent
+
     ex = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_die_with_parent, initargs=(os.getpid(),))
     pids = {ex.submit(os.getpid).result() for _ in range(8)}
     print(" ".join(map(str, pids)), flush=True)
     time.sleep(600)
-"""
 
 
 def _alive(pid: int) -> bool:
@@ -778,9 +787,10 @@ def test_ingest_workers_die_with_their_parent(tmp_path):
     import sys
     import time
 
-    script = tmp_path / "pool.py"
-    script.write_text(_POOL)
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    from conftest import rank_command
+
+    cmd, env = rank_command(rank_pool_then_wait, [])
+    p = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True, env=env)
     pids = [int(x) for x in p.stdout.readline().split()]
     assert pids and all(_alive(q) for q in pids)
     p.send_signal(signal.SIGKILL)

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -352,28 +351,27 @@ def test_memory_backend_and_urls(tmp_path):
         fm.open_repository(str(tmp_path / "missing"), create=False)
 
 
-_SAVER = """
-    import sys, torch, forebay.models as fm
-    from torch import nn
-    url, name, n, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+def rank_save_versions(url: str, name: str, n: str, seed: str, count: str) -> None:
+    """A writer process: ``count`` versions of an ``n``-layer model, each announced."""
+    import torch
+
     repo = fm.open_repository(url)
-    torch.manual_seed(seed)
-    m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(n)])
+    torch.manual_seed(int(seed))
+    m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(int(n))])
     print("READY", flush=True)
-    for k in range(int(sys.argv[5])):
+    for k in range(int(count)):
         with torch.no_grad():
-            m[k % n].weight.add_(1)
-        v = repo.save(name, m, metadata={"seed": seed, "k": k})
+            m[k % int(n)].weight.add_(1)
+        v = repo.save(name, m, metadata={"seed": int(seed), "k": k})
         print("SAVED", v, flush=True)
-"""
 
 
 def _spawn(tmp_path, *args):
-    script = tmp_path / "saver.py"
-    if not script.exists():  # rewriting it while an earlier client starts would race
-        script.write_text(textwrap.dedent(_SAVER))
-    return subprocess.Popen([sys.executable, str(script), *map(str, args)],
-                            stdout=subprocess.PIPE, text=True)
+    from conftest import rank_command
+
+    cmd, env = rank_command(rank_save_versions, [str(a) for a in args])
+    return subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True,
+                            env=env)
 
 
 def test_concurrent_writers_get_consistent_versions(tmp_path):

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -162,32 +161,34 @@ def test_bad_clients_are_dropped_and_the_provider_keeps_serving(tmp_path, bad):
         _stop(p)
 
 
-_CLIENT = """
-    import sys, torch, forebay.models as fm
-    from torch import nn
-    url, token, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def rank_save_and_load(url: str, token: str, seed: str) -> None:
+    """A client process: three versions saved and each loaded back bit-exact."""
+    import torch
+
     r = fm.open_repository(url, token=token)
-    torch.manual_seed(seed)
+    torch.manual_seed(int(seed))
     m = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
     for k in range(3):
         with torch.no_grad():
             m[k].weight.add_(1)
-        v = r.save("shared", m, metadata={"seed": seed})
+        v = r.save("shared", m, metadata={"seed": int(seed)})
         got = r.load("shared", v)
         assert all(torch.equal(got[n], t) for n, t in m.state_dict().items())
         print("SAVED", v, flush=True)
-"""
 
 
 def test_four_concurrent_writers_and_readers(tmp_path, provider):
-    script = tmp_path / "client.py"
-    script.write_text(textwrap.dedent(_CLIENT))
-    procs = [subprocess.Popen([sys.executable, str(script), provider, TOKEN, str(seed)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for seed in range(4)]
+    from conftest import rank_command
+
+    procs = []
+    for seed in range(4):
+        cmd, env = rank_command(rank_save_and_load, [provider, TOKEN, str(seed)])
+        procs.append(subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    versions = sorted(int(x.split()[1]) for o, _ in outs for x in o.splitlines())
+    versions = sorted(int(x.split()[1]) for o, _ in outs for x in o.splitlines()
+                      if x.startswith("SAVED"))
     assert versions == list(range(1, 13))
     r = fm.open_repository(provider, token=TOKEN)
     assert r.versions("shared") == list(range(1, 13)) and r.verify() == []
