@@ -513,28 +513,32 @@ def test_zero_grad_or_a_second_backward_before_step_are_refused(two_ranks):
         assert "more than backward_passes_per_step=1" in r["errs"][1]
 
 
-def rank_stats(n: str, mode: str, trace_dir: str) -> None:
+def rank_stats(n: str, trace_dir: str) -> None:
+    """Both coordinations in turn in one job (each launch costs seconds of imports)."""
     import forebay.reduce as fr
     import forebay.trace
     rank, _ = _init()
-    forebay.trace.enable(trace_dir)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(int(n) // 2)])
-    opt = fr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                  model.named_parameters(), coordination=mode, cycle_time_ms=2)
-    for _ in range(4):
-        opt.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-    s = opt.stats()
-    opt.close()
-    forebay.trace.disable()
-    _out(rank, last=s["last_step"], words=opt._fb_coord.cache.words)
+    for mode in ("bitvector", "master"):
+        forebay.trace.enable(f"{trace_dir}/{mode}")
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(int(n) // 2)])
+        opt = fr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                      model.named_parameters(), coordination=mode,
+                                      cycle_time_ms=2)
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        s = opt.stats()
+        opt.close()
+        forebay.trace.disable()
+        _out(rank, mode=mode, last=s["last_step"], words=opt._fb_coord.cache.words)
 
 
 @pytest.mark.mpi
 def test_stats_bitvector_control_bytes_are_one_vector_per_cycle(tmp_path):
     from forebay.trace._read import read_traces
-    res = results(run_ranks(3, rank_stats, 40, "bitvector", tmp_path / "t", timeout=120))
+    both = results(run_ranks(3, rank_stats, 40, tmp_path, timeout=120))
+    res = [r for r in both if r["mode"] == "bitvector"]
     assert len(res) == 3
     for r in res:
         last = r["last"]
@@ -542,11 +546,10 @@ def test_stats_bitvector_control_bytes_are_one_vector_per_cycle(tmp_path):
         assert last["control_collectives"] == last["cycles"] and last["control_messages"] == 0
         assert last["data_collectives"] == len(last["fused_sizes"]) >= 1
         assert sum(last["fused_sizes"]) == 20 * (16 + 4) * 4
-    ev = read_traces(tmp_path / "t")             # reductions show up in the trace
+    ev = read_traces(tmp_path / "bitvector")     # reductions show up in the trace
     names = set(zip(ev.cat.tolist(), ev.name.tolist()))
     assert ("comm", "allreduce") in names and ("comm", "synchronize") in names
-    res = results(run_ranks(3, rank_stats, 40, "master", tmp_path / "m", timeout=120))
-    root = next(r for r in res if r["rank"] == 0)["last"]
+    root = next(r for r in both if r["rank"] == 0 and r["mode"] == "master")["last"]
     assert root["control_messages"] == 2 * root["cycles"]          # one from each worker
     assert root["control_bytes_received"] > 40 * 2 * 10            # every request, by name
 
