@@ -181,7 +181,7 @@ _jobs: dict = {}
 PMI2_TRIES = 3
 #: why a test skips when every launch was garbled: the scenario never ran
 PMI2_SKIP = (f"Slurm's pmi2 plug-in garbled MPICH's start-up {PMI2_TRIES} times in a row "
-             f"(MPI_Init failed before forebay ran): the scenario could not run")
+             f"(MPI_Init failed, or hung, before forebay ran): the scenario could not run")
 
 
 def _pmi2_garbled(stderr: str) -> bool:
@@ -193,6 +193,26 @@ def _pmi2_garbled(stderr: str) -> bool:
     return "mpi/pmi2" in stderr
 
 
+#: seconds an srun + MPI contract job may take (it takes 11-25 s): Slurm's pmi2
+#: start-up, when it garbles, sometimes hangs MPI_Init instead of failing at once
+PMI2_HANG_S = 120
+
+
+def _srun_try(cluster, args: tuple, mpi: bool, env: dict) -> subprocess.CompletedProcess:
+    """One srun launch of a contract job; under ``--mpi=pmi2`` a launch that does not
+    end within PMI2_HANG_S is cancelled and reported as the garble it comes from
+    (stderr names pmi2), so it is launched again like one that failed at once."""
+    if not mpi:
+        return run_srun(*args, env=env, timeout=400)
+    try:
+        return run_srun(*args, mpi="pmi2", env=env, timeout=PMI2_HANG_S)
+    except subprocess.TimeoutExpired:
+        cluster.run(0, ["scancel", "--user", "root"], env=cluster.env())
+        return subprocess.CompletedProcess(
+            [], -9, "", f"mpi/pmi2: the job did not end within {PMI2_HANG_S} s (its start-up "
+                        f"hung); cancelled")
+
+
 def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
     """One job per launcher and layout runs every contract (cached for the tests)."""
     key = (launcher, nodes, ppn)
@@ -202,12 +222,12 @@ def _contract_job(cluster, dataset, launcher: str, nodes: int, ppn: int):
         env = {"PYTHONPATH": os.pathsep.join([str(MPI_TESTS), os.environ.get("PYTHONPATH", "")])}
         args = (cluster, nodes, ppn, rank_contracts, dataset, kinds)
         if launcher.startswith("srun"):
-            p = run_srun(*args, mpi="pmi2" if mpi else None, env=env, timeout=400)
+            p = _srun_try(cluster, args, mpi, env)
             for _ in range(PMI2_TRIES - 1):
                 if not (mpi and p.returncode and "contract" not in p.stdout and
                         _pmi2_garbled(p.stderr)):
                     break
-                p = run_srun(*args, mpi="pmi2", env=env, timeout=400)
+                p = _srun_try(cluster, args, mpi, env)
             _jobs[key] = p
         else:
             run = run_mpi if launcher == "mpiexec" else run_torch
