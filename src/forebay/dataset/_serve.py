@@ -85,6 +85,8 @@ class DatasetServer(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(workers)
         self.bytes_sent = 0
         self.files_sent = 0
+        #: (the manifest file's identity, what _Handler._manifest read from it)
+        self.manifest_seen: Any = None
         self._thread: Optional[threading.Thread] = None
         super().__init__(listen, _Handler)
 
@@ -186,14 +188,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _manifest(self) -> "tuple[bytes, int, set[str]]":
         """The manifest's bytes as they are now, its sample count and the files it
-        names (the only ones served)."""
+        names (the only ones served): parsed again only when the file changed."""
+        st = (self.server.path / MANIFEST_NAME).stat()
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        seen = self.server.manifest_seen
+        if seen is not None and seen[0] == key:
+            return seen[1]
         raw = (self.server.path / MANIFEST_NAME).read_bytes()
         doc = json.loads(raw)
         names = set()
         for s in doc["shards"]:
             info = ShardInfo.from_dict(s)
             names |= {info.data, info.index}
-        return raw, int(doc["num_samples"]), names
+        got = (raw, int(doc["num_samples"]), names)
+        self.server.manifest_seen = (key, got)
+        return got
 
     def _wait(self, query: dict) -> None:
         try:
@@ -206,17 +215,11 @@ class _Handler(BaseHTTPRequestHandler):
                              f"{MAX_WAIT_S:g} s")
             return
         deadline = time.monotonic() + timeout
-        seen: Any = None
-        raw, have = b"", 0
         while True:
-            st = (self.server.path / MANIFEST_NAME).stat()
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if key != seen:
-                seen = key
-                raw, have, _ = self._manifest()
-                if have >= samples:
-                    self._reply(200, raw)
-                    return
+            raw, have, _ = self._manifest()      # (parsed again only when it changed)
+            if have >= samples:
+                self._reply(200, raw)
+                return
             if time.monotonic() >= deadline:
                 self._error(504, f"{have} samples, waiting for {samples}", have=have)
                 return

@@ -389,9 +389,9 @@ def node_cache_key(ds: PackedDataset) -> str:
     return prefix_fingerprint(ds.manifest.shards[:k])
 
 
-def node_cache_root(root: "str | os.PathLike[str] | None", mode: str) -> Optional[Path]:
-    """A loader's ``node_cache=`` (else ``FOREBAY_NODE_CACHE``) for a store of kind
-    ``mode``: every kind reads through it (``mode="auto"`` becomes direct with it)."""
+def node_cache_root(root: "str | os.PathLike[str] | None" = None) -> Optional[Path]:
+    """A store's ``node_cache=``, else ``FOREBAY_NODE_CACHE`` (unset: no cache); every
+    kind of store reads through it (the loader's ``"auto"`` becomes direct with it)."""
     if root is None:
         root = os.environ.get(NODE_CACHE_ENV) or None
     return None if root is None else Path(root)

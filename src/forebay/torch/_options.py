@@ -347,6 +347,15 @@ def grown_store(spec: Any, old: SampleStore, path: Any, samples: int, plan: Any,
                        grown_from=old if samples > len(old.ds) else None)
 
 
+def _node_cache(given: Any, ds: Any) -> "NodeCache | None":
+    """The node cache a store reads through: the one its settings name, else the
+    environment's (``FOREBAY_NODE_CACHE``), which keeps one dataset, not a mixture."""
+    root = node_cache_root(given)
+    if root is None or (given is None and not isinstance(ds.locator, str)):
+        return None
+    return NodeCache(root, ds)
+
+
 def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: Any,
                 comm: Any, store_comm: Any, progress: Any, fetch_model: Any,
                 grown_from: Any = None) -> SampleStore:
@@ -354,30 +363,21 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
     for one process; ``store_comm``: what the store is given; ``grown_from``: a
     preload over the first generations of ``ds``, whose chunks the new one keeps)."""
     if isinstance(spec, (Auto, Direct)):
-        mine = spec.node_cache if isinstance(spec, Direct) else None
-        root = node_cache_root(mine, "direct" if isinstance(spec, Direct) else "auto")
-        if mine is None and not isinstance(ds.locator, str):
-            root = None       # the environment's cache keeps one dataset, not a mixture
-        if root is not None:        # with a node cache, nothing to warm in the files
-            return DirectStore(ds, warm=None, node_cache=NodeCache(root, ds))
+        cache = _node_cache(spec.node_cache if isinstance(spec, Direct) else None, ds)
+        if cache is not None:        # with a node cache, nothing to warm in the files
+            return DirectStore(ds, warm=None, node_cache=cache)
     if isinstance(spec, Auto):
         mode = choose_mode(ds, comm, spec.preload.width)
         spec = spec.preload if mode == "preload" else spec.clairvoyant
     if isinstance(spec, Preload):
-        root = node_cache_root(spec.node_cache, "preload")
-        if spec.node_cache is None and not isinstance(ds.locator, str):
-            root = None       # the environment's cache keeps one dataset, not a mixture
         return DistributedStore(ds, store_comm, spec.width, node_aware=spec.node_aware,
                                 transport=spec.transport, progress=progress,
                                 on_pfs_read=spec.on_pfs_read, overlap=spec.overlap,
-                                node_cache=None if root is None else NodeCache(root, ds),
+                                node_cache=_node_cache(spec.node_cache, ds),
                                 grown_from=grown_from)
     if isinstance(spec, Clairvoyant):
         warm = spec.on_pfs_read is None and warm_enabled(spec.warm_files, ds)
         ram = default_ram_bytes(comm) if spec.ram_bytes is None else spec.ram_bytes
-        root = node_cache_root(spec.node_cache, "clairvoyant")
-        if spec.node_cache is None and not isinstance(ds.locator, str):
-            root = None       # the environment's cache keeps one dataset, not a mixture
         return ClairvoyantStore(ds, plan, store_comm, ram_bytes=ram, ssd_dir=spec.ssd_dir,
                                 grown_from=grown_from,
                                 ssd_bytes=spec.ssd_bytes or 0, transport=spec.transport,
@@ -385,7 +385,7 @@ def build_store(spec: "Preload | Clairvoyant | Direct | Auto", ds: Any, plan: An
                                 ram_threads=spec.ram_threads or 1,
                                 ssd_threads=spec.ssd_threads or 1, warm_files=warm,
                                 ram_tier=spec.ram_tier,
-                                node_cache=None if root is None else NodeCache(root, ds))
+                                node_cache=_node_cache(spec.node_cache, ds))
     # direct: the node reads every sample when every rank is on it (the store checks
     # that the files fit)
     world = comm.Get_size() if comm is not None else 1
