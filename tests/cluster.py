@@ -274,13 +274,19 @@ class Cluster:
         return self.run(0, self.mpiexec_argv(argv, nodes=nodes, ppn=ppn), timeout=timeout,
                         env=self.env(env), cwd=cwd)
 
-    def torchrun_argv(self, argv: Sequence[str], *, nodes: Optional[int] = None,
-                      ppn: int = 1, port: int = 29400) -> list[str]:
+    def torchrun_argv(self, argv: Sequence[str], *, nodes: "int | str | None" = None,
+                      ppn: int = 1, port: int = 29400, restarts: int = 0) -> list[str]:
         """The ``torchrun`` command each node's agent runs (``--nnodes nodes
-        --nproc-per-node ppn``, the c10d rendezvous on node0)."""
+        --nproc-per-node ppn``, the c10d rendezvous on node0).  ``nodes`` may be an
+        elastic range ``"MIN:MAX"``; with ``restarts`` the agents restart the workers
+        that many times, a node's loss found within 3 s (its agent's missed heartbeats)
+        and a round closed 1 s after its last member joined."""
         n = self.nodes if nodes is None else nodes
         torchrun = str(Path(sys.executable).parent / "torchrun")
-        return [torchrun, "--nnodes", str(n), "--nproc-per-node", str(ppn),
+        elastic = ["--max-restarts", str(restarts), "--rdzv-conf",
+                   "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+                   ] if restarts else []
+        return [torchrun, "--nnodes", str(n), "--nproc-per-node", str(ppn), *elastic,
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0]}:{port}",
                 "--rdzv-id", self.prefix, *argv]
 

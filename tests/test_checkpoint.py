@@ -4,6 +4,8 @@ and the weights it would have had."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -122,3 +124,23 @@ def test_bad_arguments_are_refused_with_their_name(tmp_path):
     ckpt.close()
     with pytest.raises(UsageError, match="closed"):
         ckpt.step()
+
+
+@pytest.mark.parametrize("shared, restarts, warned", [("True", "3", True),
+                                                      ("False", "3", False),
+                                                      ("True", "0", False)])
+def test_torchrun_restarts_over_a_shared_store_are_warned_of(tmp_path, monkeypatch, shared,
+                                                             restarts, warned):
+    """torchrun's agent keeps one rendezvous store for every attempt (torch's default):
+    a restarted job can read the dead attempt's addresses. The rank-0 worker of a job
+    that can restart says so, with the environment variable that avoids it."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+    monkeypatch.setenv("RANK", "0")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        Checkpoint(f"file://{tmp_path}/r", model=torch.nn.Linear(2, 2)).close()
+    said = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
+    assert bool(said) == warned, said
+    assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in m and "--max-restarts 3" in m
+               for m in said)

@@ -575,10 +575,15 @@ def test_a_slow_link_only_slows_the_job(cluster, labelled):
 ELASTIC_BATCH = 12
 
 
-def rank_train_checkpointed(path: str, repo: str, out: str) -> None:
+def rank_train_checkpointed(path: str, repo: str, out: str, hold_at_world: str = "0"
+                            ) -> None:
     """DDP training with a Checkpoint every 3 steps over a preloaded store; each step's
-    ids go to ``out/rank-R-attempt-A.jsonl`` as they come; rank 0 says RESTORED <step>
-    and, at the attempt's 7th step, TRAINING (the cue for a fault)."""
+    ids go to ``out/rank-R-world-W-from-S.jsonl`` as they come; rank 0 says RESTORED
+    <step> and, at the attempt's 7th step, TRAINING (the cue for a fault).  An attempt
+    at ``hold_at_world`` ranks stops after its 7th step, rank 0 saying HOLDING, until
+    its launcher ends it (the cue for a node to join)."""
+    import time
+
     import torch
 
     import forebay.reduce as fr
@@ -609,6 +614,12 @@ def rank_train_checkpointed(path: str, repo: str, out: str) -> None:
             ran += 1
             if ran == 7 and rank == 0:
                 say("TRAINING")
+            if ran == 7 and world == int(hold_at_world):
+                ckpt.wait()                     # the step-6 save is whole
+                if rank == 0:
+                    say("HOLDING")
+                time.sleep(300)
+                raise AssertionError("held for 300 s: no node joined")
     ckpt.close()
     loader.close()
 
@@ -681,6 +692,70 @@ def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
         stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json")
                             .read_text()) for r in range(world)]
         assert {s["from"] for s in stats} == {"one"}, stats
+
+
+def _wait_for(log: Path, text: str, count: int, agents: list[subprocess.Popen],
+              timeout: float = 180.0) -> None:
+    """Until node0's agent log holds ``text`` ``count`` times; fails, with the log's
+    end, when an agent ends first or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while log.read_text().count(text) < count:
+        ended = [a.returncode for a in agents if a.poll() is not None]
+        assert not ended and time.monotonic() < deadline, \
+            (text, ended, log.read_text()[-4000:])
+        time.sleep(0.2)
+
+
+def test_a_torchrun_job_goes_on_in_place_when_a_node_is_lost_and_when_it_comes_back(
+        cluster, labelled, tmp_path):
+    """Issue T item 2 under torchrun (``--nnodes 2:3 --max-restarts 3``): node2 killed
+    mid-epoch, the agents left restart the workers on 2 nodes, which restore the last
+    save; node2's agent started again, the 3 nodes re-form and finish. The whole run's
+    global batches are the plan's, every attempt going on from a save."""
+    out = cluster.shared / "elastic-torchrun"
+    out.mkdir()
+    repo = str(cluster.shared / "elastic-torchrun-repo")
+    cmd, env = rank_command(rank_train_checkpointed, [labelled, repo, out, 2])
+    env.update(FOREBAY_PEER_TIMEOUT="5", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    argv = cluster.torchrun_argv(cmd, nodes="2:3", port=29451, restarts=3)
+    logs = [tmp_path / f"agent{k}.log" for k in range(3)] + [tmp_path / "agent2b.log"]
+
+    def agent(k: int, log: Path) -> subprocess.Popen:
+        with log.open("w") as f:
+            return cluster.popen(k, argv, env=cluster.env(env), stdout=f,
+                                 stderr=subprocess.STDOUT, text=True)
+
+    agents = [agent(k, logs[k]) for k in range(3)]
+    lost = agents[2]
+    try:
+        _wait_for(logs[0], "TRAINING", 1, agents)
+        assert cluster.kill_node(2) > 0                 # node2 lost mid-epoch
+        lost.wait(timeout=30)
+        _wait_for(logs[0], "HOLDING", 1, agents[:2])    # going on at 2 nodes
+        agents[2] = agent(2, logs[3])                   # and node2 comes back
+        for a in agents:
+            a.wait(timeout=180)
+    finally:
+        for a in agents + [lost]:
+            a.kill()
+            a.wait()
+    assert [a.returncode for a in agents] == [0, 0, 0], logs[0].read_text()[-4000:]
+    assert "RuntimeWarning" not in logs[0].read_text()  # the store was not shared
+    plan = forebay.AccessPlan(101, 1, ELASTIC_BATCH, 3, seed=1)
+    want = [sorted(g.tolist()) for e in range(3) for g in plan.global_batches(e)]
+    seen: dict[int, list[int]] = {}
+    starts = []
+    for f in sorted(out.glob("rank-0-*.jsonl"), key=lambda f: f.stat().st_mtime):
+        world, start = (int(x) for x in re.findall(r"\d+", f.name)[1:3])
+        steps = _global_steps(out, world, start)
+        assert start == 0 or start - 1 in seen             # after a step already run
+        for k, ids in steps.items():
+            assert ids == want[k], (f.name, k)              # the plan's global batch
+            seen[k] = ids
+        starts.append((world, start))
+    assert sorted(seen) == list(range(len(want)))        # every step, to the end
+    assert [w for w, _ in starts] == [3, 2, 3], starts
+    assert 0 < starts[1][1] < starts[2][1], starts        # each went on from a save
 
 
 # -- every distributed path across nodes ----------------------------------------------

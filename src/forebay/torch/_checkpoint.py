@@ -59,6 +59,30 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _warn_if_restarts_share_a_store() -> None:
+    """Warn (rank 0) when torchrun will restart the workers with its rendezvous store
+    shared between attempts (torch's default with the c10d rendezvous): the store keeps
+    the dead attempt's keys, and a restarted job's process groups, named as before,
+    can read the old ranks' addresses and fail to connect (pytorch/pytorch#135712;
+    about one restart in four on the emulated cluster)."""
+    import os
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
+            or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if restarts > 0:
+        warnings.warn(f"torchrun restarts the workers here (--max-restarts {restarts}) "
+                      f"but shares its rendezvous store between attempts: a restarted "
+                      f"job can read the dead attempt's addresses and fail to connect "
+                      f"(pytorch/pytorch#135712). Start torchrun with "
+                      f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (see "
+                      f"forebay's docs/checkpoint.md)", RuntimeWarning, stacklevel=3)
+
+
 def _rank_world(group: Any) -> tuple[int, int]:
     if _distributed():
         return dist.get_rank(group), dist.get_world_size(group)
@@ -241,6 +265,7 @@ class Checkpoint:
         self.repo, self.name, self.loader = repo, name, loader
         self.model, self.optimizer = model, optimizer
         self.every_steps, self.keep = every_steps, keep
+        _warn_if_restarts_share_a_store()
         # a save's collectives run on DCP's background thread: on a group of their own,
         # never interleaved with the training loop's (DDP, the loader's exchange)
         if process_group is None:
