@@ -244,6 +244,51 @@ def test_a_job_holding_the_cache_keeps_it_and_a_killed_one_does_not(tmp_path, cl
     assert code_ == 0 and "empty" in out
 
 
+def rank_fill_and_die(ds: str, cache: str, writes: str) -> None:
+    """Fill the node cache batch by batch (8 samples), the process killed (SIGKILL) in
+    its ``writes``-th record's write: half of the record's bytes written, its batch's
+    presence bytes not set yet."""
+    real = os.pwrite
+    done = [0]
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        done[0] += 1
+        if done[0] == int(writes):
+            real(fd, bytes(data)[:len(data) // 2], offset)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(fd, data, offset)
+
+    os.pwrite = pwrite                   # the system call the cache's writes go through
+    c = NodeCache(cache, forebay.open_dataset(ds))
+    ids = np.arange(SAMPLES)
+    for b in range(0, SAMPLES, BATCH):
+        c.ensure(ids[b:b + BATCH])
+    raise AssertionError("the fill was not killed")
+
+
+def test_a_job_killed_mid_fill_leaves_a_cache_the_next_job_completes(tmp_path):
+    """A job dies (kill -9) while writing the cache, in the middle of a record: what it
+    made present is kept, what it was writing is not used, and the next job reads the
+    rest from the files and completes the copy, every batch bit-exact."""
+    from conftest import rank_command
+
+    ds = _write(tmp_path / "ds")
+    want, _ = _epoch(ds)
+    cmd, env = rank_command(rank_fill_and_die, [ds, tmp_path / "cache", 2 * BATCH + 4])
+    p = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    (entry,) = cache_entries(tmp_path / "cache")
+    assert not entry["in_use"]                            # its lock went with it
+    after, st = _epoch(ds, tmp_path / "cache")
+    assert after == want
+    # the two batches it finished are read from the cache, the rest from the files
+    assert st["node_cache_misses"] == SAMPLES - 2 * BATCH and st["pfs_reads"] == st[
+        "node_cache_misses"]
+    again, st = _epoch(ds, tmp_path / "cache")            # and the copy is now whole
+    assert again == want and st["pfs_reads"] == 0 and st["node_cache_misses"] == 0
+
+
 def test_views_and_single_samples_come_from_the_cache_too(tmp_path):
     ds = _write(tmp_path / "ds")
     src = forebay.open_dataset(ds)
