@@ -7,7 +7,12 @@ first step; plus the steps replayed (those after the last save).  Root, the emul
 cluster of tests/cluster.py.
 
     python benchmarks/launch/recovery_bench.py --out /tmp/recovery --samples 2000,20000 \\
-        --every 10,40 --reps 2
+        --every 10,40 --reps 2 [--launcher torchrun]
+
+``--launcher torchrun``: the agents restart the workers in place (``--nnodes 2:3
+--max-restarts 3``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``); detection is then when
+node0's agent saw its worker fail, and "start" runs from there to the new
+attempt's process group (the agents' rendezvous, the workers' start).
 
 ``--blocking``: the time a save holds the loop, ``Checkpoint.save()`` against DCP's own
 ``async_save`` with its ``FileSystemWriter``, on the same model (one process,
@@ -81,7 +86,7 @@ def worker(a) -> None:
                 say("SAVE_BLOCK", time.perf_counter() - t0)
             say("STEP", ckpt.step_count)
             ran += 1
-            if a.steps and ran >= a.steps:
+            if (a.steps and ran >= a.steps) or (a.stop_at and ckpt.step_count >= a.stop_at):
                 ckpt.close()
                 loader.close()
                 return
@@ -161,6 +166,73 @@ def recovery(a, cluster, samples: int, every: int, fault: str) -> dict:
             "first_step_s": got["STEP"][0][1] - t_restored,
             "total_s": got["STEP"][0][1] - t_kill, "replayed_steps": killed_step - restored,
             "step_s": float(step_s),
+            "save_block_s": [b for b, _ in before.get("SAVE_BLOCK", [])]}
+
+
+def _agent_time(line: str) -> float:
+    """The wall time of a torch elastic log line (``I1128 20:09:00.102000 ...``, local
+    time, today)."""
+    hms = line.split()[1]
+    day = time.localtime()
+    t = time.mktime(time.strptime(f"{day.tm_year}-{day.tm_mon}-{day.tm_mday} "
+                                  f"{hms.split('.')[0]}", "%Y-%m-%d %H:%M:%S"))
+    return t + float("0." + hms.split(".")[1])
+
+
+def recovery_torchrun(a, cluster, samples: int, every: int, fault: str, rep: int) -> dict:
+    """As :func:`recovery`, with torchrun's elastic restart in place: 3 agents
+    (``--nnodes 2:3 --max-restarts 3``), node2 lost; the agents left restart the
+    workers on 2 nodes.  Detection is when node0's agent decided to restart them (its
+    worker failed, or node1's agent was waiting for a new round)."""
+    import threading
+
+    data = a.out / f"data-{samples}.fb"
+    _write_data(data, samples)
+    repo = a.out / f"repo-{samples}-{every}-{time.monotonic_ns()}"
+    kill_at = 2 * every + every // 2
+    env = cluster.env(dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO",
+                           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                           FOREBAY_PEER_TIMEOUT=str(a.peer_timeout)))
+    argv = cluster.torchrun_argv(
+        [str(HERE), "--worker", "--data", str(data), "--repo", str(repo), "--every",
+         str(every), "--compute-ms", str(a.compute_ms), "--stop-at", str(kill_at + every)],
+        nodes="2:3", restarts=3, port=29600 + rep % 200)
+    agents = [cluster.popen(k, argv, env=env, stdout=subprocess.PIPE if k == 0 else
+                            subprocess.DEVNULL, stderr=subprocess.PIPE if k == 0 else
+                            subprocess.DEVNULL, text=True) for k in range(3)]
+    err: list[str] = []
+    pump = threading.Thread(target=lambda: err.extend(agents[0].stderr), daemon=True)
+    pump.start()
+    try:
+        before = _lines(agents[0], "STEP", kill_at)
+        t_kill = time.time()
+        if fault == "cut":
+            cluster.cut_link(2)                # silent: nothing it does reaches the others
+        cluster.kill_node(2)
+        evict(files_under(data))           # the restarted preload reads the file system
+        got = _lines(agents[0], "RESTORED")
+        got.update(_lines(agents[0], "STEP"))
+        agents[0].wait(timeout=120)
+        agents[1].wait(timeout=120)
+    finally:
+        for ag in agents:
+            ag.kill()
+            ag.wait()
+        pump.join(timeout=10)
+        if fault == "cut":
+            cluster.restore_link(2)
+    # its worker failed, or it saw node1's agent waiting for a new round first
+    failed = [_agent_time(x) for x in err if "will restart worker group" in x]
+    t_detect = failed[0] if failed else float("nan")
+    pg, loader = got["PG"][-1][1], got["LOADER"][-1][1]
+    restored, t_restored = got["RESTORED"][-1]
+    step_s = np.median(np.diff([t for _, t in before["STEP"]]))
+    return {"samples": samples, "every": every, "fault": fault, "launcher": "torchrun",
+            "detect_s": t_detect - t_kill, "start_s": pg - t_detect,
+            "store_s": loader - pg, "restore_s": t_restored - loader,
+            "first_step_s": got["STEP"][0][1] - t_restored,
+            "total_s": got["STEP"][0][1] - t_kill,
+            "replayed_steps": before["STEP"][-1][0] - restored, "step_s": float(step_s),
             "save_block_s": [b for b, _ in before.get("SAVE_BLOCK", [])]}
 
 
@@ -245,6 +317,10 @@ def main() -> None:
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--repo", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--stop-at", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--launcher", choices=["mpiexec", "torchrun"], default="mpiexec",
+                   help="mpiexec: the same command resubmitted on the 2 nodes left; "
+                        "torchrun: --nnodes 2:3 --max-restarts 3, restarted in place")
     a = p.parse_args()
     if a.worker:
         a.every = int(a.every)
@@ -265,12 +341,17 @@ def main() -> None:
             for fault in a.faults.split(","):
                 for n in (int(x) for x in a.samples.split(",")):
                     for every in (int(x) for x in a.every.split(",")):
-                        r = recovery(a, cluster, n, every, fault)
+                        r = (recovery(a, cluster, n, every, fault)
+                             if a.launcher == "mpiexec" else
+                             recovery_torchrun(a, cluster, n, every, fault, len(rows)))
                         r["rep"] = rep
                         rows.append(r)
                         print(json.dumps(r), flush=True)
-    print(f"\nmachine: {machine()}; 3 emulated nodes, node2 lost mid-interval, the same "
-          f"command on the 2 left; {a.compute_ms:g} ms of compute per step, "
+    how = ("the same command on the 2 left" if a.launcher == "mpiexec" else
+           "torchrun --nnodes 2:3 --max-restarts 3 restarting in place (start: from the "
+           "agent's detection)")
+    print(f"\nmachine: {machine()}; 3 emulated nodes, node2 lost mid-interval, {how}; "
+          f"{a.compute_ms:g} ms of compute per step, "
           f"FOREBAY_PEER_TIMEOUT={a.peer_timeout:g}; medians of {a.reps} rounds")
     print("| fault | samples (10 KB) | every | detection s | start + rendezvous s | "
           "store set-up s | restore s | first step s | death to first step s | "
