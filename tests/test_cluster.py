@@ -641,10 +641,10 @@ def _global_steps(out: Path, world: int, start: int) -> dict[int, list[int]]:
 def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
         cluster, labelled, tmp_path):
     """Issue T item 2 (resubmitting under mpiexec): 3 nodes, node2 killed mid-epoch; the
-    same command on the 2 nodes left restores the last whole checkpoint and, killed in
-    turn, the same command on 3 nodes again finishes. The global sample sequence is the
-    plan's, every step after a restore the uninterrupted run's; only the steps after
-    each last save are seen twice."""
+    same command on the 2 nodes left restores the last whole checkpoint and finishes.
+    The global sample sequence is the plan's, every step after a restore the
+    uninterrupted run's; only the steps after the last save are seen twice. (A node
+    that comes back, 2 -> 3: the torchrun test below.)"""
     out = cluster.shared / "elastic"
     out.mkdir()
     repo = str(cluster.shared / "elastic-repo")
@@ -666,12 +666,11 @@ def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
         restored.append(int(m.group(1)) if m else None)
 
     attempt(3, kill=2)                   # 3 nodes; node2 dies
-    attempt(2, kill=1)                   # resubmitted on the 2 left; node1 dies too
-    attempt(3, kill=None)                # and on 3 nodes again: to the end
+    attempt(2, kill=None)                # resubmitted on the 2 left: to the end
     plan = forebay.AccessPlan(101, 1, ELASTIC_BATCH, 3, seed=1)
     want = [sorted(g.tolist()) for e in range(3) for g in plan.global_batches(e)]
     logs = sorted(out.glob("rank-0-*.jsonl"), key=lambda f: f.stat().st_mtime)
-    assert len(logs) == 3, logs
+    assert len(logs) == 2, logs
     seen: dict[int, list[int]] = {}
     starts = []
     for f in logs:
@@ -684,14 +683,13 @@ def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
             seen[k] = ids
         starts.append((world, start))
     assert sorted(seen) == list(range(len(want)))        # every step, to the end
-    assert [w for w, _ in starts] == [3, 2, 3]
-    assert starts[1][1] > 0 and starts[2][1] > starts[1][1]   # each went on from a save
-    assert restored[-1] == starts[2][1]
-    # each restore read the replicated state on one rank and broadcast it to the others
-    for world, start in starts[1:]:
-        stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json")
-                            .read_text()) for r in range(world)]
-        assert {s["from"] for s in stats} == {"one"}, stats
+    assert [w for w, _ in starts] == [3, 2]
+    assert starts[1][1] > 0 and restored[-1] == starts[1][1]   # it went on from a save
+    # the restore read the replicated state on one rank and broadcast it to the other
+    world, start = starts[1]
+    stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json").read_text())
+             for r in range(world)]
+    assert {s["from"] for s in stats} == {"one"}, stats
 
 
 def _wait_for(log: Path, text: str, count: int, agents: list[subprocess.Popen],
@@ -756,6 +754,10 @@ def test_a_torchrun_job_goes_on_in_place_when_a_node_is_lost_and_when_it_comes_b
     assert sorted(seen) == list(range(len(want)))        # every step, to the end
     assert [w for w, _ in starts] == [3, 2, 3], starts
     assert 0 < starts[1][1] < starts[2][1], starts        # each went on from a save
+    for world, start in starts[1:]:     # each restore: read once, broadcast over the links
+        stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json")
+                            .read_text()) for r in range(world)]
+        assert {s["from"] for s in stats} == {"one"}, stats
 
 
 # -- every distributed path across nodes ----------------------------------------------
@@ -808,9 +810,13 @@ def test_the_readme_training_script_runs_across_four_nodes(request, cluster, lau
     d = cluster.shared / f"readme-{launcher}"
     d.mkdir()
     env = {"PYTHONPATH": str(Path(forebay.__file__).parents[1]), "FOREBAY_TRACE": ""}
-    (d / "data.py").write_text(DATA)
-    assert cluster.run(0, [sys.executable, "data.py"], cwd=d,
-                       env=cluster.env(env)).returncode == 0
+    data = cluster.shared / "readme-data"            # README's data.py, once per cluster
+    if not (data / "ising.fb").exists():
+        data.mkdir(exist_ok=True)
+        (data / "data.py").write_text(DATA)
+        assert cluster.run(0, [sys.executable, "data.py"], cwd=data,
+                           env=cluster.env(env)).returncode == 0
+    (d / "ising.fb").symlink_to(data / "ising.fb")
     (d / "train.py").write_text(code + TRAIN_CHECK)
     if launcher == "mpiexec":
         p = cluster.mpiexec([sys.executable, "train.py"], cwd=d, env=env, timeout=400)
