@@ -91,25 +91,54 @@ def _items(src: Path) -> list:
     return [(str(f), i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
 
 
-def _timed(batches_of_epoch, epochs: int, t0: float) -> dict:
-    """First batch and epoch times from ``t0`` (the loader's construction began)."""
+def _tree_cpu() -> float:
+    """CPU seconds (user + system) of this process and every live descendant (worker
+    processes, a fork server's children), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d)] = int(fields[1])
+        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / tick
+    me, total = os.getpid(), 0.0
+    for pid, c in cpu.items():
+        p = pid
+        while p > 1 and p != me:
+            p = parent.get(p, 0)
+        total += c if p == me else 0.0
+    return total
+
+
+def _timed(batches_of_epoch, epochs: int, t0: float, c0: float) -> dict:
+    """First batch and epoch times from ``t0`` (the loader's construction began), and
+    the CPU seconds of each epoch (this process and its workers) from ``c0`` (the CPU
+    seconds at ``t0``: epoch 1's include the loader's start-up)."""
     first = None
-    times = []
+    times, cpu = [], []
     start = t0
     for e in range(epochs):
         for _ in batches_of_epoch(e):
             if first is None:
                 first = time.perf_counter() - t0
-        now = time.perf_counter()
+        now, c = time.perf_counter(), _tree_cpu()
         times.append(now - start)
-        start = now
-    return {"first_batch": first, "epochs": times}
+        cpu.append(c - c0)
+        start, c0 = now, c
+    return {"first_batch": first, "epochs": times, "cpu": cpu}
 
 
 def job(a: argparse.Namespace) -> dict:
     """One contender in this (fresh) process."""
     src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
     name, T, w = a.job, TRANSFORMS[a.workload], a.workers
+    c0 = _tree_cpu()
     if name.startswith("torch"):
         ctx = "spawn" if "spawn" in name else "fork"
         t0 = time.perf_counter()
@@ -117,7 +146,7 @@ def job(a: argparse.Namespace) -> dict:
             Folder(_items(src), a.workload), batch_size=a.batch, shuffle=True,
             generator=torch.Generator().manual_seed(0), num_workers=w,
             persistent_workers=True, prefetch_factor=4, multiprocessing_context=ctx)
-        return _timed(lambda e: dl, a.epochs, t0)
+        return _timed(lambda e: dl, a.epochs, t0, c0)
     if name.startswith("SPDL"):
         from spdl.pipeline import PipelineBuilder
 
@@ -135,7 +164,7 @@ def job(a: argparse.Namespace) -> dict:
                  .pipe(torch.utils.data.default_collate).add_sink(4).build(num_threads=w))
             with p.auto_stop():
                 yield from p
-        return _timed(epoch, a.epochs, t0)
+        return _timed(epoch, a.epochs, t0, c0)
     from forebay.torch import DataLoader, Pipeline
 
     mode, start = name.split()[1], name.split("(")[1].rstrip(")")
@@ -146,7 +175,7 @@ def job(a: argparse.Namespace) -> dict:
     def fb_epoch(e: int):
         dl.set_epoch(e)
         return iter(dl)
-    out = _timed(fb_epoch, a.epochs, t0)
+    out = _timed(fb_epoch, a.epochs, t0, c0)
     out["worker_start"] = dl.stats()["worker_start"]
     dl.close()
     return out
@@ -218,8 +247,9 @@ def report(workload: str, names: list[str], res: dict, a: argparse.Namespace) ->
     print(f"\n## {workload}: seconds (median over rounds) and the best peer's time / "
           f"this one's (min / median over rounds; > 1: faster)")
     print("| contender | first batch | epoch 1 (with start-up) | warm epoch | warm images/s "
-          "| vs best peer: first batch | epoch 1 | warm |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| vs best peer: first batch | epoch 1 | warm | CPU ms per image: epoch 1 | "
+          "warm |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     peers = [n for n in names if n in PEERS]
     for name in names:
         cells = []
@@ -231,6 +261,10 @@ def report(workload: str, names: list[str], res: dict, a: argparse.Namespace) ->
             ratios = [min(metric(res[p][k], what) for p in peers) / metric(res[name][k], what)
                       for k in range(len(res[name]))]
             cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f}")
+        for first in (True, False):      # CPU of epoch 1 (start-up in it), of warm epochs
+            ms = [1e3 * (r["cpu"][0] if first else statistics.median(r["cpu"][1:]))
+                  / a.samples for r in res[name]]
+            cells.append(f"{statistics.median(ms):.2f}")
         how = res[name][0].get("worker_start")
         label = f"{name} -> {how}" if how and "auto" in name else name
         print(f"| {label} | " + " | ".join(cells) + " |")
