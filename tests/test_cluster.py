@@ -638,6 +638,36 @@ def _global_steps(out: Path, world: int, start: int) -> dict[int, list[int]]:
     return {k: sorted(v) for k, v in steps.items() if ranks[k] == world}
 
 
+def _assert_the_plans_run(out: Path, worlds: list[int]) -> list[tuple[int, int]]:
+    """The attempts' logs in ``out``, in the order they ran, are one run of the plan:
+    each attempt at its world size (``worlds``) began where it restored, after a step
+    already run (from a save: later each time), every logged step the plan's global
+    batch, every step to the end; each restore read the replicated state on one rank
+    and broadcast it.  Returns each attempt's (world, first step)."""
+    plan = forebay.AccessPlan(101, 1, ELASTIC_BATCH, 3, seed=1)
+    want = [sorted(g.tolist()) for e in range(3) for g in plan.global_batches(e)]
+    seen: dict[int, list[int]] = {}
+    starts = []
+    for f in sorted(out.glob("rank-0-*.jsonl"), key=lambda f: f.stat().st_mtime):
+        world, start = (int(x) for x in re.findall(r"\d+", f.name)[1:3])
+        steps = _global_steps(out, world, start)
+        assert min(steps, default=start) == start          # it began where it restored
+        assert start == 0 or start - 1 in seen             # after a step already run
+        for k, ids in steps.items():
+            assert ids == want[k], (f.name, k)              # the plan's global batch
+            seen[k] = ids
+        starts.append((world, start))
+    assert sorted(seen) == list(range(len(want)))        # every step, to the end
+    assert [w for w, _ in starts] == worlds, starts
+    firsts = [start for _, start in starts]
+    assert firsts[0] == 0 and firsts[1:] == sorted(set(firsts[1:])) and 0 not in firsts[1:]
+    for world, start in starts[1:]:     # each restore: read once, broadcast over the links
+        stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json")
+                            .read_text()) for r in range(world)]
+        assert {s["from"] for s in stats} == {"one"}, stats
+    return starts
+
+
 def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
         cluster, labelled, tmp_path):
     """Issue T item 2 (resubmitting under mpiexec): 3 nodes, node2 killed mid-epoch; the
@@ -667,29 +697,8 @@ def test_a_job_that_loses_a_node_resumes_on_the_survivors_with_the_same_samples(
 
     attempt(3, kill=2)                   # 3 nodes; node2 dies
     attempt(2, kill=None)                # resubmitted on the 2 left: to the end
-    plan = forebay.AccessPlan(101, 1, ELASTIC_BATCH, 3, seed=1)
-    want = [sorted(g.tolist()) for e in range(3) for g in plan.global_batches(e)]
-    logs = sorted(out.glob("rank-0-*.jsonl"), key=lambda f: f.stat().st_mtime)
-    assert len(logs) == 2, logs
-    seen: dict[int, list[int]] = {}
-    starts = []
-    for f in logs:
-        world, start = (int(x) for x in re.findall(r"\d+", f.name)[1:3])
-        steps = _global_steps(out, world, start)
-        assert min(steps, default=start) == start          # it began where it restored
-        assert start == 0 or start - 1 in seen             # after a step already run
-        for k, ids in steps.items():
-            assert ids == want[k], (f.name, k)              # the plan's global batch
-            seen[k] = ids
-        starts.append((world, start))
-    assert sorted(seen) == list(range(len(want)))        # every step, to the end
-    assert [w for w, _ in starts] == [3, 2]
-    assert starts[1][1] > 0 and restored[-1] == starts[1][1]   # it went on from a save
-    # the restore read the replicated state on one rank and broadcast it to the other
-    world, start = starts[1]
-    stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json").read_text())
-             for r in range(world)]
-    assert {s["from"] for s in stats} == {"one"}, stats
+    starts = _assert_the_plans_run(out, [3, 2])
+    assert restored[-1] == starts[1][1]
 
 
 def _wait_for(log: Path, text: str, count: int, agents: list[subprocess.Popen],
@@ -739,25 +748,7 @@ def test_a_torchrun_job_goes_on_in_place_when_a_node_is_lost_and_when_it_comes_b
             a.wait()
     assert [a.returncode for a in agents] == [0, 0, 0], logs[0].read_text()[-4000:]
     assert "RuntimeWarning" not in logs[0].read_text()  # the store was not shared
-    plan = forebay.AccessPlan(101, 1, ELASTIC_BATCH, 3, seed=1)
-    want = [sorted(g.tolist()) for e in range(3) for g in plan.global_batches(e)]
-    seen: dict[int, list[int]] = {}
-    starts = []
-    for f in sorted(out.glob("rank-0-*.jsonl"), key=lambda f: f.stat().st_mtime):
-        world, start = (int(x) for x in re.findall(r"\d+", f.name)[1:3])
-        steps = _global_steps(out, world, start)
-        assert start == 0 or start - 1 in seen             # after a step already run
-        for k, ids in steps.items():
-            assert ids == want[k], (f.name, k)              # the plan's global batch
-            seen[k] = ids
-        starts.append((world, start))
-    assert sorted(seen) == list(range(len(want)))        # every step, to the end
-    assert [w for w, _ in starts] == [3, 2, 3], starts
-    assert 0 < starts[1][1] < starts[2][1], starts        # each went on from a save
-    for world, start in starts[1:]:     # each restore: read once, broadcast over the links
-        stats = [json.loads((out / f"restore-{r}-world-{world}-from-{start}.json")
-                            .read_text()) for r in range(world)]
-        assert {s["from"] for s in stats} == {"one"}, stats
+    _assert_the_plans_run(out, [3, 2, 3])
 
 
 # -- every distributed path across nodes ----------------------------------------------
