@@ -356,11 +356,13 @@ def _pump(stream, into: list, training: "threading.Event | None") -> None:
 
 
 def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None,
-                        start_timeout: float = 180.0) -> tuple[int, str, float]:
+                        start_timeout: float = 180.0, stalled: str = ""
+                        ) -> tuple[int, str, float]:
     """Once the job trains (rank 0 says TRAINING), ``fault()``; node0's launcher gets 60
     s to end.  Every launcher process is ended whatever happens, and ``after()`` run
     once the fault was made.  Raises :class:`JobDidNotStart` (with node0's stderr) when
-    the job ends or stays silent for ``start_timeout`` s before TRAINING.  Returns
+    the job ends or stays silent for ``start_timeout`` s before TRAINING, or 20 s after
+    its stderr said ``stalled`` (a start-up known to hang once it says so).  Returns
     node0's launcher's exit status, its stderr and the seconds it took."""
     job = jobs[0]
     out: list[str] = []
@@ -372,11 +374,14 @@ def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None,
         t.start()
     faulted = False
     try:
-        deadline = time.monotonic() + start_timeout
+        began = time.monotonic()
+        deadline = began + start_timeout
         while not training.wait(0.5):
+            if stalled and deadline - time.monotonic() > 20 and stalled in "".join(err):
+                deadline = time.monotonic() + 20
             if job.poll() is not None or time.monotonic() > deadline:
                 state = (f"ended with status {job.returncode}" if job.poll() is not None
-                         else f"said nothing for {start_timeout:g} s")
+                         else f"said nothing for {time.monotonic() - began:.0f} s")
                 job.kill()
                 job.wait()
                 for t in pumps:
@@ -456,10 +461,10 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
     for attempt in range(1, PMI2_TRIES + 1):
         try:
             # a job that starts says TRAINING within seconds; a garbled start ends within
-            # seconds: the tries fit the test's time
+            # seconds, or hangs after saying so: the tries fit the test's time
             code, err, took = _fault_mid_training(_launch(slurm, "srun", cmd, env, mpi=mpi),
                                                   kill, lambda: slurm.slurm_restore(1),
-                                                  start_timeout=100)
+                                                  start_timeout=100, stalled="mpi/pmi2")
             break
         except JobDidNotStart as e:
             if not _pmi2_garbled(str(e)):
