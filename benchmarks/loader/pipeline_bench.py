@@ -20,7 +20,9 @@ Two workloads over the same real JPEGs (``forebay synth imagenet --encode jpeg``
 * ``python``: a GIL-bound transform (a Python loop over 16,384 bytes of each file).
 
 Rates count distinct samples only (forebay fills its last batch with repeats; torch's
-is short): an epoch is ``samples / seconds`` for everyone.  Rounds interleave the
+is short): an epoch is ``samples / seconds`` for everyone.  CPU per image counts the
+job's process and its live descendants (workers, a fork server's children), read from
+/proc at each epoch's end; epoch 1's includes the loader's start-up.  Rounds interleave the
 contenders in rotating order; ratios are to the best peer of the same round (min and
 median over rounds).
 
