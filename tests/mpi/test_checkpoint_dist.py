@@ -1,6 +1,6 @@
-"""forebay.torch.Checkpoint under real torchrun (issue T, item 1): a 2-rank DDP job that
-dies after step 13 restores its last save (step 10) at 2 ranks and at 1, and goes on with
-exactly the plan's global batches, to the same weights."""
+"""forebay.torch.Checkpoint under real torchrun (issue T, item 1): a 2-rank DDP job's
+save of step 10, restored at 1 rank, goes on with exactly the plan's global batches to
+the weights of the uninterrupted 2-rank run."""
 
 from __future__ import annotations
 
@@ -18,9 +18,13 @@ pytestmark = pytest.mark.mpi
 EPOCHS, GLOBAL_BATCH, SAMPLES = 2, 8, 64
 
 
-def rank_train(path: str, repo: str, out: str, stop_at: str) -> None:
+def rank_train(path: str, repo: str, out: str, stop_at: str, snapshot: str = "") -> None:
     """DDP training with a Checkpoint every 5 steps; ``stop_at`` > 0: every rank stops
-    after that step (the job dies).  Writes ``out/rank-R.json``: the ids of each step."""
+    after that step (the job dies); ``snapshot``: once step 10's save is whole, the
+    repository is copied there (what a job that died after steps 11-14 would find).
+    Writes ``out/rank-R.json``: the ids of each step."""
+    import shutil
+
     import torch
     import torch.distributed as dist
 
@@ -44,6 +48,12 @@ def rank_train(path: str, repo: str, out: str, stop_at: str) -> None:
             train_step(model, opt, batch, torch.randn(1))
             seen.append(batch["label"].tolist())
             ckpt.step()
+            if snapshot and ckpt.step_count == 10:
+                ckpt.wait()
+                dist.barrier()
+                if rank == 0:
+                    shutil.copytree(repo.removeprefix("file://"), snapshot)
+                dist.barrier()
             if stop and ckpt.step_count == stop:
                 break
         else:
@@ -63,33 +73,30 @@ def _global(out: Path, world: int) -> tuple[list, list, int]:
     return steps, ranks[0]["weight"], ranks[0]["step"]
 
 
-def test_a_ddp_job_that_dies_resumes_at_two_ranks_and_at_one(tmp_path):
+def test_a_ddp_job_restored_at_one_rank_ends_with_the_uninterrupted_weights(tmp_path):
     rng = np.random.default_rng(0)
     forebay.write_dataset(tmp_path / "ds", [
         {"x": rng.normal(size=8).astype(np.float32), "label": np.int64(i)}
         for i in range(SAMPLES)])
     ds = str(tmp_path / "ds")
-    runs = {k: tmp_path / k for k in ("died", "two", "one")}
+    runs = {k: tmp_path / k for k in ("whole", "one")}
     for d in runs.values():
         d.mkdir()
-    repo = f"file://{tmp_path}/b"
-    assert_ranks_ok(run_torchrun(2, rank_train, ds, repo, runs["died"], "13", timeout=180), 2)
-    # the repository now holds the saves of steps 5 and 10; two restarts from it
-    import shutil
-    shutil.copytree(tmp_path / "b", tmp_path / "c")
-    assert_ranks_ok(run_torchrun(2, rank_train, ds, repo, runs["two"], "0", timeout=180), 2)
+    # the uninterrupted run at 2 ranks, its repository as of step 10 kept aside
+    assert_ranks_ok(run_torchrun(2, rank_train, ds, f"file://{tmp_path}/b", runs["whole"],
+                                 "0", tmp_path / "c", timeout=180), 2)
+    # a job that died after step 10's save, resubmitted at 1 rank
     assert_ranks_ok(run_torchrun(1, rank_train, ds, f"file://{tmp_path}/c", runs["one"],
                                  "0", timeout=180), 1)
     plan = forebay.AccessPlan(SAMPLES, 1, GLOBAL_BATCH, EPOCHS, seed=1)
     whole = [sorted(g.tolist()) for e in range(EPOCHS) for g in plan.global_batches(e)]
-    died, _, _ = _global(runs["died"], 2)
-    two, w_two, n_two = _global(runs["two"], 2)
+    two, w_two, n_two = _global(runs["whole"], 2)
     one, w_one, n_one = _global(runs["one"], 1)
     assert n_two == n_one == len(whole) == EPOCHS * SAMPLES // GLOBAL_BATCH
-    assert died == whole[:13]
-    assert two == whole[10:] and one == whole[10:]     # steps 11-13 replayed once
-    # the same state restored at 2 ranks and at 1 trains to the same weights (up to
-    # summation order; bit-exact at one world size: tests/test_checkpoint.py)
+    assert two == whole
+    assert one == whole[10:]                      # from the save of step 10, the rest
+    # the restored run trains to the uninterrupted run's weights (up to summation
+    # order at another world size; bit-exact at one world size: tests/test_checkpoint.py)
     np.testing.assert_allclose(w_one, w_two, rtol=1e-5)
 
 
