@@ -361,8 +361,9 @@ def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None,
     """Once the job trains (rank 0 says TRAINING), ``fault()``; node0's launcher gets 60
     s to end.  Every launcher process is ended whatever happens, and ``after()`` run
     once the fault was made.  Raises :class:`JobDidNotStart` (with node0's stderr) when
-    the job ends or stays silent for ``start_timeout`` s before TRAINING, or 20 s after
-    its stderr said ``stalled`` (a start-up known to hang once it says so).  Returns
+    the job ends or stays silent for ``start_timeout`` s before TRAINING, or 3 s after
+    its stderr said ``stalled`` (a start-up that never recovers once it says so; a
+    healthy start says nothing on stderr before TRAINING).  Returns
     node0's launcher's exit status, its stderr and the seconds it took."""
     job = jobs[0]
     out: list[str] = []
@@ -377,8 +378,8 @@ def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None,
         began = time.monotonic()
         deadline = began + start_timeout
         while not training.wait(0.5):
-            if stalled and deadline - time.monotonic() > 20 and stalled in "".join(err):
-                deadline = time.monotonic() + 20
+            if stalled and deadline - time.monotonic() > 3 and stalled in "".join(err):
+                deadline = time.monotonic() + 3
             if job.poll() is not None or time.monotonic() > deadline:
                 state = (f"ended with status {job.returncode}" if job.poll() is not None
                          else f"said nothing for {time.monotonic() - began:.0f} s")
