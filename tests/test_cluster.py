@@ -412,6 +412,24 @@ def _fault_mid_training(jobs: list[subprocess.Popen], fault, after=None,
     return job.returncode, "".join(err), took
 
 
+def _ranks_left(cluster: Cluster, k: int, within: float = 15.0) -> list[str]:
+    """The command lines of the job's rank processes still on node ``k`` once ``within``
+    s have passed (a rank that its launcher just killed may take a moment to exit)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for p in cluster.node_pids(k):
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")
+            except OSError:                      # it exited meanwhile
+                continue
+            if "rank_main" in cmd:
+                left.append(cmd)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 def _ended_naming(code: int, err: str, took: float, names: str) -> None:
     """node0's side of the job failed within 30 s, rank 0 with one line saying
     ``names`` (the node gone and what the probe saw)."""
@@ -442,9 +460,7 @@ def test_a_node_whose_processes_die_ends_the_job_on_every_node(cluster, labelled
             assert all(re.search(r"node1 \(ranks? (2|3|2, 3): the node answers, the rank "
                                  r"does not: its process is gone\)", x) for x in lines), \
                 err[-4000:]
-    left = [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")
-            for p in cluster.node_pids(0) if Path(f"/proc/{p}").exists()]
-    assert not [c for c in left if "rank_main" in c], left   # nothing of the job on node0
+    assert not _ranks_left(cluster, 0)                  # nothing of the job on node0
     r = cluster.run(0, ["sh", "-c", "ls /dev/shm"])
     assert "forebay" not in r.stdout, r.stdout          # no segment left on node0
 
