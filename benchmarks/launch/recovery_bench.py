@@ -118,10 +118,33 @@ def _lines(proc: subprocess.Popen, want: str, until: "float | None" = None) -> d
     raise SystemExit(f"the job ended before {want}:\n{proc.stderr.read()[-3000:]}")
 
 
-def recovery(a, cluster, samples: int, every: int, fault: str) -> dict:
+def _job_files(a, samples: int, every: int) -> tuple[Path, Path, int]:
+    """The dataset (written once), a fresh repository, and the step to lose node2 at:
+    mid-interval, so that half an interval is replayed."""
     data = a.out / f"data-{samples}.fb"
     _write_data(data, samples)
-    repo = a.out / f"repo-{samples}-{every}-{time.monotonic_ns()}"
+    return (data, a.out / f"repo-{samples}-{every}-{time.monotonic_ns()}",
+            2 * every + every // 2)
+
+
+def _result(samples: int, every: int, fault: str, before: dict, got: dict,
+            t_kill: float, t_detect: float, t_start: float) -> dict:
+    """One row from rank 0's timed lines before the loss (``before``) and of the
+    restarted attempt (``got``); "start" runs from ``t_start`` to its process group."""
+    pg, loader = got["PG"][-1][1], got["LOADER"][-1][1]
+    restored, t_restored = got["RESTORED"][-1]
+    first_step = got["STEP"][0][1]
+    return {"samples": samples, "every": every, "fault": fault,
+            "detect_s": t_detect - t_kill, "start_s": pg - t_start,
+            "store_s": loader - pg, "restore_s": t_restored - loader,
+            "first_step_s": first_step - t_restored, "total_s": first_step - t_kill,
+            "replayed_steps": before["STEP"][-1][0] - restored,
+            "step_s": float(np.median(np.diff([t for _, t in before["STEP"]]))),
+            "save_block_s": [b for b, _ in before.get("SAVE_BLOCK", [])]}
+
+
+def recovery(a, cluster, samples: int, every: int, fault: str) -> dict:
+    data, repo, kill_at = _job_files(a, samples, every)
     env = cluster.env(dict(os.environ, OMP_NUM_THREADS="1",
                            FOREBAY_PEER_TIMEOUT=str(a.peer_timeout)))
 
@@ -133,7 +156,6 @@ def recovery(a, cluster, samples: int, every: int, fault: str) -> dict:
         return cluster.popen(0, argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
 
-    kill_at = 2 * every + every // 2           # mid-interval: half an interval replayed
     first = launch(3, 0)
     before = _lines(first, "STEP", kill_at)
     t_kill = time.time()
@@ -156,17 +178,7 @@ def recovery(a, cluster, samples: int, every: int, fault: str) -> dict:
     second = launch(2, 3)
     got = _lines(second, "STEP")
     second.communicate(timeout=120)
-    pg, loader = got["PG"][0][1], got["LOADER"][0][1]
-    restored, t_restored = got["RESTORED"][0]
-    step_s = np.median(np.diff([t for _, t in before["STEP"]]))
-    killed_step = before["STEP"][-1][0]
-    return {"samples": samples, "every": every, "fault": fault,
-            "detect_s": t_detect - t_kill,
-            "start_s": pg - t_launch, "store_s": loader - pg, "restore_s": t_restored - loader,
-            "first_step_s": got["STEP"][0][1] - t_restored,
-            "total_s": got["STEP"][0][1] - t_kill, "replayed_steps": killed_step - restored,
-            "step_s": float(step_s),
-            "save_block_s": [b for b, _ in before.get("SAVE_BLOCK", [])]}
+    return _result(samples, every, fault, before, got, t_kill, t_detect, t_launch)
 
 
 def _agent_time(line: str) -> float:
@@ -186,10 +198,7 @@ def recovery_torchrun(a, cluster, samples: int, every: int, fault: str, rep: int
     worker failed, or node1's agent was waiting for a new round)."""
     import threading
 
-    data = a.out / f"data-{samples}.fb"
-    _write_data(data, samples)
-    repo = a.out / f"repo-{samples}-{every}-{time.monotonic_ns()}"
-    kill_at = 2 * every + every // 2
+    data, repo, kill_at = _job_files(a, samples, every)
     env = cluster.env(dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO",
                            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                            FOREBAY_PEER_TIMEOUT=str(a.peer_timeout)))
@@ -224,16 +233,7 @@ def recovery_torchrun(a, cluster, samples: int, every: int, fault: str, rep: int
     # its worker failed, or it saw node1's agent waiting for a new round first
     failed = [_agent_time(x) for x in err if "will restart worker group" in x]
     t_detect = failed[0] if failed else float("nan")
-    pg, loader = got["PG"][-1][1], got["LOADER"][-1][1]
-    restored, t_restored = got["RESTORED"][-1]
-    step_s = np.median(np.diff([t for _, t in before["STEP"]]))
-    return {"samples": samples, "every": every, "fault": fault, "launcher": "torchrun",
-            "detect_s": t_detect - t_kill, "start_s": pg - t_detect,
-            "store_s": loader - pg, "restore_s": t_restored - loader,
-            "first_step_s": got["STEP"][0][1] - t_restored,
-            "total_s": got["STEP"][0][1] - t_kill,
-            "replayed_steps": before["STEP"][-1][0] - restored, "step_s": float(step_s),
-            "save_block_s": [b for b, _ in before.get("SAVE_BLOCK", [])]}
+    return _result(samples, every, fault, before, got, t_kill, t_detect, t_detect)
 
 
 def blocking(a) -> None:
@@ -344,7 +344,7 @@ def main() -> None:
                         r = (recovery(a, cluster, n, every, fault)
                              if a.launcher == "mpiexec" else
                              recovery_torchrun(a, cluster, n, every, fault, len(rows)))
-                        r["rep"] = rep
+                        r["rep"], r["launcher"] = rep, a.launcher
                         rows.append(r)
                         print(json.dumps(r), flush=True)
     how = ("the same command on the 2 left" if a.launcher == "mpiexec" else

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import warnings
 from typing import Any, Optional
@@ -65,8 +66,6 @@ def _warn_if_restarts_share_a_store() -> None:
     the dead attempt's keys, and a restarted job's process groups, named as before,
     can read the old ranks' addresses and fail to connect (pytorch/pytorch#135712;
     about one restart in four on the emulated cluster)."""
-    import os
-
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
             or os.environ.get("RANK", "0") != "0":
         return
