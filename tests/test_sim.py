@@ -90,6 +90,26 @@ def test_cached_policies_hand_computed():
     assert pre["total_s"] == pytest.approx(4.0 + 1 + 4 * 2)
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_release_steps_are_the_definitions(whole):
+    """The buffer's release step, solved for every worker at once, is the smallest g
+    with bytes(g+1 .. h) <= capacity (at most h-1), for whole and fractional sizes and
+    capacities from none to more than every batch together."""
+    rng = np.random.default_rng(7)
+    for n, s in [(1, 1), (3, 7), (64, 5), (2, 40)]:
+        nbytes = rng.integers(0, 50, (n, s)).astype(float)
+        if not whole:
+            nbytes += rng.random((n, s))
+        for cap in (0, 1, 37, 120, 1 << 62):
+            want = np.empty((n, s), dtype=np.int64)
+            for i in range(n):
+                for h in range(s):
+                    g = next((g for g in range(-1, h) if nbytes[i, g + 1:h + 1].sum() <= cap),
+                             h - 1)
+                    want[i, h] = min(g, h - 1)
+            assert (_release_steps(nbytes, cap) == want).all(), (n, s, cap)
+
+
 def _reference(read, comp, nbytes, cap, setup):
     """Step by step, as the model is written (NoPFS §4 with a bounded buffer)."""
     n, s = read.shape

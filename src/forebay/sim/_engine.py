@@ -57,12 +57,25 @@ class Timeline:
 def _release_steps(nbytes: np.ndarray, capacity: int) -> np.ndarray:
     """``int64[N, S]``: for each worker and step h, the last step g that must have
     ended before batch h may enter the buffer (-1: none), i.e. the smallest g with
-    bytes(g+1 .. h) <= capacity, at most h-1."""
+    bytes(g+1 .. h) <= capacity, at most h-1.
+
+    One ``searchsorted`` for every worker: each worker's running sums are shifted past
+    the previous worker's, so the rows lie in one sorted array.  Whole byte counts keep
+    the shifted sums exact below 2**53; other inputs are searched row by row."""
     n, s = nbytes.shape
     cum = np.concatenate([np.zeros((n, 1)), np.cumsum(nbytes, axis=1)], axis=1)
-    g = np.empty((n, s), dtype=np.int64)
-    for i in range(n):
-        g[i] = np.searchsorted(cum[i], cum[i, 1:] - capacity, side="left") - 1
+    top = float(cum[:, -1].max()) if n else 0.0
+    cap = min(float(capacity), top)       # a larger capacity holds every row whole
+    width = top + cap + 1.0
+    if n * width < 2.0 ** 53 and bool(np.all(cum == np.round(cum))):
+        shift = (np.arange(n) * width)[:, None]
+        at = np.searchsorted((cum + shift).ravel(), (cum[:, 1:] - cap + shift).ravel(),
+                             side="left")
+        g = at.reshape(n, s) - (np.arange(n) * (s + 1))[:, None] - 1
+    else:
+        g = np.empty((n, s), dtype=np.int64)
+        for i in range(n):
+            g[i] = np.searchsorted(cum[i], cum[i, 1:] - cap, side="left") - 1
     return np.minimum(g, np.arange(s, dtype=np.int64) - 1)
 
 
