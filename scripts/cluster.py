@@ -36,6 +36,9 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--ppn", type=int, default=1, help="ranks per node (default 1)")
     p.add_argument("--shm", default="512", help="each node's /dev/shm in MiB (default 512)")
     p.add_argument("--root", help="the cluster's directory (default: a new one in /tmp)")
+    p.add_argument("--cpus", type=float, default=None,
+                   help="cores each node may use at most, e.g. 0.5 (default: the "
+                        "machine's, shared by every node)")
     p.add_argument("--mpi", default=None,
                    help="srun's MPI plug-in (pmi2 for MPICH; default: none, the ranks "
                         "meet over torch.distributed)")
@@ -58,7 +61,7 @@ def main(argv: "list[str] | None" = None) -> int:
     made = a.root is None
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="forebay-cluster-"))
     try:
-        with Cluster(a.nodes, root / "c", shm_bytes=int(a.shm) << 20) as c:
+        with Cluster(a.nodes, root / "c", shm_bytes=int(a.shm) << 20, cpus=a.cpus) as c:
             env = c.env({"FOREBAY_CLUSTER_SHARED": str(c.shared),
                          "FOREBAY_CLUSTER_LOCAL": str(c.local)})
             print(f"cluster: {a.nodes} nodes ({', '.join(c.hosts)}), shared {c.shared}",

@@ -16,6 +16,9 @@ agent per node, the rendezvous on node0) and, where Slurm is installed, ``srun``
 node; with ``--mpi=pmi2`` for MPI programs, or without MPI).  Node faults: :meth:`Cluster.kill_node`
 (every process of a node), :meth:`Cluster.cut_link` / :meth:`Cluster.restore_link`
 (``ip link set down``), :meth:`Cluster.cap_link` (a token bucket on the node's link).
+With ``cpus``, each node's processes share that many cores at most (a CPU cgroup of
+its own, ``cpu.max`` or CFS quota), so that nodes on one machine do not lend each other
+time: 4 nodes of 0.5 core on 2 cores behave as 4 small machines, not as one.
 
 Needs root, ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux) and network
 namespaces; :func:`unavailable` says why not where any is missing.  :meth:`Cluster.down`
@@ -86,12 +89,19 @@ class Cluster:
             every node), ``local/`` (each node's own scratch at the same path),
             ``nodes/`` (the nodes' private directories behind ``local/``).
         shm_bytes: the size of each node's ``/dev/shm`` (a tmpfs of its own).
+        cpus: the cores each node may use at most (None: the machine's, shared by all).
     """
 
     def __init__(self, nodes: int = 4, root: "str | os.PathLike[str]" = "/tmp/forebay-cluster",
-                 *, shm_bytes: int = 512 << 20) -> None:
+                 *, shm_bytes: int = 512 << 20, cpus: Optional[float] = None) -> None:
         if nodes < 1 or nodes > 64:
             raise ValueError(f"nodes must be 1..64, got {nodes}")
+        if cpus is not None and not 0.01 <= cpus <= (os.cpu_count() or 1):
+            raise ValueError(f"cpus must be 0.01..{os.cpu_count()} (this machine's "
+                             f"cores), got {cpus}")
+        self.cpus = cpus
+        #: each node's CPU group, with ``cpus``
+        self.cpu_groups: Optional[CpuGroups] = None
         self.nodes = nodes
         self.root = Path(root).resolve()
         self.shm_bytes = int(shm_bytes)
@@ -151,6 +161,12 @@ class Cluster:
     def _build(self) -> None:
         self.shared.mkdir(parents=True, exist_ok=True)
         self.local.mkdir(parents=True, exist_ok=True)
+        if self.cpus is not None:      # before the nodes: their mount namespaces see it
+            try:
+                self.cpu_groups = CpuGroups(self.prefix, self.hosts, self.cpus,
+                                            self.root / "cpu")
+            except OSError as e:
+                raise RuntimeError(f"a CPU cap per node could not be set up: {e}") from e
         hosts = self.root / "hosts"
         hosts.write_text("127.0.0.1 localhost\n" + "".join(
             f"{self.address(k)} {h}\n" for k, h in enumerate(self.hosts)))
@@ -211,6 +227,8 @@ class Cluster:
                 h.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self.cpu_groups is not None:
+            self.cpu_groups.remove()
         for k in range(self.nodes):
             _sh("ip", "netns", "del", self.netns(k), check=False)
             _sh("ip", "link", "del", self._veth(k), check=False)
@@ -230,7 +248,8 @@ class Cluster:
            cwd: "str | os.PathLike[str] | None" = None) -> list[str]:
         """``argv`` as a command that runs on node ``k``, in ``cwd`` (default: this
         process's working directory; the path is the same on every node)."""
-        return ["nsenter", "-t", str(self.pids[k]), "-n", "-u", "-i", "-m",
+        join = [] if self.cpu_groups is None else self.cpu_groups.join_argv(self.hosts[k])
+        return [*join, "nsenter", "-t", str(self.pids[k]), "-n", "-u", "-i", "-m",
                 f"--wd={os.fspath(cwd) if cwd is not None else os.getcwd()}", "--", *argv]
 
     def run(self, k: int, argv: Sequence[str], *, timeout: Optional[float] = 120,
@@ -488,6 +507,64 @@ class Cluster:
     def _link_ends(self, k: int) -> list[tuple[list[str], str]]:
         """Both ends of node ``k``'s link: (how to run a command where it is, device)."""
         return [([], self._veth(k)), (["ip", "netns", "exec", self.netns(k)], "eth0")]
+
+
+class CpuGroups:
+    """One CPU cgroup per node under ``<prefix>`` (cgroup v2 ``cpu.max`` or v1's CFS
+    quota), each capped at ``cpus`` cores in 10 ms periods (a capped node waits
+    milliseconds, not a 100 ms period).  Bound at ``mount``, under the cluster's root,
+    which the nodes see (node0's ``/sys/fs/cgroup`` is a private tmpfs, and hydra's
+    launcher there puts each process it starts in its node's group)."""
+
+    PERIOD_US = 10_000
+
+    def __init__(self, prefix: str, hosts: list[str], cpus: float, mount: Path) -> None:
+        v2 = Path("/sys/fs/cgroup")
+        if (v2 / "cgroup.controllers").exists() and \
+                "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            self.base, quota = v2 / prefix, None
+            (v2 / "cgroup.subtree_control").write_text("+cpu")
+        else:
+            v1 = next((d for d in (v2 / "cpu", v2 / "cpu,cpuacct")
+                       if (d / "cpu.cfs_quota_us").exists()), None)
+            if v1 is None:
+                raise RuntimeError("a CPU cap per node needs the cgroup cpu controller "
+                                   "(v2 cpu.max or v1 cpu.cfs_quota_us); none here")
+            self.base, quota = v1 / prefix, "cpu.cfs_quota_us"
+        self.mount = mount
+        self.base.mkdir()
+        if quota is None:
+            (self.base / "cgroup.subtree_control").write_text("+cpu")
+        us = max(1000, round(cpus * self.PERIOD_US))
+        for h in hosts:
+            d = self.base / h
+            d.mkdir()
+            if quota is None:
+                (d / "cpu.max").write_text(f"{us} {self.PERIOD_US}")
+            else:
+                (d / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (d / quota).write_text(str(us))
+        mount.mkdir()
+        _sh("mount", "--bind", str(self.base), str(mount))
+
+    def stat(self, host: str) -> dict[str, int]:
+        """``host``'s group's ``cpu.stat`` (``nr_throttled``: periods it was held back)."""
+        words = (self.base / host / "cpu.stat").read_text().split()
+        return {k: int(v) for k, v in zip(words[::2], words[1::2])}
+
+    def join_argv(self, host: str) -> list[str]:
+        """A prefix that moves the command's process into ``host``'s group first."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
+                str(self.mount / host / "cgroup.procs")]
+
+    def remove(self) -> None:
+        """Unbind and remove the groups (their processes are gone by then)."""
+        _sh("umount", "-l", str(self.mount), check=False)
+        for d in [*self.base.glob("*/"), self.base]:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def _ppid(pid: int) -> int:

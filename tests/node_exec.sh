@@ -11,4 +11,9 @@ if [ -z "$pid" ]; then
     echo "node_exec.sh: no node $host in $FOREBAY_CLUSTER_DIR/pids.json" >&2
     exit 255
 fi
+# a node capped in CPU (Cluster(cpus=...)): into the node's group first
+procs="$FOREBAY_CLUSTER_DIR/cpu/$host/cgroup.procs"
+if [ -e "$procs" ]; then
+    echo $$ > "$procs" || exit 255
+fi
 exec nsenter -t "$pid" -n -u -i -m --wd="$PWD" -- sh -c "$*"

@@ -130,6 +130,39 @@ def test_each_node_has_its_own_host_shm_and_scratch_and_shares_the_rest(cluster)
     assert got.stdout.strip() == cluster.address(2)
 
 
+def rank_busy_where() -> None:
+    """Say this rank's host and CPU group, after 0.2 s of CPU (more than half a core
+    gives in 0.2 s of periods)."""
+    import socket
+
+    group = next(line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup")
+                 if line.split(":")[1] in ("cpu", "cpu,cpuacct", ""))
+    t = time.process_time()
+    while time.process_time() - t < 0.2:
+        pass
+    say(f"GROUP {socket.gethostname()} {group}")
+
+
+def test_nodes_capped_in_cpu_run_in_groups_of_their_own(tmp_path):
+    """Cluster(cpus=0.5): every process a launcher starts on a node is in that node's
+    CPU group, whose cap holds it back when it wants more."""
+    from cluster import CpuGroups
+
+    try:
+        c = Cluster(2, tmp_path / "c", cpus=0.5).up()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    with c:
+        assert isinstance(c.cpu_groups, CpuGroups)
+        p = run_mpi(c, 2, 2, rank_busy_where)
+        assert p.returncode == 0, _why(p)
+        seen = sorted(x.split()[1:] for x in p.stdout.splitlines() if x.startswith("GROUP "))
+        assert seen == [[h, f"/{c.prefix}/{h}"] for h in ("node0", "node0", "node1", "node1")]
+        for h in c.hosts:
+            assert c.cpu_groups.stat(h)["nr_throttled"] > 0, h
+    assert not c.cpu_groups.base.exists()
+
+
 def rank_where() -> None:
     import socket
 
