@@ -52,7 +52,8 @@ spread evenly over them: mpiexec with hydra entering each node, or one torchrun 
 per node with the rendezvous on node0.  forebay then reads peers' memory across nodes
 (rma under mpiexec, the exchange under torchrun).  The nodes share this machine's one
 page cache, so ``--evict-each-epoch`` is what makes each epoch read the (throttled)
-file system as separate nodes would.
+file system as separate nodes would.  ``--cpus-per-node C`` caps each node at C cores
+(a CPU cgroup of its own), so that nodes do not lend each other this machine's cores.
 
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
 somewhere on PYTHONPATH, e.g.::
@@ -285,6 +286,8 @@ def main() -> None:
                    "(FOREBAY_NETWORK_FS), as on a parallel file system")
     p.add_argument("--cluster", type=int, default=0, metavar="NODES",
                    help="run every job across NODES emulated nodes (root; see above)")
+    p.add_argument("--cpus-per-node", type=float, default=None, metavar="C",
+                   help="with --cluster: each node capped at C cores (default: none)")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", help=argparse.SUPPRESS)
@@ -347,7 +350,7 @@ def _cluster(a):
         raise SystemExit(f"--cluster: {why}")
     if a.ranks % a.cluster:
         raise SystemExit(f"--ranks {a.ranks} must be a multiple of --cluster {a.cluster}")
-    return Cluster(a.cluster, a.out / "cluster", shm_bytes=1 << 30)
+    return Cluster(a.cluster, a.out / "cluster", shm_bytes=1 << 30, cpus=a.cpus_per_node)
 
 
 def _free_port() -> int:
@@ -422,6 +425,7 @@ def _report(a, contenders, runs, throttle) -> None:
           f"{a.kind}, {a.samples} samples, {a.ranks} ranks under {a.launcher}, per-rank batch "
           f"{a.batch_size}"
           + (f", across {a.cluster} emulated nodes" if a.cluster else "")
+          + (f" of {a.cpus_per_node:g} core each" if a.cluster and a.cpus_per_node else "")
           + f", {a.epochs} epochs (the first cold, after evicting the "
           f"contender's files{'; evicted again before every epoch' if a.evict_each_epoch else ''}"
           f"), compute {a.compute_ms} ms/step"

@@ -14,10 +14,12 @@ sample: its t(k) is measured the same way on those files (cold, k threads, in th
 cgroup).  The preprocessing rate of each path is timed warm (forebay's get_many +
 collate; torch's ``__getitem__`` + per-sample collate; torch with worker processes, a
 warm epoch through them, batches handed back in shared memory).  Nothing is fitted to the times
-under test: compute is the runs' ``--compute-ms`` per step.
+under test: compute is the runs' ``--compute-ms`` per step.  Runs made on capped nodes
+(``--cpus-per-node``) are calibrated on nodes of the same size, and the rates timed on one.
 
     python benchmarks/loader/peers_bench.py --out /tmp/cb --kind imagenet --samples 2000 \\
-        --ranks N --cluster N --launcher mpiexec --reps 2 --epochs 3 --throttle 300,3000 \\
+        --ranks N --cluster N [--cpus-per-node 0.5] --launcher mpiexec --reps 2 --epochs 3 \\
+        --throttle 300,3000 \\
         --evict-each-epoch --network-fs --compute-ms 10 --json /tmp/rv/nN.json \\
         --contenders "forebay preload,forebay clairvoyant,forebay direct,torch 0 workers,torch 2 workers"
     python benchmarks/sim/sim_cluster.py --data /tmp/cb --runs /tmp/rv/n1.json \\
@@ -64,14 +66,16 @@ TORCH_WORKERS, PREFETCH_FACTOR = 2, 4
 FOREBAY_AHEAD = 2
 
 
-def calibrate(packed: Path, spec: str, out: Path, workdir: Path) -> None:
-    """``forebay calibrate --dataset packed`` across two emulated nodes, throttled."""
+def calibrate(packed: Path, spec: str, out: Path, workdir: Path,
+              cpus: "float | None" = None) -> None:
+    """``forebay calibrate --dataset packed`` across two emulated nodes (of ``cpus``
+    cores each), throttled."""
     from cluster import Cluster, unavailable
 
     why = unavailable()
     if why:
         raise SystemExit(f"calibration needs the emulated cluster: {why}")
-    with throttled(packed, spec) as th, Cluster(2, workdir / "cluster") as cl:
+    with throttled(packed, spec) as th, Cluster(2, workdir / "cluster", cpus=cpus) as cl:
         forebay_cli = str(Path(sys.executable).with_name("forebay"))
         argv = cl.mpiexec_argv([forebay_cli, "calibrate", "--dataset",
                                 str(packed), "--out", str(out)], ppn=1)
@@ -115,6 +119,44 @@ def torch_workers_MBps(pff: Path, bs: int, workers: int) -> float:
     return nbytes / best / 1e6
 
 
+def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
+    """The files' t(k) and the preprocessing rates of each path (in this process, or,
+    when the runs' nodes were capped, see :func:`rates_on_a_node`)."""
+    import forebay
+    from forebay.torch import default_collate
+
+    ds = forebay.open_dataset(packed)
+    sizes = np.asarray(ds.sample_nbytes, dtype=np.int64)
+    tds, files = image_folder_dataset(pff)
+    fsizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
+    rng = np.random.default_rng(0)
+    picks = [rng.choice(len(ds), bs, replace=False) for _ in range(20)]
+    return {"files_MBps": files_table(pff, spec),
+            "beta_forebay_MBps": _rate(lambda b: default_collate(ds.get_many(b)), picks,
+                                       sum(int(sizes[b].sum()) for b in picks)),
+            "beta_torch_MBps": _rate(lambda b: image_collate([tds[int(i)] for i in b]),
+                                     picks, sum(int(fsizes[b].sum()) for b in picks)),
+            "beta_torch_workers_MBps": torch_workers_MBps(pff, bs, TORCH_WORKERS)}
+
+
+def rates_on_a_node(packed: Path, pff: Path, spec: str, bs: int, cpus: float,
+                    workdir: Path) -> dict:
+    """:func:`rates` measured on a node of ``cpus`` cores, in the throttled cgroup."""
+    from cluster import Cluster
+
+    out = workdir / "rates.json"
+    with throttled(packed, spec) as th, Cluster(1, workdir / "one", cpus=cpus) as cl:
+        cmd = cl.on(0, [sys.executable, str(HERE), "--rates", str(out), "--data",
+                        str(packed.parent), "--batch", str(bs), "--runs", str(packed),
+                        "--profile", str(out)])
+        proc = subprocess.run(th.wrap(cmd) if th else cmd, capture_output=True, text=True,
+                              timeout=900, env=cl.env(dict(os.environ)))
+        if proc.returncode:
+            raise SystemExit(f"the rates on a node failed:\n{proc.stderr[-3000:]}")
+    return {k: ({int(x): y for x, y in v.items()} if isinstance(v, dict) else v)
+            for k, v in json.loads(out.read_text()).items()}
+
+
 def _median_run(rows: list[dict]) -> dict:
     """Per-epoch medians over the repetitions, and the set-up's."""
     epochs = [statistics.median(r["epoch_s"][e] for r in rows)
@@ -129,41 +171,49 @@ def main() -> None:
     p.add_argument("--profile", type=Path, required=True,
                    help="the calibration (written here when missing)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--rates", type=Path, help=argparse.SUPPRESS)   # rates_on_a_node's
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
 
     import forebay
     from forebay.plan import AccessPlan
     from forebay.sim import System, Workload, simulate_policy
     from forebay.store import load_profile
-    from forebay.torch import default_collate
 
+    if a.rates:                   # on a capped node, already in the throttled cgroup
+        packed = a.runs[0]
+        pff = packed.with_name(packed.name[:-len(".fb")] + "-pff")
+        a.rates.write_text(json.dumps(rates(packed, pff, None, a.batch)))
+        return
     docs = [json.loads(r.read_text()) for r in a.runs]
     args0 = docs[0]["args"]
     spec, samples = args0["throttle"], args0["samples"]
+    cpus = args0.get("cpus_per_node")
+    if any(d["args"].get("cpus_per_node") != cpus for d in docs):
+        raise SystemExit("the runs were made on nodes of different sizes (--cpus-per-node)")
     packed = a.data / f"{args0['kind']}-{samples}.fb"
     pff = a.data / f"{args0['kind']}-{samples}-pff"
+    bs = args0["batch_size"]
     if not a.profile.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            calibrate(packed, spec, a.profile, Path(tmp))
+            calibrate(packed, spec, a.profile, Path(tmp), cpus)
     prof = load_profile(a.profile)
-    t_files = files_table(pff, spec)
+    if cpus:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = rates_on_a_node(packed, pff, spec, bs, cpus, Path(tmp))
+    else:
+        got = rates(packed, pff, spec, bs)
+    t_files, beta_fb = got["files_MBps"], got["beta_forebay_MBps"]
+    beta_torch, beta_workers = got["beta_torch_MBps"], got["beta_torch_workers_MBps"]
 
     ds = forebay.open_dataset(packed)
     sizes = np.asarray(ds.sample_nbytes, dtype=np.int64)
-    tds, files = image_folder_dataset(pff)
+    _tds, files = image_folder_dataset(pff)
     fsizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
-    bs = args0["batch_size"]
-    rng = np.random.default_rng(0)
-    picks = [rng.choice(len(ds), bs, replace=False) for _ in range(20)]
-    beta_fb = _rate(lambda b: default_collate(ds.get_many(b)), picks,
-                    sum(int(sizes[b].sum()) for b in picks))
-    beta_torch = _rate(lambda b: image_collate([tds[int(i)] for i in b]), picks,
-                       sum(int(fsizes[b].sum()) for b in picks))
-    beta_workers = torch_workers_MBps(pff, bs, TORCH_WORKERS)
     mem = prof["ram"]["copy_MBps"]
     link = max(prof.get("rma", {}).get("get_MBps", {}).values() or mem.values())
     t_packed = prof["pfs"]["read_MBps"]
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}" + (f"; nodes of {cpus:g} core each" if cpus else ""))
     print(f"calibration: packed t(k) {t_packed} MB/s, files t(k) "
           f"{ {k: round(v) for k, v in t_files.items()} } MB/s, RAM {mem} MB/s, link "
           f"{link:.0f} MB/s; beta forebay {beta_fb:.0f} MB/s, torch {beta_torch:.0f} MB/s, "
