@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from cluster_cpu import CpuGroups
+
 __all__ = ["Cluster", "unavailable", "slurm_unavailable", "NODE_EXEC"]
 
 #: hydra's launcher in place of ssh: ``node_exec.sh [-opts] HOST COMMAND...`` runs
@@ -48,6 +50,8 @@ __all__ = ["Cluster", "unavailable", "slurm_unavailable", "NODE_EXEC"]
 NODE_EXEC = Path(__file__).with_name("node_exec.sh")
 #: the clusters of this process still up (taken down at exit)
 _LIVE: "list[Cluster]" = []
+#: the tags of the clusters this process has made
+_MADE: "list[int]" = []
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -105,7 +109,10 @@ class Cluster:
         self.nodes = nodes
         self.root = Path(root).resolve()
         self.shm_bytes = int(shm_bytes)
-        tag = os.getpid() % 100000
+        # one process may build several clusters (a test's own beside a module's):
+        # each its own names and subnet
+        tag = (os.getpid() + 1009 * len(_MADE)) % 100000
+        _MADE.append(tag)
         self.prefix = f"fb{tag}"            # names of this cluster's netns and links
         self.subnet = f"10.213.{tag % 250}"  # the nodes' own addresses, nothing routes out
         self.hosts = [f"node{k}" for k in range(nodes)]
@@ -507,64 +514,6 @@ class Cluster:
     def _link_ends(self, k: int) -> list[tuple[list[str], str]]:
         """Both ends of node ``k``'s link: (how to run a command where it is, device)."""
         return [([], self._veth(k)), (["ip", "netns", "exec", self.netns(k)], "eth0")]
-
-
-class CpuGroups:
-    """One CPU cgroup per node under ``<prefix>`` (cgroup v2 ``cpu.max`` or v1's CFS
-    quota), each capped at ``cpus`` cores in 10 ms periods (a capped node waits
-    milliseconds, not a 100 ms period).  Bound at ``mount``, under the cluster's root,
-    which the nodes see (node0's ``/sys/fs/cgroup`` is a private tmpfs, and hydra's
-    launcher there puts each process it starts in its node's group)."""
-
-    PERIOD_US = 10_000
-
-    def __init__(self, prefix: str, hosts: list[str], cpus: float, mount: Path) -> None:
-        v2 = Path("/sys/fs/cgroup")
-        if (v2 / "cgroup.controllers").exists() and \
-                "cpu" in (v2 / "cgroup.controllers").read_text().split():
-            self.base, quota = v2 / prefix, None
-            (v2 / "cgroup.subtree_control").write_text("+cpu")
-        else:
-            v1 = next((d for d in (v2 / "cpu", v2 / "cpu,cpuacct")
-                       if (d / "cpu.cfs_quota_us").exists()), None)
-            if v1 is None:
-                raise RuntimeError("a CPU cap per node needs the cgroup cpu controller "
-                                   "(v2 cpu.max or v1 cpu.cfs_quota_us); none here")
-            self.base, quota = v1 / prefix, "cpu.cfs_quota_us"
-        self.mount = mount
-        self.base.mkdir()
-        if quota is None:
-            (self.base / "cgroup.subtree_control").write_text("+cpu")
-        us = max(1000, round(cpus * self.PERIOD_US))
-        for h in hosts:
-            d = self.base / h
-            d.mkdir()
-            if quota is None:
-                (d / "cpu.max").write_text(f"{us} {self.PERIOD_US}")
-            else:
-                (d / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-                (d / quota).write_text(str(us))
-        mount.mkdir()
-        _sh("mount", "--bind", str(self.base), str(mount))
-
-    def stat(self, host: str) -> dict[str, int]:
-        """``host``'s group's ``cpu.stat`` (``nr_throttled``: periods it was held back)."""
-        words = (self.base / host / "cpu.stat").read_text().split()
-        return {k: int(v) for k, v in zip(words[::2], words[1::2])}
-
-    def join_argv(self, host: str) -> list[str]:
-        """A prefix that moves the command's process into ``host``'s group first."""
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
-                str(self.mount / host / "cgroup.procs")]
-
-    def remove(self) -> None:
-        """Unbind and remove the groups (their processes are gone by then)."""
-        _sh("umount", "-l", str(self.mount), check=False)
-        for d in [*self.base.glob("*/"), self.base]:
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
 
 def _ppid(pid: int) -> int:

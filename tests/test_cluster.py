@@ -146,7 +146,7 @@ def rank_busy_where() -> None:
 def test_nodes_capped_in_cpu_run_in_groups_of_their_own(tmp_path):
     """Cluster(cpus=0.5): every process a launcher starts on a node is in that node's
     CPU group, whose cap holds it back when it wants more."""
-    from cluster import CpuGroups
+    from cluster_cpu import CpuGroups
 
     try:
         c = Cluster(2, tmp_path / "c", cpus=0.5).up()
