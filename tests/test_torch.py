@@ -43,6 +43,57 @@ def test_batches_follow_the_plan(molecules, mode, prefetch):
     assert dl.state_dict()["epoch"] == 1
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, workers):
+    """The plan knows the next epoch: once an epoch's batches are all fetched, the
+    prefetch thread goes on with the next one's first batches, which the loop then gets
+    without fetching them again; a loop that goes elsewhere (an epoch read again) gets
+    that epoch's batches, not what was fetched ahead."""
+    import collections
+    import threading
+    import time
+
+    path, samples = molecules
+    seen: list = []
+    lock = threading.Lock()
+
+    def ids(batch):
+        with lock:
+            seen.append(tuple(batch.ids.tolist()))
+        return batch.ids.copy()
+
+    def fetched_ahead(batch) -> bool:           # a wait for an event, not for a time
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            with lock:
+                if batch in seen:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    dl = DataLoader(path, 16, epochs=3, seed=7, comm=None, store="direct",
+                    pipeline=Pipeline(prefetch=2, workers=workers,
+                                      **({"worker_start": "thread", "batch_transform": ids}
+                                         if workers else {"collate_fn": ids})))
+    plan = AccessPlan(len(samples), 1, 16, 3, seed=7)
+    want = [[tuple(b.tolist()) for b in plan.batches(0, e)] for e in range(3)]
+    assert [tuple(b.tolist()) for b in dl] == want[0]
+    assert fetched_ahead(want[1][0])            # before the loop asked for epoch 1
+    dl.set_epoch(1)
+    assert [tuple(b.tolist()) for b in dl] == want[1]
+    assert fetched_ahead(want[2][0])
+    with lock:
+        count = collections.Counter(seen)
+    assert all(count[b] == 1 for b in want[0] + want[1])     # each batch fetched once
+    dl.set_epoch(1)                             # read again: what was ahead is dropped
+    assert [tuple(b.tolist()) for b in dl] == want[1]
+    dl.set_epoch(2)
+    assert [tuple(b.tolist()) for b in dl] == want[2]
+    dl.close()
+    with lock:
+        assert seen.count(want[2][0]) == 2      # ahead of the re-read, and after it
+
+
 def test_graph_collation_offsets_edges_and_builds_batch_vector(molecules):
     path, samples = molecules
     ds = forebay.open_dataset(path)

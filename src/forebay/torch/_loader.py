@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 import warnings
@@ -26,6 +25,7 @@ from ._collate import (collate_views, default_collate, is_graph_batch, pin_tree,
                        pinned_alloc)
 from ._options import (Direct, Pipeline, StoreSpec, build_store, describe, following_spec,
                        from_legacy, grown_store, mode_of, store_spec, with_system_tiers)
+from ._prefetch import Prefetcher
 from ._start import choose_start, make_workers
 from ._threads import ThreadWorkers
 from ._workers import SharedAlloc, WorkerPool, _Pending, start_forkserver, transform_batch
@@ -235,6 +235,7 @@ class DataLoader:
         self._stall = 0.0  # seconds the iterating thread waited for a batch
         self.staging_bytes = pipe.staging_bytes
         self._staging_peak = 0
+        self._prefetcher: Optional[Prefetcher] = None
         self._train_t0: Optional[float] = None
         self._trace_dataset()
 
@@ -439,7 +440,7 @@ class DataLoader:
             raise UsageError(f"epoch {epoch} is finished: {nxt}loader.set_epoch({epoch}) to "
                              f"read it again")
         self._resumed = False
-        if self._pool is not None:
+        if self._pool is not None and self.prefetch == 0:
             self._pool.new_pass()
         batches = self.plan.batches(self.rank, epoch)
         if self._train_t0 is None:
@@ -464,63 +465,53 @@ class DataLoader:
 
     def _iter_prefetched(self, batches: np.ndarray, start: int, epoch: int,
                          t_epoch: float) -> Iterator[Any]:
-        """Batches fetched ahead, in consumption order, by one thread: at most
-        ``prefetch`` batches and (if set) ``staging_bytes`` of samples wait at a time;
-        a batch leaves the staging area when the loop takes it."""
-        q: "queue.Queue[tuple[int, Any, Optional[BaseException], int]]" = \
-            queue.Queue(self.prefetch)
-        stop = threading.Event()
-        room = threading.Condition()
-        staged = [0]  # bytes of samples fetched and not yet taken
-        budget = self.staging_bytes
-
-        def produce() -> None:
-            for step in range(start, len(batches)):
-                need = int(self.ds.sample_nbytes[batches[step]].sum())
-                with room:  # wait for room, but always let one batch in
-                    while budget is not None and staged[0] and staged[0] + need > budget \
-                            and not stop.is_set():
-                        room.wait(0.1)
-                    staged[0] += need
-                    self._staging_peak = max(self._staging_peak, staged[0])
-                if stop.is_set():
-                    return
-                item: tuple[int, Any, Optional[BaseException], int]
-                try:
-                    item = (step, self._fetch(batches[step], epoch, step), None, need)
-                except BaseException as e:  # handed to the consumer
-                    item = (step, None, e, need)
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if item[2] is not None:
-                    return
-
-        t = threading.Thread(target=produce, name="forebay-prefetch", daemon=True)
-        t.start()
+        """Batches fetched ahead by the prefetch thread (:class:`Prefetcher`); one
+        that fetched on into this epoch while the loop was between epochs is picked up
+        where it stands, any other is stopped and a new one started here."""
+        pf = self._prefetcher
+        if pf is None or pf.next_key() != (epoch, start):
+            self._stop_prefetch()
+            if self._pool is not None:
+                self._pool.new_pass()
+            pf = self._prefetcher = Prefetcher(
+                self._fetch, lambda e: self.plan.batches(self.rank, e),
+                self.ds.sample_nbytes, len(self), epoch, start,
+                self.plan.epochs - 1 if self._across_epochs() else epoch,
+                self.prefetch, self.staging_bytes)
+        done = False
         try:
             for k in range(start, len(batches)):
                 # the first wait includes the epoch's set-up (plan, thread start)
                 t0 = t_epoch if k == start else time.perf_counter()
-                step, out, err, need = q.get()
-                with room:
-                    staged[0] -= need
-                    room.notify()
+                _, step, out, err = pf.take()
+                self._staging_peak = max(self._staging_peak, pf.peak)
                 if err is not None:
                     raise err
                 out = resolved(out, self.pin_memory)  # a batch in a transform worker: wait for it
                 self._step = step + 1
-                # the wait ends here, not at q.get: handing the GIL back from the
+                # the wait ends here, not at take(): handing the GIL back from the
                 # prefetch thread can take as long as the get itself
                 self._waited(t0, epoch, step)
                 with waiting(STEP_WAIT.format(step, epoch)):
                     yield out
+            done = True
         finally:
-            stop.set()
-            t.join()
+            if not done or epoch >= pf.last_epoch:
+                self._stop_prefetch()
+
+    def _across_epochs(self) -> bool:
+        """Whether the prefetch thread may go on into the next epoch while the loop is
+        between epochs: not where a batch is a collective of the ranks (the exchange
+        transport: a rank's loop that goes elsewhere would leave the others in it), nor
+        where the next epoch's samples are only known at set_epoch (follow_appends),
+        nor for stores whose ranks share memory (a fetch under way at the job's end
+        would meet MPI's)."""
+        return not self.follow_appends and "shared" not in self.store.capabilities
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
 
     def _make_workers(self, pipe: Pipeline, seed: int) -> "WorkerPool | ThreadWorkers":
         assert self.worker_start is not None
@@ -571,6 +562,7 @@ class DataLoader:
 
     def close(self) -> None:
         """Release the store (collective) and stop the transform workers."""
+        self._stop_prefetch()
         if self._pool is not None:
             self._pool.close()
         rec = _trace.active()
@@ -584,5 +576,6 @@ class DataLoader:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._stop_prefetch()
         if self._own_store:   # a store the caller built is theirs to close
             self.store.__exit__(exc_type, exc, tb)   # no collective while an error propagates
