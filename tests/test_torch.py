@@ -43,12 +43,14 @@ def test_batches_follow_the_plan(molecules, mode, prefetch):
     assert dl.state_dict()["epoch"] == 1
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, workers):
+@pytest.mark.parametrize("store, workers", [("direct", 0), ("direct", 2), ("preload", 0)])
+def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, store,
+                                                                    workers):
     """The plan knows the next epoch: once an epoch's batches are all fetched, the
     prefetch thread goes on with the next one's first batches, which the loop then gets
     without fetching them again; a loop that goes elsewhere (an epoch read again) gets
-    that epoch's batches, not what was fetched ahead."""
+    that epoch's batches, not what was fetched ahead.  A store in one process outside
+    MPI too (preload)."""
     import collections
     import threading
     import time
@@ -71,7 +73,7 @@ def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, w
             time.sleep(0.01)
         return False
 
-    dl = DataLoader(path, 16, epochs=3, seed=7, comm=None, store="direct",
+    dl = DataLoader(path, 16, epochs=3, seed=7, comm=None, store=store,
                     pipeline=Pipeline(prefetch=2, workers=workers,
                                       **({"worker_start": "thread", "batch_transform": ids}
                                          if workers else {"collate_fn": ids})))

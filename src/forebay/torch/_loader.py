@@ -505,8 +505,10 @@ class DataLoader:
         transport: a rank's loop that goes elsewhere would leave the others in it), nor
         where the next epoch's samples are only known at set_epoch (follow_appends),
         nor for stores whose ranks share memory (a fetch under way at the job's end
-        would meet MPI's)."""
-        return not self.follow_appends and "shared" not in self.store.capabilities
+        would meet MPI's); a store of one process outside MPI shares nothing."""
+        alone = self.world == 1 and not is_mpi(self.comm)
+        return not self.follow_appends and ("shared" not in self.store.capabilities
+                                            or alone)
 
     def _stop_prefetch(self) -> None:
         if self._prefetcher is not None:
