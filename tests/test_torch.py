@@ -96,6 +96,29 @@ def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, s
         assert seen.count(want[2][0]) == 2      # ahead of the re-read, and after it
 
 
+def test_a_paused_iteration_that_was_superseded_or_closed_says_so(molecules):
+    """One prefetch thread serves the loop: an iteration paused while another began
+    (or while the loader closed) raises when resumed, instead of sharing the other's
+    batches or waiting forever; the newer one gets its epoch's batches."""
+    path, samples = molecules
+    dl = DataLoader(path, 16, epochs=2, seed=7, comm=None, store="direct",
+                    pipeline=Pipeline(prefetch=2, collate_fn=lambda b: b.ids.copy()))
+    plan = AccessPlan(len(samples), 1, 16, 2, seed=7)
+    first = iter(dl)
+    np.testing.assert_array_equal(next(first), plan.batches(0, 0)[0])
+    dl.set_epoch(0)                               # the epoch again, from its start
+    again = [b.tolist() for b in dl]
+    assert again == plan.batches(0, 0).tolist()
+    with pytest.raises(UsageError, match="another iteration of this loader began"):
+        next(first)
+    dl.set_epoch(1)
+    paused = iter(dl)
+    np.testing.assert_array_equal(next(paused), plan.batches(0, 1)[0])
+    dl.close()
+    with pytest.raises(UsageError, match="closed while this iteration was paused"):
+        next(paused)
+
+
 def test_graph_collation_offsets_edges_and_builds_batch_vector(molecules):
     path, samples = molecules
     ds = forebay.open_dataset(path)

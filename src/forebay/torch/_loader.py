@@ -236,6 +236,7 @@ class DataLoader:
         self.staging_bytes = pipe.staging_bytes
         self._staging_peak = 0
         self._prefetcher: Optional[Prefetcher] = None
+        self._prefetch_owner: object = None      # the iteration taking its batches
         self._train_t0: Optional[float] = None
         self._trace_dataset()
 
@@ -468,7 +469,7 @@ class DataLoader:
         """Batches fetched ahead by the prefetch thread (:class:`Prefetcher`); one
         that fetched on into this epoch while the loop was between epochs is picked up
         where it stands, any other is stopped and a new one started here."""
-        pf = self._prefetcher
+        pf, mine = self._prefetcher, object()
         if pf is None or pf.next_key() != (epoch, start):
             self._stop_prefetch()
             if self._pool is not None:
@@ -478,11 +479,15 @@ class DataLoader:
                 self.ds.sample_nbytes, len(self), epoch, start,
                 self.plan.epochs - 1 if self._across_epochs() else epoch,
                 self.prefetch, self.staging_bytes)
+        self._prefetch_owner = mine
         done = False
         try:
             for k in range(start, len(batches)):
                 # the first wait includes the epoch's set-up (plan, thread start)
                 t0 = t_epoch if k == start else time.perf_counter()
+                if self._prefetch_owner is not mine:
+                    raise UsageError("another iteration of this loader began while this "
+                                     "one was paused: iterate one at a time")
                 _, step, out, err = pf.take()
                 self._staging_peak = max(self._staging_peak, pf.peak)
                 if err is not None:
@@ -496,7 +501,7 @@ class DataLoader:
                     yield out
             done = True
         finally:
-            if not done or epoch >= pf.last_epoch:
+            if self._prefetch_owner is mine and (not done or epoch >= pf.last_epoch):
                 self._stop_prefetch()
 
     def _across_epochs(self) -> bool:

@@ -9,6 +9,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..errors import UsageError
+
 __all__ = ["Prefetcher"]
 
 #: an item handed to the loop: (epoch, step, batch, the fetch's error, staged bytes)
@@ -84,8 +86,16 @@ class Prefetcher:
         return item[3] is None and not self._stop.is_set()
 
     def take(self) -> tuple[int, int, Any, Optional[BaseException]]:
-        """The next batch (waiting for it): (epoch, step, batch, error)."""
-        epoch, step, out, err, need = self._q.get()
+        """The next batch (waiting for it): (epoch, step, batch, error).  Raises
+        :class:`UsageError` once stopped (the loader closed meanwhile)."""
+        while True:
+            if self._stop.is_set():
+                raise UsageError("the loader was closed while this iteration was paused")
+            try:
+                epoch, step, out, err, need = self._q.get(timeout=0.1)
+                break
+            except queue.Empty:
+                continue
         with self._room:
             self._staged -= need
             self._room.notify()
