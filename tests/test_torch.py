@@ -119,6 +119,30 @@ def test_a_paused_iteration_that_was_superseded_or_closed_says_so(molecules):
         next(paused)
 
 
+def test_a_plan_that_fails_in_the_prefetch_thread_reaches_the_loop():
+    """Going on into the next epoch, the prefetch thread asks the plan for its batches:
+    an error there reaches the loop with that epoch's first batch (no thread dying
+    alone, no loop waiting forever)."""
+    from forebay.torch._prefetch import Prefetcher
+
+    def batches_of(epoch):
+        if epoch == 1:
+            raise ValueError("no batches for epoch 1")
+        return np.arange(8).reshape(4, 2)
+
+    pf = Prefetcher(lambda ids, epoch, step: int(ids.sum()), batches_of,
+                    np.ones(8, dtype=np.int64), steps=4, epoch=0, start=0, last_epoch=1,
+                    depth=2, budget=None)
+    try:
+        assert [pf.take() for _ in range(4)] == [(0, k, 4 * k + 1, None) for k in range(4)]
+        assert pf.next_key() == (1, 0)
+        epoch, step, out, err = pf.take()
+        assert (epoch, step, out) == (1, 0, None)
+        assert isinstance(err, ValueError) and "epoch 1" in str(err)
+    finally:
+        pf.stop()
+
+
 def test_graph_collation_offsets_edges_and_builds_batch_vector(molecules):
     path, samples = molecules
     ds = forebay.open_dataset(path)

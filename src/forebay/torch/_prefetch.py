@@ -55,7 +55,11 @@ class Prefetcher:
 
     def _produce(self, epoch: int, start: int) -> None:
         while epoch <= self.last_epoch:
-            batches = self._batches_of(epoch)
+            try:
+                batches = self._batches_of(epoch)
+            except BaseException as e:    # the loop's, at the epoch's first batch
+                self._hand(epoch, start, None, e, 0)
+                return
             for step in range(start, len(batches)):
                 if not self._put(epoch, step, batches[step]):
                     return
@@ -72,18 +76,22 @@ class Prefetcher:
             self.peak = max(self.peak, self._staged)
         if self._stop.is_set():
             return False
-        item: Item
         try:
-            item = (epoch, step, self._fetch(ids, epoch, step), None, need)
+            out, err = self._fetch(ids, epoch, step), None
         except BaseException as e:  # handed to the consumer
-            item = (epoch, step, None, e, need)
+            out, err = None, e
+        self._hand(epoch, step, out, err, need)
+        return err is None and not self._stop.is_set()
+
+    def _hand(self, epoch: int, step: int, out: Any, err: Optional[BaseException],
+              need: int) -> None:
+        """Queue an item for the loop (waiting for room unless stopped)."""
         while not self._stop.is_set():
             try:
-                self._q.put(item, timeout=0.1)
-                break
+                self._q.put((epoch, step, out, err, need), timeout=0.1)
+                return
             except queue.Full:
                 continue
-        return item[3] is None and not self._stop.is_set()
 
     def take(self) -> tuple[int, int, Any, Optional[BaseException]]:
         """The next batch (waiting for it): (epoch, step, batch, error).  Raises
