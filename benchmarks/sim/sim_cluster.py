@@ -62,8 +62,19 @@ from sim_validate import _cold_MBps, _rate  # noqa: E402
 
 #: torch DataLoader's prefetch: workers x prefetch_factor batches (peers_bench's settings)
 TORCH_WORKERS, PREFETCH_FACTOR = 2, 4
-#: forebay's loader prefetches this many batches ahead on one thread
-FOREBAY_AHEAD = 2
+#: forebay's loader (its default Pipeline(prefetch=4)): 4 batches wait in its queue and
+#: its thread fetches a fifth while the loop uses one
+FOREBAY_PREFETCH = 4
+#: the model's staging buffer holds the batch in use too (a batch leaves it when its
+#: step ends), so it is one batch more than what a loader keeps ahead: torch's next
+#: fetch starts when the loop takes a batch, with workers x prefetch_factor outstanding;
+#: forebay's when a batch leaves its queue, with its queue full and one in its thread
+FOREBAY_BUFFER = FOREBAY_PREFETCH + 2
+
+
+def torch_buffer(workers: int) -> int:
+    """The model's buffer, in batches, for torch's DataLoader with ``workers``."""
+    return workers * PREFETCH_FACTOR + 1
 
 
 def calibrate(packed: Path, spec: str, out: Path, workdir: Path,
@@ -238,13 +249,13 @@ def main() -> None:
                     base["compute_MBps"] = 1 / (1 / c + 1 / beta_workers)
                 sysm = System(preprocess_MBps=beta_torch, pfs_MBps=t_files,
                               staging_threads=max(nw, 1),
-                              staging_bytes=int(max(nw, 1) * PREFETCH_FACTOR * bs * sz.mean()),
+                              staging_bytes=int(torch_buffer(max(nw, 1)) * bs * sz.mean()),
                               **base)
                 policy = "staging" if nw else "naive"
             else:
                 mode = name.split()[1]
                 sysm = System(preprocess_MBps=beta_fb, pfs_MBps=t_packed, staging_threads=1,
-                              staging_bytes=int(FOREBAY_AHEAD * bs * sz.mean()),
+                              staging_bytes=int(FOREBAY_BUFFER * bs * sz.mean()),
                               ram_bytes=int(ar.get("ram_bytes") or sz.sum()), **base)
                 policy = {"direct": "staging", "preload": "forebay-preload",
                           "clairvoyant": "forebay-clairvoyant"}[mode]
