@@ -23,7 +23,7 @@ under test: compute is the runs' ``--compute-ms`` per step.  Runs made on capped
         --evict-each-epoch --network-fs --compute-ms 10 --json /tmp/rv/nN.json \\
         --contenders "forebay preload,forebay clairvoyant,forebay direct,torch 0 workers,torch 2 workers"
     python benchmarks/sim/sim_cluster.py --data /tmp/cb --runs /tmp/rv/n1.json \\
-        /tmp/rv/n2.json /tmp/rv/n4.json --profile /tmp/rv/profile.toml
+        /tmp/rv/n2.json /tmp/rv/n4.json --profile /tmp/rv/profile.toml [--measured-steps]
 
 Which policy models which loader: torch with 0 workers is *naive* (fetch, collate,
 compute in turn) over the files; torch with 2 workers is *staging* with 2 threads and
@@ -168,6 +168,49 @@ def rates_on_a_node(packed: Path, pff: Path, spec: str, bs: int, cpus: float,
             for k, v in json.loads(out.read_text()).items()}
 
 
+def step_probe(compute_ms: float, steps: int) -> None:
+    """One rank of the loop without I/O (``--probe``, under mpiexec): ``steps`` steps
+    of ``compute_ms`` of sleep and a one-element gloo all-reduce, as peers_bench's loop
+    with ``--sync-steps``; rank 0 prints the slowest rank's mean step in seconds."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("RANK", os.environ.get("PMI_RANK", "0"))
+    os.environ.setdefault("WORLD_SIZE", os.environ.get("PMI_SIZE", "1"))
+    dist.init_process_group("gloo")
+    for _ in range(10):                         # the group's connections made
+        dist.all_reduce(torch.zeros(1))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        time.sleep(compute_ms / 1e3)
+        dist.all_reduce(torch.zeros(1))
+    t = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"STEP {float(t)}", flush=True)
+    dist.destroy_process_group()
+
+
+def step_seconds(nodes: int, compute_ms: float, cpus: "float | None", workdir: Path,
+                 steps: int = 200) -> float:
+    """The loop's step without I/O on ``nodes`` emulated nodes (of ``cpus`` cores), one
+    rank each: what the model's compute per step is on that rig."""
+    from cluster import Cluster
+
+    with Cluster(nodes, workdir / f"probe{nodes}", cpus=cpus) as cl:
+        argv = cl.mpiexec_argv([sys.executable, str(HERE), "--probe", str(compute_ms),
+                                str(steps), "--data", ".", "--runs", ".", "--profile", "."],
+                               ppn=1)
+        env = cl.env(dict(os.environ, MASTER_ADDR=cl.hosts[0], MASTER_PORT="29533",
+                          PYTHONPATH=str(HERE.parents[2] / "src")))
+        proc = subprocess.run(cl.on(0, argv), capture_output=True, text=True, timeout=600,
+                              env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP ")), None)
+    if proc.returncode or line is None:
+        raise SystemExit(f"the step probe failed:\n{proc.stderr[-3000:]}")
+    return float(line.split()[1])
+
+
 def _median_run(rows: list[dict]) -> dict:
     """Per-epoch medians over the repetitions, and the set-up's."""
     epochs = [statistics.median(r["epoch_s"][e] for r in rows)
@@ -184,7 +227,14 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--rates", type=Path, help=argparse.SUPPRESS)   # rates_on_a_node's
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--probe", nargs=2, type=float, help=argparse.SUPPRESS)
+    p.add_argument("--measured-steps", action="store_true",
+                   help="the model's compute per step from the loop run without I/O on "
+                        "the same nodes (sleep and all-reduce), not --compute-ms alone")
     a = p.parse_args()
+    if a.probe:
+        step_probe(a.probe[0], int(a.probe[1]))
+        return
 
     import forebay
     from forebay.plan import AccessPlan
@@ -231,9 +281,16 @@ def main() -> None:
           f"torch through {TORCH_WORKERS} workers {beta_workers:.0f} MB/s")
 
     rows = []
+    steps_ms: dict = {}
     for doc in docs:
         ar = doc["args"]
         n, epochs, cms = ar["ranks"], ar["epochs"], ar["compute_ms"]
+        if a.measured_steps and cms:
+            with tempfile.TemporaryDirectory() as tmp:
+                steps_ms[n] = 1e3 * step_seconds(n, cms, cpus, Path(tmp))
+            print(f"the loop's step without I/O on {n} node(s): {steps_ms[n]:.2f} ms "
+                  f"({cms:g} ms of compute)")
+            cms = steps_ms[n]
         plan = AccessPlan(len(sizes), n, bs, epochs, seed=0)
         for name, runs in doc["runs"].items():
             meas = _median_run(runs)
@@ -302,6 +359,7 @@ def main() -> None:
               f"{len(errs)}, within 15%: {sum(e <= 0.15 for e in errs)}")
     if a.json:
         a.json.write_text(json.dumps({"machine": machine(), "profile": prof,
+                                      "step_ms": steps_ms,
                                       "files_MBps": t_files, "beta_forebay_MBps": beta_fb,
                                       "beta_torch_MBps": beta_torch,
                                       "beta_torch_workers_MBps": beta_workers, "rows": rows}, indent=1,
