@@ -157,9 +157,8 @@ def rates_on_a_node(packed: Path, pff: Path, spec: str, bs: int, cpus: float,
 
     out = workdir / "rates.json"
     with throttled(packed, spec) as th, Cluster(1, workdir / "one", cpus=cpus) as cl:
-        cmd = cl.on(0, [sys.executable, str(HERE), "--rates", str(out), "--data",
-                        str(packed.parent), "--batch", str(bs), "--runs", str(packed),
-                        "--profile", str(out)])
+        cmd = cl.on(0, [sys.executable, str(HERE), "--rates", str(out), str(packed),
+                        str(pff), str(bs)])
         proc = subprocess.run(th.wrap(cmd) if th else cmd, capture_output=True, text=True,
                               timeout=900, env=cl.env(dict(os.environ)))
         if proc.returncode:
@@ -199,10 +198,9 @@ def step_seconds(nodes: int, compute_ms: float, cpus: "float | None", workdir: P
 
     with Cluster(nodes, workdir / f"probe{nodes}", cpus=cpus) as cl:
         argv = cl.mpiexec_argv([sys.executable, str(HERE), "--probe", str(compute_ms),
-                                str(steps), "--data", ".", "--runs", ".", "--profile", "."],
-                               ppn=1)
-        env = cl.env(dict(os.environ, MASTER_ADDR=cl.hosts[0], MASTER_PORT="29533",
-                          PYTHONPATH=str(HERE.parents[2] / "src")))
+                                str(steps)], ppn=1)
+        # the nodes' own network: no port of this host's in the way
+        env = cl.env(dict(os.environ, MASTER_ADDR=cl.hosts[0], MASTER_PORT="29533"))
         proc = subprocess.run(cl.on(0, argv), capture_output=True, text=True, timeout=600,
                               env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP ")), None)
@@ -220,13 +218,12 @@ def _median_run(rows: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", type=Path, required=True, help="peers_bench's --out directory")
-    p.add_argument("--runs", type=Path, nargs="+", required=True)
-    p.add_argument("--profile", type=Path, required=True,
-                   help="the calibration (written here when missing)")
+    p.add_argument("--data", type=Path, help="peers_bench's --out directory")
+    p.add_argument("--runs", type=Path, nargs="+")
+    p.add_argument("--profile", type=Path, help="the calibration (written here when missing)")
     p.add_argument("--json", type=Path)
-    p.add_argument("--rates", type=Path, help=argparse.SUPPRESS)   # rates_on_a_node's
-    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    # the workers of rates_on_a_node (OUT PACKED PFF BATCH) and step_seconds (MS STEPS)
+    p.add_argument("--rates", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--probe", nargs=2, type=float, help=argparse.SUPPRESS)
     p.add_argument("--measured-steps", action="store_true",
                    help="the model's compute per step from the loop run without I/O on "
@@ -235,17 +232,18 @@ def main() -> None:
     if a.probe:
         step_probe(a.probe[0], int(a.probe[1]))
         return
+    if a.rates:                   # on a capped node, already in the throttled cgroup
+        out, packed, pff, bs = a.rates
+        Path(out).write_text(json.dumps(rates(Path(packed), Path(pff), None, int(bs))))
+        return
+    if not (a.data and a.runs and a.profile):
+        p.error("--data, --runs and --profile are required")
 
     import forebay
     from forebay.plan import AccessPlan
     from forebay.sim import System, Workload, simulate_policy
     from forebay.store import load_profile
 
-    if a.rates:                   # on a capped node, already in the throttled cgroup
-        packed = a.runs[0]
-        pff = packed.with_name(packed.name[:-len(".fb")] + "-pff")
-        a.rates.write_text(json.dumps(rates(packed, pff, None, a.batch)))
-        return
     docs = [json.loads(r.read_text()) for r in a.runs]
     args0 = docs[0]["args"]
     spec, samples = args0["throttle"], args0["samples"]
