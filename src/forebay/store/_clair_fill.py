@@ -126,6 +126,12 @@ class ClairFill(ClairState):
             # files instead cost a page fault per 64 KiB read and an unmap after (so the
             # node did not hold each filled sample twice): 2-3x the CPU of the copy
             files_ds = self._files_for(ids[tsel])
+            if int(np.count_nonzero(tsel)) > 1:
+                # every record asked for at once (WILLNEED) before the preads: one
+                # pread at a time waited, record by record, behind the fill's read-ahead
+                # in the file system's queue (a cold batch the reader loaded itself took
+                # 1.5 s on a throttled file system, 64 reads of 20-30 ms each)
+                files_ds.record_parts(ids[tsel], rows[tsel])
             files_ds.read_records(ids[tsel], rows[tsel], buf, dst[tsel])
             if files_ds.verify_on_read:   # checked once, as it enters the tier
                 files_ds.check_records(ids[tsel], buf, dst[tsel],
