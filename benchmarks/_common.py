@@ -136,6 +136,31 @@ def throttled(path: Path, spec: "str | None") -> "Any":
     return ThrottledDevice(path, float(mbps), int(iops or 0))
 
 
+def paced(root: Path, spec: str) -> "Any":
+    """The benchmarks' ``--fs fuse``: ``root`` served read-only through a FUSE file
+    system paced at ``--throttle MBPS[,IOPS]`` (tests/cluster_pfs.py: one queue, no
+    credit for a reader's idle time, unlike the block-I/O cgroup), mounted at
+    ``<root>-pfs`` (a context manager; :meth:`path` maps a path under ``root`` to the
+    mount; make it before an emulated cluster, whose nodes copy the host's mounts).
+    The files are read once first, so that the server reads from memory and the
+    pacing is the file system's speed."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from cluster_pfs import PacedFS, unavailable
+
+    why = unavailable()
+    if why:
+        raise SystemExit(f"--fs fuse: {why}")
+    mbps, _, iops = spec.partition(",")
+    root = Path(root).resolve()
+    for f in files_under(root):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    return PacedFS(root, root.with_name(root.name + "-pfs"), float(mbps), float(iops or 0))
+
+
 def drop_all_caches() -> bool:
     """Also drop dentries and inodes (echo 3 > /proc/sys/vm/drop_caches): the next open()
     of a file must read directory and inode blocks, as on a parallel file system where

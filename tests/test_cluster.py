@@ -163,6 +163,51 @@ def test_nodes_capped_in_cpu_run_in_groups_of_their_own(tmp_path):
     assert not c.cpu_groups.base.exists()
 
 
+def test_a_paced_file_system_serves_every_node_read_only_and_never_above_its_rate(tmp_path):
+    """PacedFS (the benchmarks' ``--fs fuse``): mounted before the nodes, every node
+    reads the directory through it, bit-exact, and cannot write; a forebay dataset reads
+    through it as from its own files; a cold read reaches the server again; and its
+    schedule never serves faster than its rate nor earlier than a request came."""
+    import hashlib
+
+    from cluster_pfs import PacedFS, unavailable as pfs_unavailable
+    from test_store_contract import write_contract_dataset
+
+    for why in (unavailable(), pfs_unavailable()):
+        if why:
+            pytest.skip(why)
+    src = tmp_path / "src"
+    ds = forebay.open_dataset(write_contract_dataset(src / "contract"))
+    (src / "plain").write_bytes(np.random.default_rng(1).bytes(300_000))
+    with PacedFS(src, tmp_path / "pfs", mbps=200, iops=2000) as fs, \
+            Cluster(2, tmp_path / "c").up() as c:
+        plain = fs.path(src / "plain")
+        for k in range(2):
+            r = c.run(k, ["sh", "-c", f"sha256sum {plain}; touch {plain.parent}/new 2>&1 "
+                          f"|| echo refused"])
+            assert r.returncode == 0, r.stderr
+            digest, said = r.stdout.split("\n", 1)
+            assert digest.split()[0] == hashlib.sha256((src / "plain").read_bytes()).hexdigest()
+            assert "Read-only file system" in said and "refused" in said
+        assert not (src / "new").exists()
+        through = forebay.open_dataset(fs.path(src / "contract"))
+        ids = np.random.default_rng(2).permutation(len(ds))
+        assert through.get_many(ids).equals(ds.get_many(ids))
+        served = fs.served_bytes
+        fd = os.open(plain, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        assert plain.read_bytes() == (src / "plain").read_bytes()
+        assert fs.served_bytes >= served + 300_000
+    assert fs.error is None and not os.path.ismount(tmp_path / "pfs")
+    sched = np.array(fs.schedule)
+    assert len(sched) >= 4
+    arrival, start, end, nbytes = sched.T
+    assert (start >= arrival).all()                   # idle time is not saved up
+    assert (start[1:] >= end[:-1] - 1e-9).all()       # one queue
+    assert (end - start >= np.maximum(nbytes / 200e6, 1 / 2000) - 1e-9).all()
+
+
 def rank_where() -> None:
     import socket
 

@@ -42,6 +42,13 @@ keep between epochs, the case NoPFS is for); the kernel does not drop pages a pr
 has mapped, so a contender that keeps its files mapped (forebay direct) still reads
 them from memory after its first epoch.  With ``--throttle`` the table also gives the
 bytes each contender read from the device (the cgroup's count) per sample and epoch.
+The cgroup's throttle accounts in slices of 20-100 ms, and a reader that paused (a
+training step) catches up within its slice: a serial reader with 20 ms pauses gets
+more than the cap.  ``--fs fuse`` paces a file system instead: ``--out``'s files are
+served read-only through FUSE at ``<out>-pfs`` (tests/cluster_pfs.py), every read
+waiting its turn in one queue of the cap's rate, no credit for idle time, the bytes it
+served in the table; the server's own cost per request (about 0.3 ms, Python) is part
+of that file system, measured by the same runs' calibration.
 ``--network-fs`` tells forebay the data's file system is shared between hosts
 (``FOREBAY_NETWORK_FS``), so it decides as on a parallel file system: no page-cache
 transport or RAM tier, the preload overlapped with training by default.
@@ -88,7 +95,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import evict, files_under, machine, throttled  # noqa: E402
+from _common import evict, files_under, machine, paced, throttled  # noqa: E402
 from _baselines import (image_collate, image_folder_dataset, list_collate,  # noqa: E402
                         pff_dataset)
 
@@ -288,6 +295,11 @@ def main() -> None:
                    help="run every job across NODES emulated nodes (root; see above)")
     p.add_argument("--cpus-per-node", type=float, default=None, metavar="C",
                    help="with --cluster: each node capped at C cores (default: none)")
+    p.add_argument("--fs", choices=("cgroup", "fuse"), default="cgroup",
+                   help="how --throttle makes the file system slow: a block-I/O cgroup "
+                        "on the data's disk (default), or the data served through a "
+                        "paced FUSE file system (no credit for a reader's idle time; "
+                        "tests/cluster_pfs.py)")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", help=argparse.SUPPRESS)
@@ -319,9 +331,6 @@ def main() -> None:
     import forebay
     if not a.ram_bytes:
         a.ram_bytes = int(forebay.open_dataset(paths["packed"]).nbytes) + (64 << 20)
-    files = {"forebay": files_under(paths["packed"]), "torch": files_under(paths["pff"]),
-             "mosaicml-streaming": files_under(paths["mds"]) if paths["mds"].exists() else [],
-             "litdata": files_under(paths["lit"]) if paths["lit"].exists() else []}
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     if a.network_fs:
         from forebay._fs import NETWORK_FS_ENV, filesystem_type
@@ -329,7 +338,17 @@ def main() -> None:
         a.fs_type = filesystem_type(paths["packed"])
         env[NETWORK_FS_ENV] = a.fs_type or ""
     runs: dict[str, list[dict]] = {}
-    with throttled(paths["packed"], a.throttle) as throttle, _cluster(a) as cluster:
+    if a.fs == "fuse" and not a.throttle:
+        p.error("--fs fuse needs --throttle MBPS[,IOPS] (its pace)")
+    slow_fs = paced(a.out, a.throttle) if a.fs == "fuse" else \
+        throttled(paths["packed"], a.throttle)
+    with slow_fs as throttle, _cluster(a) as cluster:
+        if a.fs == "fuse":          # every contender reads through the mount
+            paths = {k: throttle.path(v) for k, v in paths.items()}
+        files = {"forebay": files_under(paths["packed"]), "torch": files_under(paths["pff"]),
+                 "mosaicml-streaming": files_under(paths["mds"]) if paths["mds"].exists()
+                 else [],
+                 "litdata": files_under(paths["lit"]) if paths["lit"].exists() else []}
         if cluster is not None:
             env["MASTER_ADDR"] = cluster.hosts[0]
         _rounds(a, contenders, paths, files, env, runs, throttle, cluster)

@@ -41,6 +41,7 @@ emulated node) its later epochs read memory, not the disk (its PFS MB column sho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,7 +58,7 @@ sys.path.insert(0, str(HERE.parents[1]))                    # _common, _baseline
 sys.path.insert(0, str(HERE.parent))                        # sim_validate
 sys.path.insert(0, str(HERE.parents[2] / "tests"))          # cluster
 from _baselines import image_collate, image_folder_dataset  # noqa: E402
-from _common import machine, throttled  # noqa: E402
+from _common import machine, paced, throttled  # noqa: E402
 from sim_validate import _cold_MBps, _rate  # noqa: E402
 
 #: torch DataLoader's prefetch: workers x prefetch_factor batches (peers_bench's settings)
@@ -238,12 +239,6 @@ def main() -> None:
         return
     if not (a.data and a.runs and a.profile):
         p.error("--data, --runs and --profile are required")
-
-    import forebay
-    from forebay.plan import AccessPlan
-    from forebay.sim import System, Workload, simulate_policy
-    from forebay.store import load_profile
-
     docs = [json.loads(r.read_text()) for r in a.runs]
     args0 = docs[0]["args"]
     spec, samples = args0["throttle"], args0["samples"]
@@ -253,6 +248,26 @@ def main() -> None:
     packed = a.data / f"{args0['kind']}-{samples}.fb"
     pff = a.data / f"{args0['kind']}-{samples}-pff"
     bs = args0["batch_size"]
+    fs = args0.get("fs") or "cgroup"
+    if any((d["args"].get("fs") or "cgroup") != fs for d in docs):
+        raise SystemExit("the runs were made on different file systems (--fs)")
+    with contextlib.ExitStack() as stack:
+        if fs == "fuse":     # calibrated through the same paced mount, made before the nodes
+            pfs = stack.enter_context(paced(a.data, spec))
+            packed, pff, spec = pfs.path(packed), pfs.path(pff), None
+            print(f"file system: {pfs.describe()}")
+        predict(a, docs, packed, pff, spec, bs, cpus)
+
+
+def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
+            spec: "str | None", bs: int, cpus: "float | None") -> None:
+    """Calibrate (unless ``a.profile`` exists), then predict every run of ``docs`` and
+    print the table."""
+    import forebay
+    from forebay.plan import AccessPlan
+    from forebay.sim import System, Workload, simulate_policy
+    from forebay.store import load_profile
+
     if not a.profile.exists():
         with tempfile.TemporaryDirectory() as tmp:
             calibrate(packed, spec, a.profile, Path(tmp), cpus)

@@ -1,0 +1,405 @@
+"""A slow shared file system for the emulated cluster: a directory served read-only
+through FUSE, every read paced by one queue of a set bandwidth and request rate.
+
+The block-I/O cgroup that ``benchmarks/_common.py`` throttles with (``blkio`` /
+``io.max``) accounts in slices of 20-100 ms and lets a reader that paused catch up
+within its slice: a loop that reads, computes for 20 ms and reads again got 475 MB/s
+from a disk capped at 300 (RESULTS, "Simulator").  A parallel file system gives no
+such credit.  Here every read request waits for its turn on one virtual clock: it
+starts when the file system is free (never earlier than it arrives), holds it for
+``size / bandwidth`` (and at least ``1 / iops``), and is answered when that time
+comes: the file system never delivers more than its rate over any interval, idle time
+is not saved up, and concurrent readers share it in arrival order.  Optional
+``latency`` is added to every request (a server's round trip).
+
+The server speaks the kernel's FUSE protocol on ``/dev/fuse`` itself (no libfuse: a
+read-only subset, protocol 7.31: lookup, getattr, open, read, readdir, statfs, release)
+from threads of the process that made it, and mounts at ``mountpoint`` in this
+process's mount namespace: mount it before the emulated nodes are made (their mount
+namespaces copy it) and unmount after they are gone.  The kernel's page cache keeps
+what was read (pages are kept across opens), so a cold read needs an eviction first
+(``posix_fadvise(DONTNEED)``), as on the throttled disk.
+
+Needs root and ``/dev/fuse``: :func:`unavailable` says why not.  Used by
+``benchmarks/loader/peers_bench.py --fs fuse`` and ``benchmarks/sim/sim_cluster.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["PacedFS", "unavailable"]
+
+_IN = struct.Struct("<IIQQIIIHH")          # fuse_in_header
+_OUT = struct.Struct("<IiQ")               # fuse_out_header
+_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
+_ENTRY = struct.Struct("<QQQQII")          # fuse_entry_out, before its attr
+_ATTR_OUT = struct.Struct("<QII")          # fuse_attr_out, before its attr
+_OPEN_OUT = struct.Struct("<QII")
+_READ_IN = struct.Struct("<QQIIQII")
+_INIT_IN = struct.Struct("<IIII")
+_INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")
+_DIRENT = struct.Struct("<QQII")
+_STATFS = struct.Struct("<QQQQQIIII24x")
+
+LOOKUP, FORGET, GETATTR, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 14, 15, 17, 18
+FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR, ACCESS = 25, 26, 27, 28, 29, 34
+INTERRUPT, DESTROY, BATCH_FORGET = 36, 38, 42
+_WRITES = {4, 8, 9, 10, 11, 12, 13, 16, 20, 21, 24, 30, 35, 43, 45, 47}   # EROFS
+_NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
+_ASYNC_READ, _NO_OPEN, _MAX_PAGES = 1 << 0, 1 << 17, 1 << 22
+_KEEP_CACHE = 1 << 1
+_MAX_READ = 1 << 20
+_TTL = 3600              # seconds the kernel may keep names and attributes
+
+
+def unavailable() -> Optional[str]:
+    """Why a FUSE file system cannot be served here (None: it can)."""
+    if os.geteuid() != 0:
+        return "serving a FUSE file system needs root (mount)"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse here (the kernel's FUSE)"
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as e:
+        return f"/dev/fuse cannot be opened: {e}"
+    return None
+
+
+class _Clock:
+    """One queue of ``mbps`` MB/s and ``iops`` requests/s: when a request of n bytes
+    arriving now is served (never earlier than now: idle time is not saved up)."""
+
+    def __init__(self, mbps: float, iops: float, latency: float) -> None:
+        self.bps, self.iops, self.latency = mbps * 1e6, iops, latency
+        self.free = 0.0
+        self.lock = threading.Lock()
+        #: (arrival, start, end, bytes) of every request served, in service order
+        self.schedule: list[tuple[float, float, float, int]] = []
+
+    def done_at(self, nbytes: int) -> float:
+        cost = max(nbytes / self.bps if self.bps else 0.0,
+                   1.0 / self.iops if self.iops else 0.0)
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.free)
+            self.free = start + cost
+            self.schedule.append((now, start, self.free, nbytes))
+            return self.free + self.latency
+
+
+class PacedFS:
+    """``source`` served read-only at ``mountpoint`` through FUSE, its reads paced at
+    ``mbps`` MB/s and ``iops`` requests/s (0: unpaced) plus ``latency`` s each, by
+    ``threads`` server threads in a process of their own (a process that faults on a
+    mapped file holds its GIL: a server in it would never answer).  A context manager:
+    mounted on entry, unmounted and stopped on exit.  ``served_bytes``: bytes the reads
+    returned (what the file system delivered: the page cache's hits never reach it)."""
+
+    def __init__(self, source: "str | os.PathLike[str]", mountpoint: "str | os.PathLike[str]",
+                 mbps: float, iops: float = 0, latency: float = 0.0, threads: int = 8) -> None:
+        self.source = Path(source).resolve()
+        self.mountpoint = Path(mountpoint)
+        self.mbps, self.iops, self.latency, self.threads = mbps, iops, latency, threads
+        self._server: Optional[subprocess.Popen] = None
+        self._stats: Optional[Path] = None
+        self._schedule: "list[tuple[float, float, float, int]]" = []
+        self._final = (0, 0)
+        self.error: Optional[str] = None
+
+    def __enter__(self) -> "PacedFS":
+        why = unavailable()
+        if why:
+            raise RuntimeError(why)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        fd, stats = tempfile.mkstemp(prefix="pacedfs-", suffix=".stats")
+        os.write(fd, bytes(16))
+        os.close(fd)
+        self._stats = Path(stats)
+        dev = os.open("/dev/fuse", os.O_RDWR)
+        try:
+            opts = (f"fd={dev},rootmode=40000,user_id=0,group_id=0,allow_other,"
+                    f"max_read={_MAX_READ}")
+            if _libc().mount(b"forebay-pfs", str(self.mountpoint).encode(), b"fuse",
+                             ctypes.c_ulong(1 | 2 | 4), opts.encode()) != 0:  # RDONLY|NOSUID|NODEV
+                e = ctypes.get_errno()
+                raise OSError(e, f"mount -t fuse at {self.mountpoint}: {os.strerror(e)}")
+            self._server = subprocess.Popen(
+                [sys.executable, __file__, str(dev), str(self.source), repr(self.mbps),
+                 repr(self.iops), repr(self.latency), str(self.threads), stats],
+                pass_fds=(dev,), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        finally:
+            os.close(dev)           # the server holds it
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unmount (lazily: a process of a node still inside lets go at its exit) and
+        stop the server."""
+        if self._server is None:
+            return
+        # the mount goes now; a process still holding a file of it (a map) gets ENOTCONN
+        # once the server's end of /dev/fuse closes: the kernel aborts the connection
+        _libc().umount2(str(self.mountpoint).encode(), 2)     # MNT_DETACH
+        self._server.terminate()
+        try:
+            _, err = self._server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            _, err = self._server.communicate()
+        if self._server.returncode:
+            self.error = f"the server ended with {self._server.returncode}: {err.decode()[-2000:]}"
+        sched = Path(f"{self._stats}.schedule")
+        if sched.exists():
+            self._schedule = [tuple(x) for x in json.loads(sched.read_text())]  # type: ignore
+            sched.unlink()
+        self._final = self._counters()
+        if self._stats is not None:
+            self._stats.unlink(missing_ok=True)
+        self._server = None
+
+    def path(self, inside: "str | os.PathLike[str]") -> Path:
+        """Where ``inside`` (a path under ``source``) is seen through the mount."""
+        return self.mountpoint / Path(inside).resolve().relative_to(self.source)
+
+    def describe(self) -> str:
+        return (f"a FUSE file system paced at {self.mbps:g} MB/s"
+                + (f" and {self.iops:g} requests/s" if self.iops else "")
+                + (f", {self.latency * 1e3:g} ms a request" if self.latency else "")
+                + " (one queue, no credit for idle time)")
+
+    # the benchmarks' throttle interface (ThrottledDevice's): nothing to wrap
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return cmd
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes the file system's reads returned so far."""
+        return self._counters()[0]
+
+    @property
+    def requests(self) -> int:
+        """Read requests the file system served so far."""
+        return self._counters()[1]
+
+    def _counters(self) -> "tuple[int, int]":
+        if self._server is None:
+            return self._final
+        assert self._stats is not None
+        return struct.unpack("<QQ", self._stats.read_bytes()[:16])
+
+    def read_bytes(self) -> int:
+        return self.served_bytes
+
+    @property
+    def schedule(self) -> "list[tuple[float, float, float, int]]":
+        """(arrival, start, end, bytes) of every read the file system served, in the
+        order it served them (``time.monotonic`` seconds); known once it is closed."""
+        return list(self._schedule)
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+class _Server:
+    """The server process's side: answers the kernel's requests on ``dev``."""
+
+    def __init__(self, dev: int, source: Path, mbps: float, iops: float, latency: float,
+                 threads: int, stats: Path) -> None:
+        self.source = source
+        self.clock = _Clock(mbps, iops, latency)
+        self.served_bytes = 0
+        self.requests = 0
+        self.threads = threads
+        self._paths: dict[int, Path] = {1: self.source}
+        self._ids: dict[Path, int] = {self.source: 1}
+        self._fds: dict[int, int] = {}
+        self._next_fh = 1
+        self._lock = threading.Lock()
+        self._dev = dev
+        self._stats = os.open(stats, os.O_WRONLY)
+        self._stats_path = stats
+        self._stopping = False
+        self._no_open = False
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> int:
+        """Serve until the connection ends or SIGTERM; write the schedule; 1 if a
+        request met a defect of this server."""
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        workers = [threading.Thread(target=self._serve, name=f"pacedfs-{k}", daemon=True)
+                   for k in range(self.threads)]
+        for t in workers:
+            t.start()
+        while not stop.is_set() and any(t.is_alive() for t in workers):
+            stop.wait(0.2)
+        self._stopping = True
+        with self.clock.lock:
+            Path(f"{self._stats_path}.schedule").write_text(json.dumps(self.clock.schedule))
+        if self.error is not None:
+            sys.stderr.write(f"pacedfs: {self.error!r}\n")
+            return 1
+        return 0
+
+    # -- serving
+    def _serve(self) -> None:
+        size = _MAX_READ + 4096 + 128
+        while not self._stopping:
+            try:
+                req = os.read(self._dev, size)
+            except OSError as e:
+                if e.errno in (errno.EINTR, errno.EAGAIN):
+                    continue
+                return            # ENODEV: unmounted; EBADF: closed
+            if not req:
+                return
+            try:
+                self._handle(req)
+            except OSError:
+                if self._stopping:
+                    return
+            except BaseException as e:     # a defect here: said once, not lost
+                self.error = e
+                return
+
+    def _reply(self, unique: int, body: bytes = b"", err: int = 0,
+               data: Any = None) -> None:
+        parts = [body] if data is None else [body, data]
+        n = _OUT.size + sum(len(p) for p in parts)
+        os.writev(self._dev, [_OUT.pack(n, -err, unique), *parts])
+
+    def _attr(self, p: Path) -> bytes:
+        st = os.lstat(p)
+        return _ATTR.pack(st.st_ino, st.st_size, st.st_blocks, int(st.st_atime),
+                          int(st.st_mtime), int(st.st_ctime), 0, 0, 0,
+                          st.st_mode & ~0o222,
+                          st.st_nlink, 0, 0, 0, 4096, 0)
+
+    def _node(self, p: Path) -> int:
+        with self._lock:
+            nid = self._ids.get(p)
+            if nid is None:
+                nid = self._ids[p] = len(self._paths) + 1
+                self._paths[nid] = p
+            return nid
+
+    def _handle(self, req: bytes) -> None:
+        _, op, unique, nid, *_ = _IN.unpack_from(req)
+        arg = memoryview(req)[_IN.size:]
+        if op in _NO_REPLY:
+            return
+        try:
+            self._op(op, unique, nid, arg)
+        except OSError as e:
+            if op == READ and self._stopping:
+                raise
+            self._reply(unique, err=e.errno or errno.EIO)
+
+    def _op(self, op: int, unique: int, nid: int, arg: memoryview) -> None:
+        if op == INIT:
+            major, minor, readahead, flags = _INIT_IN.unpack_from(arg)
+            want = flags & (_ASYNC_READ | _MAX_PAGES | _NO_OPEN)
+            self._no_open = bool(want & _NO_OPEN)
+            self._reply(unique, _INIT_OUT.pack(7, min(minor, 31), min(readahead, _MAX_READ),
+                                               want, 64, 48, 65536, 1,
+                                               _MAX_READ // 4096, 0, 0))
+            return
+        if op == DESTROY:
+            self._reply(unique)
+            return
+        if op in _WRITES:
+            raise OSError(errno.EROFS, "read-only")
+        p = self._paths.get(nid)
+        if p is None:
+            raise OSError(errno.ENOENT, "unknown node")
+        if op == LOOKUP:
+            name = bytes(arg).split(b"\0", 1)[0].decode()
+            child = p / name
+            if name in ("", ".", "..") or not os.path.lexists(child):
+                raise OSError(errno.ENOENT, name)
+            self._reply(unique, _ENTRY.pack(self._node(child), 0, _TTL, _TTL, 0, 0)
+                        + self._attr(child))
+        elif op == GETATTR:
+            self._reply(unique, _ATTR_OUT.pack(_TTL, 0, 0) + self._attr(p))
+        elif op == OPEN and self._no_open:
+            # the kernel opens without asking from now on (a request less per file)
+            raise OSError(errno.ENOSYS, "zero-message opens")
+        elif op in (OPEN, OPENDIR):
+            fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if op == OPENDIR else 0))
+            with self._lock:
+                fh = self._next_fh
+                self._next_fh += 1
+                self._fds[fh] = fd
+            self._reply(unique, _OPEN_OUT.pack(fh, _KEEP_CACHE if op == OPEN else 0, 0))
+        elif op == READ:
+            fh, offset, size, *_ = _READ_IN.unpack_from(arg)
+            if fh:
+                data = os.pread(self._fds[fh], size, offset)
+            else:                      # opened without a request: by its node
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    data = os.pread(fd, size, offset)
+                finally:
+                    os.close(fd)
+            wait = self.clock.done_at(len(data)) - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            with self._lock:
+                self.served_bytes += len(data)
+                self.requests += 1
+                os.pwrite(self._stats, struct.pack("<QQ", self.served_bytes, self.requests), 0)
+            self._reply(unique, data=data)
+        elif op == READDIR:
+            fh, offset, size, *_ = _READ_IN.unpack_from(arg)
+            names = sorted(os.listdir(p))
+            out = bytearray()
+            for k, name in enumerate(names[offset:], start=offset + 1):
+                b = name.encode()
+                st = os.lstat(p / name)
+                ent = _DIRENT.pack(st.st_ino, k, len(b), stat.S_IFMT(st.st_mode) >> 12) + b
+                ent += b"\0" * (-len(ent) % 8)
+                if len(out) + len(ent) > size:
+                    break
+                out += ent
+            self._reply(unique, bytes(out))
+        elif op in (RELEASE, RELEASEDIR):
+            fh = struct.unpack_from("<Q", arg)[0]
+            with self._lock:
+                fd = self._fds.pop(fh, None)
+            if fd is not None:
+                os.close(fd)
+            self._reply(unique)
+        elif op == STATFS:
+            st = os.statvfs(p)
+            self._reply(unique, _STATFS.pack(st.f_blocks, st.f_bfree, st.f_bavail, st.f_files,
+                                             st.f_ffree, st.f_bsize, 255, st.f_frsize, 0))
+        elif op == FLUSH:     # nothing to write back: not asked again
+            raise OSError(errno.ENOSYS, "flush")
+        elif op == ACCESS:
+            self._reply(unique)
+        else:
+            raise OSError(errno.ENOSYS, f"operation {op}")
+
+
+if __name__ == "__main__":     # the server process: DEV SOURCE MBPS IOPS LATENCY THREADS STATS
+    _dev, _src, _mbps, _iops, _lat, _thr, _stats = sys.argv[1:8]
+    sys.exit(_Server(int(_dev), Path(_src), float(_mbps), float(_iops), float(_lat),
+                     int(_thr), Path(_stats)).run())
