@@ -15,12 +15,15 @@ def test_calibrate_round_trips(tmp_path, packed):
     assert set(prof) == {"machine", "ram", "ssd", "pfs"}
     assert set(prof["ram"]["copy_MBps"]) == {1, 2}
     assert all(v > 0 for v in prof["pfs"]["read_MBps"].values())
+    assert set(prof["pfs"]["stream_MBps"]) == {1, 2}
+    assert all(v > 0 for v in prof["pfs"]["stream_MBps"].values())
     assert [p.name for p in tmp_path.iterdir() if "calibrate" in p.name] == []  # cleaned up
     path = tmp_path / "p.toml"
     path.write_text(dump_profile(prof))
     back = load_profile(path)
     assert back["ram"]["copy_MBps"].keys() == {1, 2}
     assert back["pfs"]["record_bytes"] == prof["pfs"]["record_bytes"]
+    assert back["pfs"]["stream_MBps"].keys() == {1, 2}
 
 
 @pytest.mark.parametrize("text, words", [

@@ -88,6 +88,19 @@ def test_cached_policies_hand_computed():
     pre = simulate_policy("forebay-preload", w)
     assert pre["setup_s"] == pytest.approx(4.0)
     assert pre["total_s"] == pytest.approx(4.0 + 1 + 4 * 2)
+    # a file system whose large sequential requests stream at 4 MB/s (one request per
+    # record: 1 MB/s) loads a packed chunk at the stream's rate, 1 s for 4 MB, where the
+    # reads of one record each still go at the record table's; a file per sample
+    # is one request per record either way
+    streamed = replace(w.system, pfs_stream_MBps={1: 4.0, 2: 8.0})
+    fast = simulate_policy("forebay-preload", Workload(w.sizes, w.plan, streamed))
+    assert fast["setup_s"] == pytest.approx(1.0)
+    assert fast["total_s"] == pytest.approx(1.0 + 1 + 4 * 2)
+    assert simulate_policy("staging", Workload(w.sizes, w.plan, streamed))["total_s"] == \
+        pytest.approx(simulate_policy("staging", w)["total_s"])
+    files = simulate_policy("forebay-preload", Workload(w.sizes, w.plan, streamed,
+                                                          per_file=True))
+    assert files["setup_s"] == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("whole", [True, False])

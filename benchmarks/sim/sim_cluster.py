@@ -288,7 +288,8 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
     link = max(prof.get("rma", {}).get("get_MBps", {}).values() or mem.values())
     t_packed = prof["pfs"]["read_MBps"]
     print(f"machine: {machine()}" + (f"; nodes of {cpus:g} core each" if cpus else ""))
-    print(f"calibration: packed t(k) {t_packed} MB/s, files t(k) "
+    print(f"calibration: packed t(k) {t_packed} MB/s (streamed "
+          f"{prof['pfs'].get('stream_MBps', '-')}), files t(k) "
           f"{ {k: round(v) for k, v in t_files.items()} } MB/s, RAM {mem} MB/s, link "
           f"{link:.0f} MB/s; beta forebay {beta_fb:.0f} MB/s, torch {beta_torch:.0f} MB/s, "
           f"torch through {TORCH_WORKERS} workers {beta_workers:.0f} MB/s")
@@ -324,7 +325,9 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                 policy = "staging" if nw else "naive"
             else:
                 mode = name.split()[1]
-                sysm = System(preprocess_MBps=beta_fb, pfs_MBps=t_packed, staging_threads=1,
+                sysm = System(preprocess_MBps=beta_fb, pfs_MBps=t_packed,
+                              pfs_stream_MBps=prof["pfs"].get("stream_MBps", {}),
+                              staging_threads=1,
                               staging_bytes=int(FOREBAY_BUFFER * bs * sz.mean()),
                               ram_bytes=int(ar.get("ram_bytes") or sz.sum()), **base)
                 policy = {"direct": "staging", "preload": "forebay-preload",

@@ -86,22 +86,24 @@ def _setup_s(w: Workload, run: Run, pfs_mb: np.ndarray, pfs_n: np.ndarray, threa
 
 
 def _load_times(w: Workload, mb: np.ndarray, n: np.ndarray, threads: int,
-                write_s_per_MB: float) -> np.ndarray:
+                write_s_per_MB: float, stream: bool = False) -> np.ndarray:
     """When each worker is done loading ``mb[i]`` MB (``n[i]`` reads) from the PFS with
     ``threads`` threads (fetch, then write), every worker starting at 0.  Conserving:
     while k workers load, each thread reads at f(k * threads) (at most b_fs over the
     worker's threads), and a worker that is done leaves the PFS to the others
-    (processor sharing, solved in order of size).  Thesis: every read at t(N)/N."""
+    (processor sharing, solved in order of size).  Thesis: every read at t(N)/N.
+    ``stream``: the loads are large sequential reads (the PFS's stream table)."""
     sysm = w.system
     if not sysm.conserving:
-        return (mb * (sysm.pfs_setup_s_per_MB(w.n, threads) + write_s_per_MB)
+        return (mb * (sysm.pfs_setup_s_per_MB(w.n, threads, stream) + write_s_per_MB)
                 + n * w.open_s) / threads
     order = np.argsort(mb, kind="stable")
     done = np.zeros(len(mb))
     t, prev = 0.0, 0.0
     for j, left in enumerate(mb[order].tolist()):
         k = len(order) - j
-        speed = min(float(sysm.pfs_thread_MBps(k * threads)), sysm.pfs_client_MBps / threads)
+        speed = min(float(sysm.pfs_thread_MBps(k * threads, stream)),
+                    sysm.pfs_client_MBps / threads)
         t += (left - prev) * (1.0 / speed + write_s_per_MB) / threads
         prev = left
         done[order[j]] = t
@@ -462,9 +464,11 @@ def forebay_preload(w: Workload) -> dict[str, Any]:
     run = prefetching(w)
     bounds, member = chunk_members(w.sizes, width)
     chunk_mb = np.diff(np.r_[0.0, np.cumsum(w.mb)][bounds])
-    # every worker loads its chunk at once
+    # every worker loads its chunk at once: in a packed dataset one contiguous range
+    # read in large requests (the stream table), in files one file per sample
     run.setup_s = float(_load_times(w, chunk_mb, np.diff(bounds).astype(float), run.threads,
-                                    sysm.tier_write_s_per_MB("ram")).max())
+                                    sysm.tier_write_s_per_MB("ram"),
+                                    stream=not w.per_file).max())
     run.extra_pfs_mb, run.extra_pfs_n = float(w.mb.sum()), float(w.plan.num_samples)
     for e in range(w.plan.epochs):
         for i in range(w.n):

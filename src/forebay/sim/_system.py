@@ -43,6 +43,9 @@ class System:
     ram_threads: int = 4                      # p_1
     ssd_threads: int = 2                      # p_2
     pfs_open_ms: float = 0.0                  # per file opened on the PFS (metadata)
+    # t(gamma) of large sequential requests (a preload's chunks); empty: pfs_MBps, which
+    # is measured with one request per record
+    pfs_stream_MBps: Mapping[int, float] = field(default_factory=dict)
     pfs_client_MBps: float = float("inf")     # b_fs: one worker's link to the PFS
     pfs_readers: str = "active"               # how gamma is counted (PFS_READERS)
     tier_reads: str = "shared"                # a tier's table per thread (TIER_READS)
@@ -100,22 +103,26 @@ class System:
         """Whether no resource delivers more than its table (the default model)."""
         return self.model == "conserving"
 
-    def pfs_thread_MBps(self, readers: "float | np.ndarray") -> np.ndarray:
+    def pfs_thread_MBps(self, readers: "float | np.ndarray",
+                        stream: bool = False) -> np.ndarray:
         """The conserving model's speed of one reading thread when ``readers`` threads
         read the PFS at once: t(G) / G with G = max(readers, 1), so that G threads
-        together get t(G), never more (the table clamped past its largest count)."""
+        together get t(G), never more (the table clamped past its largest count).
+        ``stream``: reads in large sequential requests (``pfs_stream_MBps``, when the
+        profile has it), not one request per record."""
+        table = self.pfs_stream_MBps if stream and self.pfs_stream_MBps else self.pfs_MBps
         g = np.maximum(np.asarray(readers, dtype=np.float64), 1.0)
-        ks = np.array(sorted(self.pfs_MBps), dtype=np.float64)
-        vs = np.array([self.pfs_MBps[int(k)] for k in ks])
+        ks = np.array(sorted(table), dtype=np.float64)
+        vs = np.array([table[int(k)] for k in ks])
         return np.interp(g, ks, vs) / g
 
-    def pfs_setup_s_per_MB(self, workers: int, threads: int) -> float:
+    def pfs_setup_s_per_MB(self, workers: int, threads: int, stream: bool = False) -> float:
         """Per MB of one thread when ``workers`` workers load with ``threads`` threads
         each, all at once (a set-up phase): conserving, the PFS shared by every thread
         and a worker's link by its threads; the thesis' rule, t(N) / N per read."""
         if not self.conserving:
             return float(self.pfs_s_per_MB(workers))
-        per = float(self.pfs_thread_MBps(workers * threads))
+        per = float(self.pfs_thread_MBps(workers * threads, stream))
         return 1.0 / min(per, self.pfs_client_MBps / threads)
 
     def local_s_per_MB(self, tier: str) -> float:
@@ -159,7 +166,8 @@ class System:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "compute_MBps": self.compute_MBps,
                 "preprocess_MBps": self.preprocess_MBps, "network_MBps": self.network_MBps,
-                "pfs_MBps": dict(self.pfs_MBps), "mem_MBps": dict(self.mem_MBps),
+                "pfs_MBps": dict(self.pfs_MBps), "pfs_stream_MBps": dict(self.pfs_stream_MBps),
+                "mem_MBps": dict(self.mem_MBps),
                 "ssd_read_MBps": dict(self.ssd_read_MBps),
                 "staging_bytes": self.staging_bytes, "ram_bytes": self.ram_bytes,
                 "ssd_bytes": self.ssd_bytes, "threads": [self.staging_threads,
@@ -271,6 +279,7 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   pfs_open_ms=float(pfs_open_ms if pfs_open_ms is not None
                                     else prof.get("pfs", {}).get("open_ms", 0.0)),
                   pfs_client_MBps=float(prof.get("pfs", {}).get("client_MBps", float("inf"))),
+                  pfs_stream_MBps=prof.get("pfs", {}).get("stream_MBps", {}),
                   pfs_readers=model.get("pfs_readers", "active"),
                   tier_reads=model.get("tier_reads", "shared"),
                   name=name, model=model.get("model", "conserving"))

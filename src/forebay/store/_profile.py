@@ -29,8 +29,11 @@ SCHEMA: dict[str, dict[str, str]] = {
     "ssd": {"path": "str", "write_MBps": "bw", "read_MBps": "bw"},
     # open_ms: latency of opening one file (the simulator's --layout files)
     # client_MBps: b_fs, one client's link to the PFS (the simulator caps a read there)
+    # stream_MBps: t(k) of large sequential requests (a preload's chunks), where
+    # read_MBps is of one request per record: what a file system's per-request cost
+    # takes is the difference
     "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num", "open_ms": "num0",
-            "client_MBps": "num"},
+            "client_MBps": "num", "stream_MBps": "bw"},
     "rma": {"get_MBps": "bw", "ranks": "num"},
     # tier settings for the clairvoyant loader (DataLoader(system=...)); sizes in bytes
     # or as "8GiB"; 0 disables a tier
@@ -234,6 +237,59 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
     return out, float(ds.sample_nbytes.mean())
 
 
+#: request size of the streaming reads (a preload's chunk is read in requests of the
+#: kernel's read-ahead: 128 KiB to a few MiB)
+STREAM_REQUEST = 4 << 20
+
+
+def _pfs_stream(dataset: Path, readers: list[int]) -> dict[int, float]:
+    """MB/s of k readers reading the dataset's shard files cold in large sequential
+    requests (``STREAM_REQUEST``), each its own contiguous part of the same PFS_BYTES
+    (or the whole dataset)."""
+    from ..dataset import open_dataset
+
+    ds = open_dataset(dataset)
+    files = [dataset / s.data for s in ds.manifest.shards]
+    sizes = [os.path.getsize(p) for p in files]
+    # (file, start, end) of the first PFS_BYTES of the shards, in order
+    spans, left = [], PFS_BYTES
+    for p, n in zip(files, sizes):
+        if left <= 0:
+            break
+        spans.append((p, 0, min(n, left)))
+        left -= min(n, left)
+    total = sum(b - a for _, a, b in spans)
+    out: dict[int, float] = {}
+    for n in readers:
+        for p in files:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        cuts = np.linspace(0, total, n + 1).astype(np.int64)
+
+        def read(k, cuts=cuts):
+            lo, hi, at = int(cuts[k]), int(cuts[k + 1]), 0
+            buf = bytearray(STREAM_REQUEST)
+            for p, a, b in spans:
+                x, y = max(lo, at), min(hi, at + b - a)
+                if x < y:
+                    fd = os.open(p, os.O_RDONLY)
+                    try:
+                        off = a + x - at
+                        while off < a + y - at:
+                            got = os.preadv(fd, [memoryview(buf)[:min(STREAM_REQUEST,
+                                                                      a + y - at - off)]],
+                                            off)
+                            if got <= 0:
+                                break
+                            off += got
+                    finally:
+                        os.close(fd)
+                at += b - a
+        out[n] = total / _threaded(read, n) / 1e6
+    return out
+
+
 def _rma(comm: Any, nbytes: int, chunk: int = 64 << 10) -> float:
     """MB/s of rank 0 reading rank 1's window the way the stores read peers
     (:func:`~forebay.store._windows.rma_get`: ``chunk``-sized ranges, one MPI_Get of
@@ -271,8 +327,10 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
               rma_bytes: int = 64 << 20) -> dict[str, Any]:
     """Measure this machine: RAM copy bandwidth per thread count, the SSD directory's
     write and cold read bandwidth, cold random reads of a packed dataset (the PFS) per
-    reader count, and, with an MPI communicator of 2 or more ranks, one-sided get
-    bandwidth from a peer's memory.  Returns a profile (see :func:`dump_profile`)."""
+    reader count (one request per record: ``read_MBps``) and its files read cold in
+    large sequential requests (``stream_MBps``), and, with an MPI communicator of 2 or
+    more ranks, one-sided get bandwidth from a peer's memory.  Returns a profile (see
+    :func:`dump_profile`)."""
     import platform
 
     threads = threads or sorted({1, 2, min(4, os.cpu_count() or 1)})
@@ -291,7 +349,8 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
             try:
                 bw, rec = _pfs(Path(dataset), threads, samples)
                 prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
-                               "record_bytes": round(rec)}
+                               "record_bytes": round(rec),
+                               "stream_MBps": _pfs_stream(Path(dataset), threads)}
             except Exception as e:            # every rank ends, not only rank 0
                 failure = e
         if comm is not None:
