@@ -119,6 +119,7 @@ class PacedFS:
         self._stats: Optional[Path] = None
         self._schedule: "list[tuple[float, float, float, int]]" = []
         self._final = (0, 0)
+        self._cpu = 0.0
         self.error: Optional[str] = None
 
     def __enter__(self) -> "PacedFS":
@@ -157,6 +158,7 @@ class PacedFS:
         # the mount goes now; a process still holding a file of it (a map) gets ENOTCONN
         # once the server's end of /dev/fuse closes: the kernel aborts the connection
         _libc().umount2(str(self.mountpoint).encode(), 2)     # MNT_DETACH
+        self.cpu_seconds()
         self._server.terminate()
         try:
             _, err = self._server.communicate(timeout=30)
@@ -206,6 +208,18 @@ class PacedFS:
 
     def read_bytes(self) -> int:
         return self.served_bytes
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server process has used so far (its threads' user and
+        system time): what serving took from the machine's cores."""
+        if self._server is None:
+            return self._cpu
+        try:
+            fields = Path(f"/proc/{self._server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return self._cpu
+        self._cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return self._cpu
 
     @property
     def schedule(self) -> "list[tuple[float, float, float, int]]":

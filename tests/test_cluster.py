@@ -200,6 +200,7 @@ def test_a_paced_file_system_serves_every_node_read_only_and_never_above_its_rat
         assert plain.read_bytes() == (src / "plain").read_bytes()
         assert fs.served_bytes >= served + 300_000
     assert fs.error is None and not os.path.ismount(tmp_path / "pfs")
+    assert fs.cpu_seconds() > 0
     sched = np.array(fs.schedule)
     assert len(sched) >= 4
     arrival, start, end, nbytes = sched.T

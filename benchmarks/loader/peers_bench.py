@@ -419,6 +419,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
                 cmd += [f"--{name}", str(path)]
             env["MASTER_PORT"] = str(_free_port())     # (mpiexec: the timing's gloo)
             read0 = throttle.read_bytes() if throttle is not None else 0
+            cpu0 = throttle.cpu_seconds() if hasattr(throttle, "cpu_seconds") else None
             proc = _launch(a, cmd, env, throttle, cluster)
             if proc.returncode != 0:
                 sys.exit(f"{c} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -434,9 +435,13 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
                 r["device_bytes_per_sample"] = (throttle.read_bytes() - read0) / (
                     n * len(r["epoch_s"]))
             r["rep"] = rep
+            if cpu0 is not None:      # what the paced file system's server took of the cores
+                r["fs_server_cpu_s"] = throttle.cpu_seconds() - cpu0
             runs.setdefault(c, []).append(r)
             print(f"rep {rep} {c:<22} set-up {r['setup_s']:6.2f} s, epochs "
-                  f"{', '.join(f'{t:.2f}' for t in r['epoch_s'])} s ({n} samples)", flush=True)
+                  f"{', '.join(f'{t:.2f}' for t in r['epoch_s'])} s ({n} samples)"
+                  + (f"; the file system's server used {r['fs_server_cpu_s']:.2f} CPU-s"
+                     if cpu0 is not None else ""), flush=True)
 
 
 def _report(a, contenders, runs, throttle) -> None:
