@@ -3,8 +3,8 @@ through FUSE, every read paced by one queue of a set bandwidth and request rate.
 
 The block-I/O cgroup that ``benchmarks/_common.py`` throttles with (``blkio`` /
 ``io.max``) accounts in slices of 20-100 ms and lets a reader that paused catch up
-within its slice: a loop that reads, computes for 20 ms and reads again got 475 MB/s
-from a disk capped at 300 (RESULTS, "Simulator").  A parallel file system gives no
+within its slice: a serial reader pausing 20 ms after every 64 files read at 363 MB/s
+from a disk capped at 300 (297 without the pauses; RESULTS, "Simulator").  A parallel file system gives no
 such credit.  Here every read request waits for its turn on one virtual clock: it
 starts when the file system is free (never earlier than it arrives), holds it for
 ``size / bandwidth`` (and at least ``1 / iops``), and is answered when that time
