@@ -25,6 +25,12 @@ under test: compute is the runs' ``--compute-ms`` per step.  Runs made on capped
     python benchmarks/sim/sim_cluster.py --data /tmp/cb --runs /tmp/rv/n1.json \\
         /tmp/rv/n2.json /tmp/rv/n4.json --profile /tmp/rv/profile.toml [--measured-steps]
 
+Runs made with ``--fs fuse`` (the data served by tests/cluster_pfs.py's paced file
+system, which gives a pausing reader no credit) are calibrated through the same mount,
+made once before any node; forebay-preload's chunks then load at the calibration's
+``stream_MBps`` (large requests), every other read at its ``read_MBps`` (a request per
+record).
+
 Which policy models which loader: torch with 0 workers is *naive* (fetch, collate,
 compute in turn) over the files; torch with 2 workers is *staging* with 2 threads and
 its prefetch depth (2 workers x prefetch_factor 4 batches), the main process taking
