@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from forebay import AccessPlan
-from conftest import run_ranks, say_global_batches
+from conftest import run_ranks, say, say_global_batches
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -79,3 +80,54 @@ def test_resume_on_a_different_world_size(labelled):
     assert state == {**state, "epoch": 0, "step": 3, "global_batch": GLOBAL_BATCH}
     rest, _ = _run(4, labelled, 2, json.dumps(state))
     assert rest == full[3:]
+
+
+def rank_fetch_ahead(path: str, kind: str) -> None:
+    """Epoch 0, then (without asking) epoch 1's first batch is fetched while the loop
+    is between epochs; epoch 1 is the plan's; the program then ends without closing
+    the loader and without epoch 2, which the prefetch thread has gone on into."""
+    import threading
+    import time
+
+    from mpi4py import MPI
+
+    from forebay.torch import Clairvoyant, DataLoader, Pipeline, Preload
+
+    comm = MPI.COMM_WORLD
+    seen: list = []
+    lock = threading.Lock()
+
+    def ids(batch):
+        with lock:
+            seen.append(tuple(batch.ids.tolist()))
+        return batch.ids.copy()
+
+    store = Preload() if kind == "preload" else Clairvoyant(ram_bytes=1 << 20)
+    dl = DataLoader(path, 8, comm=comm, seed=3, epochs=3, store=store,
+                    pipeline=Pipeline(prefetch=2, collate_fn=ids))
+    plan = AccessPlan(101, comm.size, 8, 3, seed=3)
+    want = [[tuple(b.tolist()) for b in plan.batches(comm.rank, e)] for e in range(3)]
+    assert [tuple(b.tolist()) for b in dl] == want[0]
+    end = time.monotonic() + 60                 # a wait for an event, not for a time
+    while time.monotonic() < end:
+        with lock:
+            if want[1][0] in seen:
+                break
+        time.sleep(0.01)
+    with lock:
+        assert want[1][0] in seen, "epoch 1 was not fetched between epochs"
+    dl.set_epoch(1)
+    assert [tuple(b.tolist()) for b in dl] == want[1]
+    comm.Barrier()
+    say(f"AHEAD {comm.rank} ok")
+
+
+@pytest.mark.parametrize("kind", ["preload", "clairvoyant"])
+def test_an_mpi_store_fetches_the_next_epoch_between_epochs(labelled, kind):
+    """A store the ranks share (over MPI windows) goes on into the next epoch while the
+    loop is between epochs, as a rank's own store does; a job that ends without closing
+    the loader, its prefetch thread inside an epoch the loop never asked for, still
+    ends cleanly (the thread is stopped before MPI finalizes)."""
+    p = run_ranks(2, rank_fetch_ahead, labelled, kind)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(re.findall(r"AHEAD \d ok", p.stdout)) == ["AHEAD 0 ok", "AHEAD 1 ok"]

@@ -508,12 +508,12 @@ class DataLoader:
         """Whether the prefetch thread may go on into the next epoch while the loop is
         between epochs: not where a batch is a collective of the ranks (the exchange
         transport: a rank's loop that goes elsewhere would leave the others in it), nor
-        where the next epoch's samples are only known at set_epoch (follow_appends),
-        nor for stores whose ranks share memory (a fetch under way at the job's end
-        would meet MPI's); a store of one process outside MPI shares nothing."""
-        alone = self.world == 1 and not is_mpi(self.comm)
-        return not self.follow_appends and ("shared" not in self.store.capabilities
-                                            or alone)
+        where the next epoch's samples are only known at set_epoch (follow_appends).
+        A prefetch thread still running when the program ends is stopped at exit,
+        before MPI finalizes (close the loader before an explicit ``MPI.Finalize()``)."""
+        collective = isinstance(self.store, (DistributedStore, ClairvoyantStore)) and \
+            self.store.transport == "exchange"
+        return not self.follow_appends and not collective
 
     def _stop_prefetch(self) -> None:
         if self._prefetcher is not None:

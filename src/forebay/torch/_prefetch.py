@@ -3,8 +3,10 @@ the next epochs while the training loop is between two (the plan knows them)."""
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -15,6 +17,18 @@ __all__ = ["Prefetcher"]
 
 #: an item handed to the loop: (epoch, step, batch, the fetch's error, staged bytes)
 Item = tuple[int, int, Any, Optional[BaseException], int]
+
+#: prefetchers still running: stopped at the interpreter's exit, before MPI finalizes
+#: (mpi4py's finalize runs after every atexit function) and before the stores' memory
+#: goes, so that a fetch under way, or one going on into an epoch the loop never
+#: asked for, does not meet either
+_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for pf in list(_LIVE):
+        pf.stop()
 
 
 class Prefetcher:
@@ -45,6 +59,7 @@ class Prefetcher:
         self._next = (epoch, start)   # the loop's next batch
         self._thread = threading.Thread(target=self._produce, args=(epoch, start),
                                         name="forebay-prefetch", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
 
     def next_key(self) -> tuple[int, int]:
@@ -114,3 +129,4 @@ class Prefetcher:
         """Stop fetching (a fetch under way finishes) and drop what waits."""
         self._stop.set()
         self._thread.join()
+        _LIVE.discard(self)
