@@ -186,6 +186,39 @@ def edit_json(path: Path, edit) -> None:
     path.write_text(json.dumps(doc))
 
 
+class SeenBatches:
+    """A collate_fn (or batch_transform) that notes each batch's ids as the loader's
+    prefetch thread makes it, and returns them; :meth:`wait_for` waits for a batch to
+    be made (an event, not a time)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._seen: list[tuple] = []
+
+    def __call__(self, batch):
+        with self._lock:
+            self._seen.append(tuple(batch.ids.tolist()))
+        return batch.ids.copy()
+
+    @property
+    def seen(self) -> list[tuple]:
+        with self._lock:
+            return list(self._seen)
+
+    def wait_for(self, ids: tuple, timeout: float = 60) -> bool:
+        """Whether the batch of ``ids`` was made within ``timeout`` seconds."""
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if ids in self.seen:
+                return True
+            time.sleep(0.01)
+        return False
+
+
 def say(line: str) -> None:
     """One atomic write per line, so lines of concurrent ranks never interleave."""
     os.write(1, (line + "\n").encode())

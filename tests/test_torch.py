@@ -11,6 +11,7 @@ import forebay  # noqa: E402
 from forebay import AccessPlan  # noqa: E402
 from forebay.synth import molecule_samples  # noqa: E402
 from forebay.errors import UsageError  # noqa: E402
+from conftest import SeenBatches  # noqa: E402
 from forebay.torch import (Auto, Clairvoyant, DataLoader, Dataset, Pipeline,  # noqa: E402
                            PlanSampler, collate_graphs, store_settings)
 
@@ -52,26 +53,9 @@ def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, s
     that epoch's batches, not what was fetched ahead.  A store in one process outside
     MPI too (preload)."""
     import collections
-    import threading
-    import time
 
     path, samples = molecules
-    seen: list = []
-    lock = threading.Lock()
-
-    def ids(batch):
-        with lock:
-            seen.append(tuple(batch.ids.tolist()))
-        return batch.ids.copy()
-
-    def fetched_ahead(batch) -> bool:           # a wait for an event, not for a time
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            with lock:
-                if batch in seen:
-                    return True
-            time.sleep(0.01)
-        return False
+    ids = SeenBatches()
 
     dl = DataLoader(path, 16, epochs=3, seed=7, comm=None, store=store,
                     pipeline=Pipeline(prefetch=2, workers=workers,
@@ -80,20 +64,18 @@ def test_the_next_epoch_is_fetched_while_the_loop_is_between_epochs(molecules, s
     plan = AccessPlan(len(samples), 1, 16, 3, seed=7)
     want = [[tuple(b.tolist()) for b in plan.batches(0, e)] for e in range(3)]
     assert [tuple(b.tolist()) for b in dl] == want[0]
-    assert fetched_ahead(want[1][0])            # before the loop asked for epoch 1
+    assert ids.wait_for(want[1][0])             # before the loop asked for epoch 1
     dl.set_epoch(1)
     assert [tuple(b.tolist()) for b in dl] == want[1]
-    assert fetched_ahead(want[2][0])
-    with lock:
-        count = collections.Counter(seen)
+    assert ids.wait_for(want[2][0])
+    count = collections.Counter(ids.seen)
     assert all(count[b] == 1 for b in want[0] + want[1])     # each batch fetched once
     dl.set_epoch(1)                             # read again: what was ahead is dropped
     assert [tuple(b.tolist()) for b in dl] == want[1]
     dl.set_epoch(2)
     assert [tuple(b.tolist()) for b in dl] == want[2]
     dl.close()
-    with lock:
-        assert seen.count(want[2][0]) == 2      # ahead of the re-read, and after it
+    assert ids.seen.count(want[2][0]) == 2      # ahead of the re-read, and after it
 
 
 def test_a_paused_iteration_that_was_superseded_or_closed_says_so(molecules):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from forebay import AccessPlan
-from conftest import run_ranks, say, say_global_batches
+from conftest import SeenBatches, run_ranks, say, say_global_batches
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("torch")
@@ -86,36 +86,19 @@ def rank_fetch_ahead(path: str, kind: str) -> None:
     """Epoch 0, then (without asking) epoch 1's first batch is fetched while the loop
     is between epochs; epoch 1 is the plan's; the program then ends without closing
     the loader and without epoch 2, which the prefetch thread has gone on into."""
-    import threading
-    import time
-
     from mpi4py import MPI
 
     from forebay.torch import Clairvoyant, DataLoader, Pipeline, Preload
 
     comm = MPI.COMM_WORLD
-    seen: list = []
-    lock = threading.Lock()
-
-    def ids(batch):
-        with lock:
-            seen.append(tuple(batch.ids.tolist()))
-        return batch.ids.copy()
-
+    ids = SeenBatches()
     store = Preload() if kind == "preload" else Clairvoyant(ram_bytes=1 << 20)
     dl = DataLoader(path, 8, comm=comm, seed=3, epochs=3, store=store,
                     pipeline=Pipeline(prefetch=2, collate_fn=ids))
     plan = AccessPlan(101, comm.size, 8, 3, seed=3)
     want = [[tuple(b.tolist()) for b in plan.batches(comm.rank, e)] for e in range(3)]
     assert [tuple(b.tolist()) for b in dl] == want[0]
-    end = time.monotonic() + 60                 # a wait for an event, not for a time
-    while time.monotonic() < end:
-        with lock:
-            if want[1][0] in seen:
-                break
-        time.sleep(0.01)
-    with lock:
-        assert want[1][0] in seen, "epoch 1 was not fetched between epochs"
+    assert ids.wait_for(want[1][0]), "epoch 1 was not fetched between epochs"
     dl.set_epoch(1)
     assert [tuple(b.tolist()) for b in dl] == want[1]
     comm.Barrier()
