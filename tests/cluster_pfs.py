@@ -26,6 +26,7 @@ Needs root and ``/dev/fuse``: :func:`unavailable` says why not.  Used by
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -90,8 +91,9 @@ class _Clock:
         self.bps, self.iops, self.latency = mbps * 1e6, iops, latency
         self.free = 0.0
         self.lock = threading.Lock()
-        #: (arrival, start, end, bytes) of every request served, in service order
-        self.schedule: list[tuple[float, float, float, int]] = []
+        #: (arrival, start, end, bytes) of the last 100,000 requests served, in order
+        self.schedule: "collections.deque[tuple[float, float, float, int]]" = \
+            collections.deque(maxlen=100_000)
 
     def done_at(self, nbytes: int) -> float:
         cost = max(nbytes / self.bps if self.bps else 0.0,
@@ -225,8 +227,9 @@ class PacedFS:
 
     @property
     def schedule(self) -> "list[tuple[float, float, float, int]]":
-        """(arrival, start, end, bytes) of every read the file system served, in the
-        order it served them (``time.monotonic`` seconds); known once it is closed."""
+        """(arrival, start, end, bytes) of the reads the file system served (the last
+        100,000), in the order it served them (``time.monotonic`` seconds); known once
+        it is closed."""
         return list(self._schedule)
 
 
@@ -275,7 +278,8 @@ class _Server:
             stop.wait(0.2)
         self._stopping = True
         with self.clock.lock:
-            Path(f"{self._stats_path}.schedule").write_text(json.dumps(self.clock.schedule))
+            Path(f"{self._stats_path}.schedule").write_text(
+                json.dumps(list(self.clock.schedule)))
         if self.error is not None:
             sys.stderr.write(f"pacedfs: {self.error!r}\n")
             return 1
