@@ -82,35 +82,39 @@ def test_resume_on_a_different_world_size(labelled):
     assert rest == full[3:]
 
 
-def rank_fetch_ahead(path: str, kind: str) -> None:
-    """Epoch 0, then (without asking) epoch 1's first batch is fetched while the loop
-    is between epochs; epoch 1 is the plan's; the program then ends without closing
-    the loader and without epoch 2, which the prefetch thread has gone on into."""
+def rank_fetch_ahead(path: str) -> None:
+    """For a preload and a clairvoyant store: epoch 0, then (without asking) epoch 1's
+    first batch is fetched while the loop is between epochs, and epoch 1 is the plan's;
+    the program then ends without closing the second loader and without its epoch 2,
+    which its prefetch thread has gone on into."""
     from mpi4py import MPI
 
     from forebay.torch import Clairvoyant, DataLoader, Pipeline, Preload
 
     comm = MPI.COMM_WORLD
-    ids = SeenBatches()
-    store = Preload() if kind == "preload" else Clairvoyant(ram_bytes=1 << 20)
-    dl = DataLoader(path, 8, comm=comm, seed=3, epochs=3, store=store,
-                    pipeline=Pipeline(prefetch=2, collate_fn=ids))
     plan = AccessPlan(101, comm.size, 8, 3, seed=3)
     want = [[tuple(b.tolist()) for b in plan.batches(comm.rank, e)] for e in range(3)]
-    assert [tuple(b.tolist()) for b in dl] == want[0]
-    assert ids.wait_for(want[1][0]), "epoch 1 was not fetched between epochs"
-    dl.set_epoch(1)
-    assert [tuple(b.tolist()) for b in dl] == want[1]
-    comm.Barrier()
-    say(f"AHEAD {comm.rank} ok")
+    for kind, store in (("preload", Preload()), ("clairvoyant", Clairvoyant(ram_bytes=1 << 20))):
+        ids = SeenBatches()
+        dl = DataLoader(path, 8, comm=comm, seed=3, epochs=3, store=store,
+                        pipeline=Pipeline(prefetch=2, collate_fn=ids))
+        assert [tuple(b.tolist()) for b in dl] == want[0]
+        assert ids.wait_for(want[1][0]), f"{kind}: epoch 1 was not fetched between epochs"
+        dl.set_epoch(1)
+        assert [tuple(b.tolist()) for b in dl] == want[1]
+        if kind == "preload":
+            dl.close()
+        comm.Barrier()
+        say(f"AHEAD {kind} {comm.rank} ok")
 
 
-@pytest.mark.parametrize("kind", ["preload", "clairvoyant"])
-def test_an_mpi_store_fetches_the_next_epoch_between_epochs(labelled, kind):
-    """A store the ranks share (over MPI windows) goes on into the next epoch while the
-    loop is between epochs, as a rank's own store does; a job that ends without closing
-    the loader, its prefetch thread inside an epoch the loop never asked for, still
-    ends cleanly (the thread is stopped before MPI finalizes)."""
-    p = run_ranks(2, rank_fetch_ahead, labelled, kind)
+def test_mpi_stores_fetch_the_next_epoch_between_epochs(labelled):
+    """Stores the ranks share (over MPI windows or shared memory) go on into the next
+    epoch while the loop is between epochs, as a rank's own store does; a job that ends
+    without closing its loader, the prefetch thread inside an epoch the loop never asked
+    for, still ends cleanly (the thread is stopped before MPI finalizes)."""
+    p = run_ranks(2, rank_fetch_ahead, labelled)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sorted(re.findall(r"AHEAD \d ok", p.stdout)) == ["AHEAD 0 ok", "AHEAD 1 ok"]
+    assert sorted(re.findall(r"AHEAD \w+ \d ok", p.stdout)) == [
+        "AHEAD clairvoyant 0 ok", "AHEAD clairvoyant 1 ok", "AHEAD preload 0 ok",
+        "AHEAD preload 1 ok"]
