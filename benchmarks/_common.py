@@ -152,13 +152,11 @@ def paced(root: Path, spec: str) -> "Any":
     why = unavailable()
     if why:
         raise SystemExit(f"--fs fuse: {why}")
-    mbps, _, iops = spec.partition(",")
-    root = Path(root).resolve()
-    for f in files_under(root):
+    for f in files_under(Path(root)):
         with open(f, "rb") as fh:
             while fh.read(1 << 24):
                 pass
-    return PacedFS(root, root.with_name(root.name + "-pfs"), float(mbps), float(iops or 0))
+    return PacedFS.beside(root, spec)
 
 
 def drop_all_caches() -> bool:

@@ -84,10 +84,7 @@ def main(argv: "list[str] | None" = None) -> int:
                 if why:
                     print(f"cluster.py: --pfs: {why}", file=sys.stderr)
                     return 2
-                mbps, _, iops = a.pfs_rate.partition(",")
-                src = a.pfs.resolve()
-                fs = stack.enter_context(PacedFS(src, src.with_name(src.name + "-pfs"),
-                                                 float(mbps), float(iops or 0)))
+                fs = stack.enter_context(PacedFS.beside(a.pfs, a.pfs_rate))
                 stack.callback(lambda: print(f"cluster: the paced file system served "
                                              f"{fs.served_bytes / 1e6:,.1f} MB in "
                                              f"{fs.requests:,} requests", file=sys.stderr))

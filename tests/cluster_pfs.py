@@ -126,6 +126,14 @@ class PacedFS:
         self._cpu = 0.0
         self.error: Optional[str] = None
 
+    @classmethod
+    def beside(cls, source: "str | os.PathLike[str]", rate: str) -> "PacedFS":
+        """``source`` served at ``<source>-pfs`` at ``rate``, ``"MBPS[,IOPS]"`` (the
+        benchmarks' ``--throttle``, scripts/cluster.py's ``--pfs-rate``)."""
+        mbps, _, iops = rate.partition(",")
+        src = Path(source).resolve()
+        return cls(src, src.with_name(src.name + "-pfs"), float(mbps), float(iops or 0))
+
     def __enter__(self) -> "PacedFS":
         why = unavailable()
         if why:

@@ -207,7 +207,20 @@ def _ssd(path: Path, nbytes: int) -> tuple[dict[int, float], dict[int, float]]:
 PFS_BYTES = 256 << 20
 
 
-def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, float], float]:
+def _evict(files: list[Path]) -> None:
+    """Drop the files' pages from this node's page cache: the next read is cold."""
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _pfs(dataset: Path, readers: list[int], samples: int
+         ) -> tuple[dict[int, float], float, list[Path]]:
+    """Cold random reads of the dataset's samples per reader count: (MB/s by
+    readers, the mean sample's bytes, the shard files)."""
     from ..dataset import open_dataset
 
     ds = open_dataset(dataset)
@@ -215,10 +228,7 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
     rng = np.random.default_rng(0)
     out = {}
     for n in readers:
-        for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        _evict(files)
         # the same bytes at every reader count, split between the readers: at least
         # ``samples`` samples and PFS_BYTES (or the whole dataset), so that a file
         # system's bursts and first requests do not decide the figure
@@ -234,7 +244,7 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
         # unmap before the next count's eviction: pages an open map holds stay cached
         del read, fresh
         gc.collect()
-    return out, float(ds.sample_nbytes.mean())
+    return out, float(ds.sample_nbytes.mean()), files
 
 
 #: request size of the streaming reads (a preload's chunk is read in requests of the
@@ -242,51 +252,41 @@ def _pfs(dataset: Path, readers: list[int], samples: int) -> tuple[dict[int, flo
 STREAM_REQUEST = 4 << 20
 
 
-def _pfs_stream(dataset: Path, readers: list[int]) -> dict[int, float]:
-    """MB/s of k readers reading the dataset's shard files cold in large sequential
-    requests (``STREAM_REQUEST``), each its own contiguous part of the same PFS_BYTES
-    (or the whole dataset)."""
-    from ..dataset import open_dataset
-
-    ds = open_dataset(dataset)
-    files = [dataset / s.data for s in ds.manifest.shards]
-    sizes = [os.path.getsize(p) for p in files]
-    # (file, start, end) of the first PFS_BYTES of the shards, in order
+def _pfs_stream(files: list[Path], readers: list[int]) -> dict[int, float]:
+    """MB/s of k readers reading the shard ``files`` cold in large sequential requests
+    (``STREAM_REQUEST``), each its own contiguous part of the same PFS_BYTES (or all
+    of them)."""
+    # (file, bytes read of it): the first PFS_BYTES of the shards, in order
     spans, left = [], PFS_BYTES
-    for p, n in zip(files, sizes):
+    for p in files:
         if left <= 0:
             break
-        spans.append((p, 0, min(n, left)))
-        left -= min(n, left)
-    total = sum(b - a for _, a, b in spans)
+        n = min(os.path.getsize(p), left)
+        spans.append((p, n))
+        left -= n
+    total = sum(n for _, n in spans)
     out: dict[int, float] = {}
-    for n in readers:
-        for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        cuts = np.linspace(0, total, n + 1).astype(np.int64)
+    for k in readers:
+        _evict(files)
+        cuts = np.linspace(0, total, k + 1).astype(np.int64)
 
-        def read(k, cuts=cuts):
-            lo, hi, at = int(cuts[k]), int(cuts[k + 1]), 0
-            buf = bytearray(STREAM_REQUEST)
-            for p, a, b in spans:
-                x, y = max(lo, at), min(hi, at + b - a)
-                if x < y:
+        def read(j, cuts=cuts):
+            lo, hi, at = int(cuts[j]), int(cuts[j + 1]), 0   # this reader's [lo, hi)
+            buf = memoryview(bytearray(STREAM_REQUEST))
+            for p, n in spans:
+                off, end = max(lo, at) - at, min(hi, at + n) - at   # within file p
+                if off < end:
                     fd = os.open(p, os.O_RDONLY)
                     try:
-                        off = a + x - at
-                        while off < a + y - at:
-                            got = os.preadv(fd, [memoryview(buf)[:min(STREAM_REQUEST,
-                                                                      a + y - at - off)]],
-                                            off)
+                        while off < end:
+                            got = os.preadv(fd, [buf[:min(STREAM_REQUEST, end - off)]], off)
                             if got <= 0:
                                 break
                             off += got
                     finally:
                         os.close(fd)
-                at += b - a
-        out[n] = total / _threaded(read, n) / 1e6
+                at += n
+        out[k] = total / _threaded(read, k) / 1e6
     return out
 
 
@@ -347,10 +347,10 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
         failure: Optional[BaseException] = None
         if comm is None or comm.Get_rank() == 0:
             try:
-                bw, rec = _pfs(Path(dataset), threads, samples)
+                bw, rec, files = _pfs(Path(dataset), threads, samples)
                 prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
                                "record_bytes": round(rec),
-                               "stream_MBps": _pfs_stream(Path(dataset), threads)}
+                               "stream_MBps": _pfs_stream(files, threads)}
             except Exception as e:            # every rank ends, not only rank 0
                 failure = e
         if comm is not None:
