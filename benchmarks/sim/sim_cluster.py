@@ -25,6 +25,11 @@ under test: compute is the runs' ``--compute-ms`` per step.  Runs made on capped
     python benchmarks/sim/sim_cluster.py --data /tmp/cb --runs /tmp/rv/n1.json \\
         /tmp/rv/n2.json /tmp/rv/n4.json --profile /tmp/rv/profile.toml [--measured-steps]
 
+On 2 cores, 4 nodes of one core do not fit: RESULTS' 4-node table scales every rate
+by 1/4 instead (``--cpus-per-node 0.4 --throttle 75,750 --fs fuse --compute-ms 80``).
+``--calibration SIM.json`` predicts again from the rates and steps an earlier
+``--json`` recorded, measuring nothing (a change to the model, checked in seconds).
+
 Runs made with ``--fs fuse`` (the data served by tests/cluster_pfs.py's paced file
 system, which gives a pausing reader no credit) are calibrated through the same mount,
 made once before any node; forebay-preload's chunks then load at the calibration's
@@ -232,6 +237,9 @@ def main() -> None:
     # the workers of rates_on_a_node (OUT PACKED PFF BATCH) and step_seconds (MS STEPS)
     p.add_argument("--rates", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--probe", nargs=2, type=float, help=argparse.SUPPRESS)
+    p.add_argument("--calibration", type=Path, metavar="JSON",
+                   help="the rates and steps a previous --json recorded, reused (nothing "
+                        "measured again: the model's prediction alone)")
     p.add_argument("--measured-steps", action="store_true",
                    help="the model's compute per step from the loop run without I/O on "
                         "the same nodes (sleep and all-reduce), not --compute-ms alone")
@@ -258,7 +266,7 @@ def main() -> None:
     if any((d["args"].get("fs") or "cgroup") != fs for d in docs):
         raise SystemExit("the runs were made on different file systems (--fs)")
     with contextlib.ExitStack() as stack:
-        if fs == "fuse":     # calibrated through the same paced mount, made before the nodes
+        if fs == "fuse" and not a.calibration:     # calibrated through the same paced mount, made before the nodes
             pfs = stack.enter_context(paced(a.data, spec))
             packed, pff, spec = pfs.path(packed), pfs.path(pff), None
             print(f"file system: {pfs.describe()}")
@@ -278,7 +286,12 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
         with tempfile.TemporaryDirectory() as tmp:
             calibrate(packed, spec, a.profile, Path(tmp), cpus)
     prof = load_profile(a.profile)
-    if cpus:
+    old = json.loads(a.calibration.read_text()) if a.calibration else None
+    if old is not None:
+        got = {k: old[k] for k in ("files_MBps", "beta_forebay_MBps", "beta_torch_MBps",
+                                   "beta_torch_workers_MBps")}
+        got["files_MBps"] = {int(k): v for k, v in got["files_MBps"].items()}
+    elif cpus:
         with tempfile.TemporaryDirectory() as tmp:
             got = rates_on_a_node(packed, pff, spec, bs, cpus, Path(tmp))
     else:
@@ -305,7 +318,10 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
     for doc in docs:
         ar = doc["args"]
         n, epochs, cms = ar["ranks"], ar["epochs"], ar["compute_ms"]
-        if a.measured_steps and cms:
+        if old is not None and str(n) in old["step_ms"]:
+            steps_ms[n] = old["step_ms"][str(n)]
+            cms = steps_ms[n]
+        elif a.measured_steps and cms:
             with tempfile.TemporaryDirectory() as tmp:
                 steps_ms[n] = 1e3 * step_seconds(n, cms, cpus, Path(tmp))
             print(f"the loop's step without I/O on {n} node(s): {steps_ms[n]:.2f} ms "
