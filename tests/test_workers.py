@@ -173,6 +173,37 @@ def test_every_way_of_running_workers_gives_the_tensors_of_the_loaders_thread(im
         assert torch.equal(a["img"], b["img"]) and torch.equal(a["label"], b["label"])
 
 
+def sizes_of_results(s):
+    """Results of every size: a label, a small float array, a large byte array, a
+    bfloat16 value (a dtype NumPy lacks)."""
+    i = int(s["label"])
+    return {"label": i, "small": torch.full((2, 3), i / 7, dtype=torch.float32),
+            "big": torch.full((10_000,), i % 251, dtype=torch.uint8),
+            "half": torch.tensor([i / 3], dtype=torch.bfloat16)}
+
+
+def test_small_results_cross_in_the_message_and_large_ones_in_shared_memory(images):
+    """Each tensor a worker hands over as shared memory costs a file, a descriptor
+    passed through a socket and a map: labels and other small tensors cross pickled
+    (not shared in the training process), large ones in shared memory, every one with
+    the values, dtype and shape the loader's own thread gives."""
+    ref = _epochs(images, 0, epochs=1, transform=sizes_of_results)[0]
+    dl = DataLoader(images, BATCH, epochs=1, seed=4, comm=None, store="preload",
+                    pipeline=Pipeline(workers=2, transform=sizes_of_results,
+                                      worker_start="forkserver"))
+    try:
+        got = list(dl)
+    finally:
+        dl.close()
+    assert len(got) == len(ref)
+    for a, b in zip(ref, got, strict=True):
+        for k in a:
+            assert b[k].dtype == a[k].dtype and b[k].shape == a[k].shape, k
+            assert torch.equal(a[k], b[k]), k
+        assert not b["label"].is_shared() and not b["small"].is_shared()
+        assert b["big"].is_shared()          # 80 KB a batch: mapped, not copied
+
+
 def test_auto_runs_marked_transforms_on_threads_and_forks_only_a_process_without_threads(
         images):
     """W items 1-2, the stated rule: a transform marked as releasing the GIL runs on

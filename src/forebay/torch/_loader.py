@@ -28,7 +28,8 @@ from ._options import (Direct, Pipeline, StoreSpec, build_store, describe, follo
 from ._prefetch import Prefetcher
 from ._start import choose_start, make_workers
 from ._threads import ThreadWorkers
-from ._workers import SharedAlloc, WorkerPool, _Pending, start_forkserver, transform_batch
+from ._handover import SharedAlloc
+from ._workers import WorkerPool, _Pending, start_forkserver, transform_batch
 from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["DataLoader"]

@@ -1,10 +1,11 @@
 """Transform workers: the loader's per-sample ``transform`` (JPEG decode, augmentation)
 in worker processes, fed by the store.
 
-The store's batch (flat columnar buffers, one per field) goes to a worker as a handful
-of tensors in shared memory (torch.multiprocessing moves each field's buffer once, never
-a sample at a time); the worker rebuilds the batch, transforms each sample and collates
-them; the collated tensors come back through shared memory the same way.  Batch
+The store's batch (flat columnar buffers, one per field) goes to a worker as one
+buffer in shared memory, gathered there by the store and reused (torch.multiprocessing
+hands over its descriptor, never a sample at a time), with the batch's ids, offsets and
+shapes pickled in the message; the worker rebuilds the batch, transforms each sample and
+collates them; the collated tensors come back through shared memory.  Batch
 ``step`` goes to worker ``step % workers``; results are handed out in plan order.
 
 Random augmentations are reproducible whatever the number of workers when drawn from
@@ -32,8 +33,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..dataset import FieldBatch, SampleBatch, SampleViews
+from ..dataset import SampleBatch, SampleViews
 from ..errors import ForebayError, InvalidArgumentError
+from ._handover import (SharedRing, _inline_small, _over, _pack, _restore_small, _unpack,
+                        collate_shared)
 
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
            "seed_sample", "start_forkserver"]
@@ -168,130 +171,6 @@ def transform_batch(batch: "SampleBatch | SampleViews", transform: Optional[Call
     return collate_samples(out, collate_fn)
 
 
-class SharedRing:
-    """The workers' input buffers in shared memory, reused: a new one costs a shared
-    memory file and its pages zeroed and faulted in (6-10 ms for 5 MB), a reused one
-    nothing.  A buffer is lent with its batch (:meth:`lend`) and comes back when the
-    worker's result does (:meth:`back`), unless that result holds a tensor over the
-    buffer's memory (a ``batch_transform`` returning a view of its input): such a
-    buffer is the user's now and is never handed out again.  At most ``keep`` free
-    buffers are held; sizes are whole ``granule`` multiples so that batches of slightly
-    different sizes share them.  Thread-safe (the prefetch thread takes, the consumer
-    gives back)."""
-
-    def __init__(self, keep: int, granule: int = 1 << 20) -> None:
-        self.keep, self.granule = keep, granule
-        self._free: list[Any] = []
-        self._lent: dict[Any, Any] = {}
-        self._lock = threading.Lock()
-        self.allocated = self.reused = 0
-
-    def take(self, nbytes: int) -> Any:
-        import torch
-
-        cap = max(1, -(-int(nbytes) // self.granule)) * self.granule
-        with self._lock:
-            fits = [k for k, t in enumerate(self._free) if nbytes <= t.numel() <= 2 * cap]
-            if fits:
-                self.reused += 1
-                return self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
-            self.allocated += 1
-        return torch.empty(cap, dtype=torch.uint8).share_memory_()
-
-    def lend(self, key: Any, buffer: Any) -> None:
-        with self._lock:
-            self._lent[key] = buffer
-
-    def back(self, key: Any, reusable: bool) -> None:
-        with self._lock:
-            buffer = self._lent.pop(key, None)
-            if buffer is not None and reusable and len(self._free) < self.keep:
-                self._free.append(buffer)
-
-
-class SharedAlloc:
-    """An ``alloc`` for the store's ``get_many``: the batch is gathered straight into
-    a tensor in shared memory from ``ring``, so sending it to a worker copies nothing
-    (the store's own output buffer is what the worker maps); ``last`` is that tensor."""
-
-    def __init__(self, ring: SharedRing) -> None:
-        self.ring = ring
-        self.last: Any = None
-
-    def __call__(self, nbytes: int) -> np.ndarray:
-        self.last = self.ring.take(nbytes)
-        return self.last.numpy()[:nbytes]
-
-
-def _over(out: Any, buffer: Any) -> bool:
-    """Whether a tensor in ``out`` (dicts, lists and tuples walked) lies in
-    ``buffer``'s memory: it would reach the training process as a view of it."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        st = buffer.untyped_storage()
-        return st.data_ptr() <= out.untyped_storage().data_ptr() < st.data_ptr() + st.nbytes()
-    if isinstance(out, dict):
-        return any(_over(v, buffer) for v in out.values())
-    if isinstance(out, (list, tuple)):
-        return any(_over(v, buffer) for v in out)
-    return False
-
-
-def _pack(batch: SampleBatch, shared: Any = None) -> dict[str, Any]:
-    """A batch as a few tensors: its one buffer (``shared``, when the store gathered
-    into shared memory) with each field's place in it, or each field's values."""
-    import torch
-
-    def t(a: np.ndarray) -> Any:
-        return torch.from_numpy(np.ascontiguousarray(a))
-
-    msg: dict[str, Any] = {"ids": t(batch.ids), "fields": {}}
-    if shared is not None:
-        base = shared.data_ptr()
-        msg["buffer"] = shared
-        for name, f in batch.fields.items():
-            msg["fields"][name] = (f.values.ctypes.data - base, f.values.nbytes,
-                                   t(f.offsets), t(f.shapes))
-        return msg
-    for name, f in batch.fields.items():
-        msg["fields"][name] = (t(f.values.view(np.uint8).reshape(-1)), t(f.offsets),
-                               t(f.shapes))
-    return msg
-
-
-def _unpack(msg: dict[str, Any], schema: Any) -> SampleBatch:
-    fields = {}
-    buf = msg["buffer"].numpy() if "buffer" in msg else None
-    for f in schema.fields:
-        if buf is not None:
-            start, n, o, s = msg["fields"][f.name]
-            raw = buf[start:start + n]
-        else:
-            v, o, s = msg["fields"][f.name]
-            raw = v.numpy()
-        fields[f.name] = FieldBatch(values=raw.view(f.dtype), offsets=o.numpy(),
-                                    shapes=s.numpy())
-    return SampleBatch(msg["ids"].numpy(), schema, fields)
-
-
-def collate_shared(samples: list) -> Any:
-    """torch's default collation, with same-shape tensors stacked straight into shared
-    memory (as torch's own workers do): the batch leaves the worker without a copy."""
-    import torch
-    from torch.utils.data import default_collate
-
-    first = samples[0]
-    if isinstance(first, dict):
-        return {k: collate_shared([s[k] for s in samples]) for k in first}
-    if isinstance(first, torch.Tensor) and all(
-            isinstance(x, torch.Tensor) and x.shape == first.shape and x.dtype == first.dtype
-            for x in samples):
-        out = torch.empty((len(samples), *first.shape), dtype=first.dtype).share_memory_()
-        return torch.stack(samples, out=out)
-    return default_collate(samples)
-
-
 def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
                  batch_transform: Any, collate_fn: Any, seed: int, parent: Optional[int],
                  verify_on_read: bool = False) -> None:
@@ -327,13 +206,14 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
 
                     opened[path] = open_locator(path, verify_on_read=verify_on_read)
                 t0 = time.perf_counter()
-                batch = opened[path].get_many(ids.numpy())
+                batch = opened[path].get_many(ids)
                 read = (t0, time.perf_counter())
             else:
                 batch = _unpack(payload, schema)
             out = transform_batch(batch, transform, batch_transform,
                                   collate_fn, seed, key[1], in_worker=True)
-            outbox.put((key, out, None, read, buffer is not None and _over(out, buffer)))
+            aliased = buffer is not None and _over(out, buffer)
+            outbox.put((key, _inline_small(out), None, read, aliased))
         except BaseException as e:    # noqa: BLE001 - reported with the batch
             outbox.put((key, None, (f"{type(e).__name__}: {e}", traceback.format_exc()),
                         read, False))
@@ -452,13 +332,12 @@ class WorkerPool:
         """Hand a batch to its worker by sample ids: the worker reads them from the
         dataset at ``path`` (a :attr:`~forebay.dataset.PackedDataset.locator`) itself
         (the loader's direct mode: nothing crosses but the ids)."""
-        import torch
-
         if self._closed:
             raise TransformError("the transform workers are closed")
         wid = step % len(self._procs)
         key = (self.generation, epoch, step)
-        self._inboxes[wid].put((key, (torch.from_numpy(np.ascontiguousarray(ids)), path)))
+        # the ids pickled with the message (a tensor would cross as a shared memory file)
+        self._inboxes[wid].put((key, (np.ascontiguousarray(ids), path)))
         return _Pending(self, key, wid, ids)
 
     def _wait(self, p: _Pending) -> Any:
@@ -501,6 +380,7 @@ class WorkerPool:
                     self._done[key] = (out, err, read)
         if read is not None and p.on_read is not None:
             p.on_read(*read)
+        out = _restore_small(out)
         if err is not None:
             msg, tb = err
             raise TransformError(f"batch of epoch {p.key[1]} step {p.key[2]}: {msg}\n"
