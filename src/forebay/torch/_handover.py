@@ -10,7 +10,7 @@ that way."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -144,38 +144,38 @@ class _Inline:
         return (_Inline, (self.array,))
 
 
+def _walk(out: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``out`` with ``leaf`` applied to everything but its dicts, lists and tuples."""
+    if type(out) is dict:
+        return {k: _walk(v, leaf) for k, v in out.items()}
+    if type(out) in (list, tuple):
+        return type(out)(_walk(v, leaf) for v in out)
+    return leaf(out)
+
+
+def _inline_one(t: Any) -> Any:
+    import torch
+
+    if (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
+            and not t.requires_grad and t.nbytes <= _INLINE_BYTES and not t.is_shared()):
+        try:
+            return _Inline(t.contiguous().numpy())
+        except (TypeError, RuntimeError):      # a dtype NumPy lacks (bfloat16)
+            return t
+    return t
+
+
 def _inline_small(out: Any) -> Any:
     """``out`` with its small CPU tensors (labels, a collated int per sample; dtypes
     NumPy has) as :class:`_Inline` (dicts, lists and tuples walked)."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        if (type(out) is torch.Tensor and out.layout == torch.strided
-                and out.device.type == "cpu" and not out.requires_grad
-                and out.nbytes <= _INLINE_BYTES and not out.is_shared()):
-            try:
-                return _Inline(out.contiguous().numpy())
-            except (TypeError, RuntimeError):      # a dtype NumPy lacks (bfloat16)
-                return out
-        return out
-    if isinstance(out, dict) and type(out) is dict:
-        return {k: _inline_small(v) for k, v in out.items()}
-    if type(out) in (list, tuple):
-        return type(out)(_inline_small(v) for v in out)
-    return out
+    return _walk(out, _inline_one)
 
 
 def _restore_small(out: Any) -> Any:
     """:func:`_inline_small` undone in the training process."""
     import torch
 
-    if isinstance(out, _Inline):
-        return torch.from_numpy(out.array)
-    if isinstance(out, dict) and type(out) is dict:
-        return {k: _restore_small(v) for k, v in out.items()}
-    if type(out) in (list, tuple):
-        return type(out)(_restore_small(v) for v in out)
-    return out
+    return _walk(out, lambda x: torch.from_numpy(x.array) if isinstance(x, _Inline) else x)
 
 
 def collate_shared(samples: list) -> Any:
