@@ -167,6 +167,8 @@ def test_every_way_of_running_workers_gives_the_tensors_of_the_loaders_thread(im
             made = dl.stats()["worker_buffers"]
             assert made["allocated"] <= 6 * 2 + 2 and made["reused"] >= 2 * len(dl) - made[
                 "allocated"], made
+            # and a buffer a worker holds goes by its id: handed over once to each worker
+            assert made["by_id"] >= 2 * len(dl) - 2 * made["allocated"], made
     finally:
         dl.close()
     for a, b in zip(sum(ref, []), sum(got, []), strict=True):

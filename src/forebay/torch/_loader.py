@@ -551,7 +551,8 @@ class DataLoader:
         "forkserver", "spawn"; None without workers; ``worker_start_reason`` on the
         loader says why ``"auto"`` chose it); ``worker_buffers``: the shared-memory
         buffers batches were gathered into for worker processes, ``allocated`` and
-        ``reused``;
+        ``reused``, and ``by_id``: batches whose buffer the worker held already (sent
+        as its id alone);
         ``padding_per_epoch``: samples the plan repeats each epoch to fill its last
         global batch (``drop_last=False``; over all ranks); ``batch_buffers``: the
         batches' output buffers allocated and reused (a buffer is reused once no
@@ -564,7 +565,8 @@ class DataLoader:
         base["worker_start"] = self.worker_start
         if isinstance(self._pool, WorkerPool):
             ring = self._pool.ring
-            base["worker_buffers"] = {"allocated": ring.allocated, "reused": ring.reused}
+            base["worker_buffers"] = {"allocated": ring.allocated, "reused": ring.reused,
+                                      "by_id": self._pool.by_id}
         base["batch_buffers"] = self._buffers.stats()
         return base
 

@@ -3,8 +3,8 @@ in worker processes, fed by the store.
 
 The store's batch (flat columnar buffers, one per field) goes to a worker as one
 buffer in shared memory, gathered there by the store and reused (torch.multiprocessing
-hands over its descriptor, never a sample at a time), with the batch's ids, offsets and
-shapes pickled in the message; the worker rebuilds the batch, transforms each sample and
+hands over its descriptor the first time, its id alone after), with the batch's ids,
+offsets and shapes pickled in the message; the worker rebuilds the batch, transforms each sample and
 collates them; the collated tensors come back through shared memory.  Batch
 ``step`` goes to worker ``step % workers``; results are handed out in plan order.
 
@@ -19,7 +19,6 @@ worker that dies, fails the batch with an error naming it; nothing waits forever
 
 from __future__ import annotations
 
-import collections
 import gc
 import os
 import pickle
@@ -35,14 +34,18 @@ import numpy as np
 
 from ..dataset import SampleBatch, SampleViews
 from ..errors import ForebayError, InvalidArgumentError
-from ._handover import (SharedRing, _inline_small, _over, _pack, _restore_small, _unpack,
-                        collate_shared)
+from ._handover import (HeldBuffers, SharedRing, _inline_small, _over, _pack,
+                        _restore_small, _unpack, collate_shared)
 
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
            "seed_sample", "start_forkserver"]
 
-#: input buffers a worker keeps mapped (the loader's SharedRing reuses them)
-_MAPPED = 8
+def _held_size(workers: int) -> int:
+    """Input buffers a worker keeps mapped: as many as the loader's SharedRing keeps
+    free (6 per worker and 2) and has in flight (4 per worker), so that a reused buffer
+    is one the worker holds."""
+    return 10 * workers + 2
+
 #: seconds between liveness checks of the workers while a result is awaited
 _POLL_S = 0.5
 #: seconds a transform worker may take on one batch before the loader raises (the
@@ -171,9 +174,28 @@ def transform_batch(batch: "SampleBatch | SampleViews", transform: Optional[Call
     return collate_samples(out, collate_fn)
 
 
+def _input_buffer(payload: Any, held: HeldBuffers, wid: int) -> Any:
+    """The shared buffer a batch's message brings (kept in ``held``) or names by the
+    id of one ``held`` already (put in the message); None for a message without one."""
+    bid = payload.get("buffer_id") if isinstance(payload, dict) else None
+    if bid is None:
+        return None
+    if "buffer" in payload:
+        if held.see(bid, payload["buffer"]):
+            raise TransformError(f"transform worker {wid} was sent buffer {bid}, which it "
+                                 f"holds already: the loader's record of its buffers is wrong")
+        return payload["buffer"]
+    if not held.see(bid):
+        raise TransformError(f"transform worker {wid} was sent buffer {bid} by its id, "
+                             f"which it does not hold: the loader's record of its buffers "
+                             f"is wrong")
+    payload["buffer"] = held.get(bid)
+    return payload["buffer"]
+
+
 def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
                  batch_transform: Any, collate_fn: Any, seed: int, parent: Optional[int],
-                 verify_on_read: bool = False) -> None:
+                 verify_on_read: bool = False, held_size: int = 8) -> None:
     """A worker: transform batches until told to stop (None) or the loader dies.  A
     batch comes as its samples (in shared memory) or as ids and the dataset directory
     to read them from (the loader's direct mode), opened on first use.  ``parent``:
@@ -185,9 +207,9 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
 
     torch.set_num_threads(1)
     opened: dict[str, Any] = {}
-    # the last input buffers stay mapped here: the loader reuses them (SharedRing), and
-    # torch maps a buffer it still holds from its cache instead of anew
-    recent: "collections.deque[Any]" = collections.deque(maxlen=_MAPPED)
+    # the last input buffers stay mapped here: the loader reuses them (SharedRing) and
+    # sends one held here by its id alone
+    held = HeldBuffers(held_size)
     outbox.put((("ready", wid), None, None, None, False))  # the timeout counts from now
     while True:
         msg = inbox.get()
@@ -195,10 +217,9 @@ def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
             return
         key, payload = msg
         read = None
-        buffer = payload.get("buffer") if isinstance(payload, dict) else None
-        if buffer is not None:
-            recent.append(buffer)
+        buffer = None
         try:
+            buffer = _input_buffer(payload, held, wid)
             if isinstance(payload, tuple):   # (ids, the dataset's locator): it reads them
                 ids, path = payload
                 if path not in opened or int(ids.max()) >= len(opened[path]):   # it grew
@@ -283,7 +304,7 @@ class WorkerPool:
         self._procs = [ctx.Process(target=_worker_main, name=f"forebay-transform-{w}",
                                    args=(w, self._inboxes[w], self._outbox, schema, transform,
                                          batch_transform, collate_fn, seed, parent,
-                                         verify_on_read),
+                                         verify_on_read, _held_size(workers)),
                                    daemon=True) for w in range(workers)]
         with warnings.catch_warnings():
             # Python 3.12+ warns at any fork of a process with more than one OS thread;
@@ -306,6 +327,10 @@ class WorkerPool:
         self._done: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         #: the batches' input buffers (the batches in flight, at least 4 per worker)
         self.ring = SharedRing(keep=6 * workers + 2)
+        #: the buffers each worker holds (its own record, mirrored)
+        self._held = [HeldBuffers(_held_size(workers)) for _ in range(workers)]
+        #: batches whose buffer went by its id alone (the worker held it)
+        self.by_id = 0
         #: one per pass over an epoch: results of an abandoned pass are never taken
         self.generation = 0
         self._lock = threading.Condition()
@@ -323,9 +348,12 @@ class WorkerPool:
             raise TransformError("the transform workers are closed")
         wid = step % len(self._procs)
         key = (self.generation, epoch, step)
+        held = False
         if shared is not None:
             self.ring.lend(key, shared)
-        self._inboxes[wid].put((key, _pack(batch, shared)))
+            held = self._held[wid].see(shared.forebay_buffer_id)
+            self.by_id += held
+        self._inboxes[wid].put((key, _pack(batch, shared, held)))
         return _Pending(self, key, wid, batch.ids)
 
     def submit_ids(self, epoch: int, step: int, ids: np.ndarray, path: Any) -> _Pending:
