@@ -206,6 +206,27 @@ def test_small_results_cross_in_the_message_and_large_ones_in_shared_memory(imag
         assert b["big"].is_shared()          # 80 KB a batch: mapped, not copied
 
 
+def test_a_worker_named_a_buffer_it_does_not_hold_says_so_instead_of_reading_another():
+    """The loader sends a buffer a worker holds by its id alone, keeping a copy of the
+    worker's record; were the two ever to differ, the worker fails the batch naming
+    it, never reading some other buffer."""
+    from forebay.torch._handover import HeldBuffers
+    from forebay.torch._workers import _input_buffer
+
+    rng = np.random.default_rng(0)
+    loader, worker = HeldBuffers(3), HeldBuffers(3)
+    for bid in rng.integers(1, 7, 200).tolist():        # the same steps, in order
+        buf = torch.full((4,), bid, dtype=torch.uint8)
+        msg = {"buffer_id": bid} if loader.see(bid) else {"buffer_id": bid, "buffer": buf}
+        assert torch.equal(_input_buffer(msg, worker, 0), buf)
+    with pytest.raises(TransformError, match="sent buffer 4 by its id, which it does not hold"):
+        _input_buffer({"buffer_id": 4}, HeldBuffers(3), 0)
+    fresh = HeldBuffers(3)
+    _input_buffer({"buffer_id": 9, "buffer": torch.zeros(1)}, fresh, 0)
+    with pytest.raises(TransformError, match="which it holds already"):
+        _input_buffer({"buffer_id": 9, "buffer": torch.zeros(1)}, fresh, 0)
+
+
 def test_auto_runs_marked_transforms_on_threads_and_forks_only_a_process_without_threads(
         images):
     """W items 1-2, the stated rule: a transform marked as releasing the GIL runs on
