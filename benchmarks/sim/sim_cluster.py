@@ -253,6 +253,8 @@ def main() -> None:
         return
     if not (a.data and a.runs and a.profile):
         p.error("--data, --runs and --profile are required")
+    if a.calibration and not a.profile.exists():
+        p.error("--calibration reuses a calibrated --profile: it must exist")
     docs = [json.loads(r.read_text()) for r in a.runs]
     args0 = docs[0]["args"]
     spec, samples = args0["throttle"], args0["samples"]
