@@ -333,6 +333,13 @@ PMI2_SKIP = (f"Slurm's pmi2 plug-in garbled MPICH's start-up {PMI2_TRIES} times 
              f"(MPI_Init failed, or hung, before forebay ran): the scenario could not run")
 
 
+def _pmi2_skip(output: str) -> str:
+    """PMI2_SKIP with the last try's own words (its last lines naming pmi2 or UCX), so
+    that a CI log that skipped says how the start-up failed."""
+    said = [x.strip() for x in output.splitlines() if re.search(r"pmi2|UCX", x)]
+    return f"{PMI2_SKIP}; the last try said: {' | '.join(said[-2:])[:300] or '(nothing)'}"
+
+
 def _pmi2_garbled(stderr: str) -> bool:
     """Slurm 22.05's pmi2 plug-in now and then receives garbage for MPICH's start-up
     message ("value not properly terminated in client request"; the "full request" it
@@ -402,7 +409,7 @@ def test_store_contract_across_nodes_under_srun(slurm, dataset, launcher, item):
     ``--mpi=pmi2``, the exchange over torch.distributed without MPI."""
     p = _contract_job(slurm, dataset, launcher, 2, 2)
     if p.returncode and "contract" not in p.stdout and _pmi2_garbled(p.stderr):
-        pytest.skip(PMI2_SKIP)
+        pytest.skip(_pmi2_skip(p.stdout + p.stderr))
     kind = item.split("=")[0]
     assert p.stdout.count(f"contract {kind} ok") == 4, _why(p)
 
@@ -636,7 +643,7 @@ def test_a_node_that_dies_ends_the_srun_job_on_every_node(slurm, labelled, mpi):
             if not _pmi2_garbled(str(e)):
                 raise
             if attempt == PMI2_TRIES:
-                pytest.skip(PMI2_SKIP)
+                pytest.skip(_pmi2_skip(str(e)))
     _ended_naming(code, err, took, "node1 (rank 1: the node answers, the rank does not: "
                   "its process is gone)")
     assert "Traceback" not in err, err[-4000:]
