@@ -740,3 +740,77 @@ def test_simulate_cli_capacities_threads_and_plot_names(cli, tmp_path):
                          "--epochs", "1", "--scale", "0.01")
     assert code == 2 and "need 3,200,000,000 samples per step" in err, err
     assert "Warning" not in err
+
+
+def test_threads_share_the_nodes_cores():
+    """A node's cores (``cpus``) bound the preprocessing of all its prefetch threads
+    together, and a thread alone gets at most the node.  4 batches of 2 x 1 MB,
+    preprocessing 0.5 MB/s: a batch is 2 s of reads and 4 s of CPU."""
+    def run(**kw):
+        return simulate_policy("staging", one_worker(toy(staging_threads=2,
+                                                         preprocess_MBps=0.5, **kw)))
+
+    # a core per thread: (2 + 4) / 2 = 3 s a delivery, 4 x 3 + the last step's 2
+    assert run()["total_s"] == pytest.approx(14.0)
+    one = run(cpus=1.0)               # one core: 4 s of CPU a batch, 4 x 4 + 2
+    assert one["total_s"] == pytest.approx(18.0)
+    assert one["binding"] == "node CPU" and one["need_s"]["node CPU"] == pytest.approx(16.0)
+    # half a core: a thread alone preprocesses at half speed ((2 + 8) / 2 = 5 s), and
+    # the two together get 4 / 0.5 = 8 s a batch
+    assert run(cpus=0.5)["total_s"] == pytest.approx(34.0)
+    # cores to spare change nothing
+    assert run(cpus=8.0)["total_s"] == pytest.approx(14.0)
+
+
+def test_the_hand_back_is_in_series_with_the_step():
+    """``handback_MBps``: the training process takes each batch back from worker
+    processes after its delivery and after the step before, on one core (or the
+    node's share of one).  One thread: a delivery 3 s, a step 2 s."""
+    w = one_worker(toy(handback_MBps=1.0))          # 2 s a batch
+    r = simulate_policy("staging", w)
+    assert r["total_s"] == pytest.approx(3 + 4 * (2 + 2))
+    assert r["compute_s"] == pytest.approx(8.0)                 # not accelerator time
+    assert r["binding"] == "hand-back" and r["need_s"]["hand-back"] == pytest.approx(16.0)
+    half = simulate_policy("staging", one_worker(toy(handback_MBps=1.0, cpus=0.5,
+                                                     preprocess_MBps=1e6)))
+    # half a core: 4 s a hand-back, and a delivery (2 s of reads) lasts at least its
+    # batch's CPU on the node, the hand-back's included (a mean rate): 4 s
+    assert half["total_s"] == pytest.approx(4 + 4 * (4 + 2))
+    # the hand-back's CPU counts on the node's cores too
+    assert half["need_s"]["node CPU"] == pytest.approx(4 * 2 / 0.5, rel=1e-3)
+
+
+@pytest.mark.parametrize("model", ["conserving", "thesis"])
+def test_no_policy_uses_more_cores_than_the_node_has(model):
+    """Every policy's preprocessing on nodes of 2 cores with 8 prefetch threads: the
+    run lasts at least its CPU seconds over the cores."""
+    sysm = replace(lassen(), cpus=2.0, preprocess_MBps=40.0, model=model,
+                   tier_reads="shared")
+    rep = simulate(sysm, "imagenet-1k", workers=4, epochs=2, scale=0.002, progress=False)
+    for name, r in rep["policies"].items():
+        if r["failed"] or name == "perfect":
+            continue
+        assert r["need_s"]["node CPU"] > 0, name
+        assert r["total_s"] >= r["need_s"]["node CPU"] * 0.999, name
+
+
+def test_cores_and_hand_back_in_system_files(tmp_path):
+    from forebay.sim import load_system
+
+    base = ('[pfs]\nread_MBps = { "1" = 100.0 }\n[ram]\ncopy_MBps = { "1" = 5000.0 }\n'
+            '[compute]\nMBps = 100.0\n')
+    f = tmp_path / "c.toml"
+    f.write_text(base + 'cpus = 1.5\nhandback_MBps = 240\n')
+    sysm = load_system(f)
+    assert (sysm.cpus, sysm.handback_MBps) == (1.5, 240.0)
+    assert sysm.describe()["cpus"] == 1.5
+    f.write_text(base)
+    assert (load_system(f).cpus, load_system(f).handback_MBps) == (None, None)
+    for bad, says in (("cpus = 0", r"cpus = 0: must be a positive number"),
+                      ('cpus = "two"', r"cpus = 'two': must be a positive number"),
+                      ("handback_MBps = -1", r"handback_MBps = -1: must be a positive")):
+        f.write_text(base + bad + "\n")
+        with pytest.raises(ProfileError, match=says):
+            load_system(f)
+    with pytest.raises(ProfileError, match="cpus must be positive"):
+        toy(cpus=0.0)

@@ -49,7 +49,8 @@ def format_table(res: dict[str, Any]) -> str:
                      f"{v['pfs_reads_per_sample']:>10.2f} {v.get('binding') or '-':>14}  "
                      f"{share}")
     lines.append("bound: the resource that keeps AU lowest whatever the schedule (epoch by "
-                 "epoch: PFS bandwidth or requests, network link, preprocessing, compute)")
+                 "epoch: PFS bandwidth or requests, network link, preprocessing, node CPU, "
+                 "hand-back, compute)")
     lines.append("1st batch: time until the first batch is delivered (set-up included). "
                  "AU: accelerator utilisation, compute / total time (DLIO's metric; MLPerf "
                  "Storage asks >= 90% for UNet3D and ResNet-50, >= 70% for CosmoFlow)")

@@ -142,6 +142,26 @@ class Run:
         self.src_s += np.bincount(src.ravel(), other.ravel(), len(SOURCES)) / self.threads
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
 
+    def handback_s(self) -> np.ndarray:
+        """``[N, S]``: the training process's seconds taking each step's batch back
+        from the loader's worker processes (``System.handback_MBps``), in series with
+        the step like a read it makes itself (0 without)."""
+        return self.nbytes / 1e6 * self.w.system.handback_s_per_MB()
+
+    def cpu_s(self) -> np.ndarray:
+        """``[N, S]``: the CPU seconds (on one core) of each step's batch on its worker:
+        its preprocessing, prefetched or not, and its hand-back."""
+        sysm = self.w.system
+        hand = 0.0 if sysm.handback_MBps is None else self.nbytes / 1e6 / sysm.handback_MBps
+        return (self.write_mb + self.sync_mb) / sysm.preprocess_MBps + hand
+
+    def cpu_floor_s(self) -> "np.ndarray | float":
+        """The least time a delivery takes on a node of ``System.cpus`` cores: its
+        batch's CPU seconds over the cores, however many threads share them (0 when
+        the system gives every thread a core)."""
+        cpus = self.w.system.cpus
+        return 0.0 if cpus is None else self.cpu_s() / cpus
+
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
         """The timeline and the PFS thread-seconds per worker and step (a demand
         read counted once per prefetch thread, so that / threads is the worker's
@@ -155,13 +175,15 @@ class Run:
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
-        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads)
+        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads) + self.handback_s()
+        floor = self.cpu_floor_s()
         gamma = np.full(self.pfs_mb.shape, float(w.n))
         for _ in range(40):
             coef = sysm.pfs_s_per_MB(gamma)
             pfs_s = self.pfs_mb * coef + self.pfs_n * w.open_s
             sync_s = self.sync_mb * coef + self.sync_n * w.open_s
-            read = (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads
+            read = np.maximum(
+                (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads, floor)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all" or w.n == 1:
                 break
@@ -192,7 +214,8 @@ class Run:
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
-        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads)
+        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads) + self.handback_s()
+        floor = self.cpu_floor_s()
         own_cap = sysm.pfs_client_MBps
         every = float(w.n * self.threads + sum(f[3] for f in self.fills))
         rate = np.full(self.pfs_mb.shape, float(sysm.pfs_thread_MBps(every)))
@@ -211,7 +234,8 @@ class Run:
         for _ in range(80):
             pfs_s = self.pfs_mb / rate + self.pfs_n * w.open_s
             sync_s = self.sync_mb / srate + self.sync_n * w.open_s
-            read = (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads
+            read = np.maximum(
+                (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads, floor)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all":
                 break
@@ -320,6 +344,10 @@ class Run:
                 "network link": per(self.peer_mb).max(axis=0) / sysm.network_MBps,
                 "tier and peer reads": per(self.other_s).max(axis=0) / self.threads,
                 "preprocessing": prep_e}
+        if sysm.handback_MBps is not None:     # the training process's chain: in series
+            each["hand-back"] = comp_e + per(self.handback_s()).max(axis=0)
+        if sysm.cpus is not None:
+            each["node CPU"] = per(self.cpu_s()).max(axis=0) / sysm.cpus
         names = list(each)
         table = np.stack([each[k] for k in names])               # [resources, E]
         worst = table.max(axis=0)

@@ -8,7 +8,9 @@ gamma concurrent readers, and three storage classes: the staging buffer (class 0
 RAM (class 1) and local SSD (class 2), each with a capacity, a number of prefetch
 threads and read/write throughput tables by thread count.  Staging buffer and RAM are
 both memory, so both read the ``[ram] copy_MBps`` table (lassen: r_0(8) = 111 GB/s,
-r_1(4) = 85 GB/s are two points of one table).
+r_1(4) = 85 GB/s are two points of one table).  Beyond NoPFS: the cores of a node
+(``cpus``), which its prefetch threads share, and the rate at which the training
+process takes batches back from worker processes (``handback_MBps``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class System:
     pfs_client_MBps: float = float("inf")     # b_fs: one worker's link to the PFS
     pfs_readers: str = "active"               # how gamma is counted (PFS_READERS)
     tier_reads: str = "shared"                # a tier's table per thread (TIER_READS)
+    # cores of a worker's node that its prefetch threads (and the training process's
+    # hand-back) share; None: every thread has a core of its own (NoPFS's model)
+    cpus: Optional[float] = None
+    # MB/s on one core at which the training process takes a batch back from the
+    # loader's worker processes, in series with its step; None: no such cost (threads)
+    handback_MBps: Optional[float] = None
     name: str = "custom"
     model: str = "conserving"                 # MODELS: bandwidth conserved, or the thesis'
 
@@ -82,6 +90,10 @@ class System:
             raise ProfileError(f"system {self.name}: tier_reads = {self.tier_reads!r} gives "
                                f"every read a tier's whole table, more than the tier has; "
                                f"it belongs to model = \"thesis\" (the published rule)")
+        for key in ("cpus", "handback_MBps"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise ProfileError(f"system {self.name}: {key} must be positive, got {v!r}")
         if not self.pfs_client_MBps > 0:
             raise ProfileError(f"system {self.name}: pfs_client_MBps must be positive")
         if not self.pfs_open_ms >= 0:
@@ -142,11 +154,24 @@ class System:
         link = self.network_MBps / (self.staging_threads if self.conserving else 1)
         return max(1.0 / link, self.local_s_per_MB(tier))
 
+    @property
+    def core_share(self) -> float:
+        """The cores one thread may use: min(1, cpus) (1 without ``cpus``)."""
+        return 1.0 if self.cpus is None else min(1.0, self.cpus)
+
     def write_s_per_MB(self, threads: Optional[int] = None) -> float:
         """write_i: max(1/beta, 1/(w_0(p_0)/p_0)) (preprocessing and the staging write
-        pipelined)."""
+        pipelined); beta on a node of less than a core is that share of it."""
         p = self.staging_threads if threads is None else threads
-        return max(1.0 / self.preprocess_MBps, p / interpolate(self.mem_MBps, p))
+        return max(1.0 / (self.preprocess_MBps * self.core_share),
+                   p / interpolate(self.mem_MBps, p))
+
+    def handback_s_per_MB(self) -> float:
+        """The training process's seconds per MB taking batches back from the loader's
+        workers, in series with its step (0 without ``handback_MBps``)."""
+        if self.handback_MBps is None:
+            return 0.0
+        return 1.0 / (self.handback_MBps * self.core_share)
 
     def tier_write_s_per_MB(self, tier: str) -> float:
         p = self.ram_threads if tier == "ram" else self.ssd_threads
@@ -176,6 +201,7 @@ class System:
                 "pfs_client_MBps": (None if self.pfs_client_MBps == float("inf")
                                     else self.pfs_client_MBps),
                 "pfs_readers": self.pfs_readers, "tier_reads": self.tier_reads,
+                "cpus": self.cpus, "handback_MBps": self.handback_MBps,
                 "model": self.model}
 
 
@@ -282,5 +308,7 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   pfs_stream_MBps=prof.get("pfs", {}).get("stream_MBps", {}),
                   pfs_readers=model.get("pfs_readers", "active"),
                   tier_reads=model.get("tier_reads", "shared"),
+                  cpus=comp.get("cpus"), handback_MBps=comp.get("handback_MBps"),
                   name=name, model=model.get("model", "conserving"))
+
 

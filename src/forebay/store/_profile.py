@@ -43,8 +43,11 @@ SCHEMA: dict[str, dict[str, str]] = {
               # fill the clairvoyant loader's tiers; staging_threads is the simulator's
               "staging_threads": "count", "ram_threads": "count", "ssd_threads": "count"},
     # the simulator's workload and network figures (forebay simulate; NoPFS Sec. 4):
-    # training throughput c and preprocessing rate beta in MB/s per worker, network b_c
-    "compute": {"MBps": "num", "preprocess_MBps": "num"},
+    # training throughput c and preprocessing rate beta in MB/s per worker, network b_c;
+    # cpus: a node's cores, shared by its prefetch threads; handback_MBps: the training
+    # process taking batches back from worker processes, on one core
+    "compute": {"MBps": "num", "preprocess_MBps": "num", "cpus": "num",
+                "handback_MBps": "num"},
     "network": {"MBps": "num"},
     # the simulator's model choices (docs/sim.md): how PFS readers are counted and
     # whether a tier's table is shared by its threads or the speed of each read
