@@ -121,10 +121,26 @@ def files_table(pff: Path, spec: str, readers=(1, 2, 4)) -> dict[int, float]:
                           files, ids, lambda i: int(sizes[i].sum()), readers)
 
 
-def torch_workers_MBps(pff: Path, bs: int, workers: int) -> float:
-    """MB/s of torch's DataLoader with ``workers`` worker processes over the files, warm
-    (the second of two epochs): reading from the page cache, collating and handing each
-    batch back through shared memory.  The model's preprocessing rate of that path."""
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) the live child processes of this one have used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me, total = os.getpid(), 0.0
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = st.read_text().rsplit(")", 1)[1].split()
+        except OSError:                              # a process that ended meanwhile
+            continue
+        if int(f[1]) == me:                          # fields after the name: ppid at 1
+            total += (int(f[11]) + int(f[12])) / tick   # utime, stime
+    return total
+
+
+def torch_workers(pff: Path, bs: int, workers: int) -> dict:
+    """torch's DataLoader with ``workers`` worker processes over the files, warm (the
+    faster of two epochs): reading from the page cache, collating and handing each
+    batch back through shared memory.  ``MBps``: the model's preprocessing rate of that
+    path; ``main_cpu_ms`` and ``workers_cpu_ms``: the CPU a batch costs the main
+    process (taking it back) and the workers, in that epoch."""
     import torch
 
     ds, files = image_folder_dataset(pff)
@@ -133,13 +149,17 @@ def torch_workers_MBps(pff: Path, bs: int, workers: int) -> float:
                                          persistent_workers=True,
                                          prefetch_factor=PREFETCH_FACTOR,
                                          collate_fn=image_collate)
-    best = float("inf")
+    best: dict = {"s": float("inf")}
     for _ in range(2):
-        t0 = time.perf_counter()
-        for _batch in loader:
-            pass
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e6
+        it = iter(loader)                    # the workers exist from here on
+        c0, w0, t0 = time.process_time(), _children_cpu_s(), time.perf_counter()
+        n = sum(1 for _batch in it)
+        t = time.perf_counter() - t0
+        if t < best["s"]:
+            best = {"s": t, "main": (time.process_time() - c0) / n,
+                    "workers": (_children_cpu_s() - w0) / n}
+    return {"MBps": nbytes / best["s"] / 1e6, "main_cpu_ms": 1e3 * best["main"],
+            "workers_cpu_ms": 1e3 * best["workers"]}
 
 
 def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
@@ -159,7 +179,8 @@ def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
                                        sum(int(sizes[b].sum()) for b in picks)),
             "beta_torch_MBps": _rate(lambda b: image_collate([tds[int(i)] for i in b]),
                                      picks, sum(int(fsizes[b].sum()) for b in picks)),
-            "beta_torch_workers_MBps": torch_workers_MBps(pff, bs, TORCH_WORKERS)}
+            **{f"torch_workers_{k}": v for k, v in
+               torch_workers(pff, bs, TORCH_WORKERS).items()}}
 
 
 def rates_on_a_node(packed: Path, pff: Path, spec: str, bs: int, cpus: float,
@@ -290,8 +311,12 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
     prof = load_profile(a.profile)
     old = json.loads(a.calibration.read_text()) if a.calibration else None
     if old is not None:
+        if "torch_workers_main_cpu_ms" not in old:
+            raise SystemExit(f"{a.calibration} has no CPU figures of torch's workers (an "
+                             f"older --json): calibrate again, without --calibration")
         got = {k: old[k] for k in ("files_MBps", "beta_forebay_MBps", "beta_torch_MBps",
-                                   "beta_torch_workers_MBps")}
+                                   "torch_workers_MBps", "torch_workers_main_cpu_ms",
+                                   "torch_workers_workers_cpu_ms")}
         got["files_MBps"] = {int(k): v for k, v in got["files_MBps"].items()}
     elif cpus:
         with tempfile.TemporaryDirectory() as tmp:
@@ -299,7 +324,8 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
     else:
         got = rates(packed, pff, spec, bs)
     t_files, beta_fb = got["files_MBps"], got["beta_forebay_MBps"]
-    beta_torch, beta_workers = got["beta_torch_MBps"], got["beta_torch_workers_MBps"]
+    beta_torch, beta_workers = got["beta_torch_MBps"], got["torch_workers_MBps"]
+    main_ms, workers_ms = got["torch_workers_main_cpu_ms"], got["torch_workers_workers_cpu_ms"]
 
     ds = forebay.open_dataset(packed)
     sizes = np.asarray(ds.sample_nbytes, dtype=np.int64)
@@ -313,7 +339,8 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
           f"{prof['pfs'].get('stream_MBps', '-')}), files t(k) "
           f"{ {k: round(v) for k, v in t_files.items()} } MB/s, RAM {mem} MB/s, link "
           f"{link:.0f} MB/s; beta forebay {beta_fb:.0f} MB/s, torch {beta_torch:.0f} MB/s, "
-          f"torch through {TORCH_WORKERS} workers {beta_workers:.0f} MB/s")
+          f"torch through {TORCH_WORKERS} workers {beta_workers:.0f} MB/s (CPU a batch: "
+          f"{workers_ms:.1f} ms in the workers, {main_ms:.1f} ms taking it back)")
 
     rows = []
     steps_ms: dict = {}
@@ -339,13 +366,15 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                         ram_threads=1, ssd_threads=1, name="emulated cluster")
             if torch_run:
                 nw = int(name.split()[1])
-                if nw:   # the main process takes each batch back from shared memory,
-                    # serial with the step: the warm rate through the workers
-                    base["compute_MBps"] = 1 / (1 / c + 1 / beta_workers)
-                sysm = System(preprocess_MBps=beta_torch, pfs_MBps=t_files,
-                              staging_threads=max(nw, 1),
+                batch_MB = bs * sz.mean() / 1e6
+                # with workers: their CPU a batch and the main process's taking it
+                # back (in series with the step), both on the node's cores
+                extra = dict(preprocess_MBps=batch_MB / (workers_ms / 1e3),
+                             handback_MBps=batch_MB / (main_ms / 1e3), cpus=cpus) \
+                    if nw else dict(preprocess_MBps=beta_torch)
+                sysm = System(pfs_MBps=t_files, staging_threads=max(nw, 1),
                               staging_bytes=int(torch_buffer(max(nw, 1)) * bs * sz.mean()),
-                              **base)
+                              **extra, **base)
                 policy = "staging" if nw else "naive"
             else:
                 mode = name.split()[1]
@@ -402,7 +431,10 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                                       "step_ms": steps_ms,
                                       "files_MBps": t_files, "beta_forebay_MBps": beta_fb,
                                       "beta_torch_MBps": beta_torch,
-                                      "beta_torch_workers_MBps": beta_workers, "rows": rows}, indent=1,
+                                      "torch_workers_MBps": beta_workers,
+                                      "torch_workers_main_cpu_ms": main_ms,
+                                      "torch_workers_workers_cpu_ms": workers_ms,
+                                      "rows": rows}, indent=1,
                                      default=str))
 
 
