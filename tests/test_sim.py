@@ -814,3 +814,19 @@ def test_cores_and_hand_back_in_system_files(tmp_path):
             load_system(f)
     with pytest.raises(ProfileError, match="cpus must be positive"):
         toy(cpus=0.0)
+
+
+def test_simulate_cli_cpus_names_the_node_cpu_as_the_bound(cli, tmp_path):
+    """``--cpus``: Lassen's 8 prefetch threads on nodes of one core, preprocessing at
+    20 MB/s a core: the node's CPU, not the file system, bounds staging."""
+    args = ["simulate", "--dataset", "imagenet-1k", "--workers", "4", "--epochs", "1",
+            "--scale", "0.002", "--policies", "staging", "--preprocess-MBps", "20"]
+    code, _, err = cli(*args, "--json", tmp_path / "free.json")
+    assert code == 0, err
+    code, text, err = cli(*args, "--cpus", "1", "--json", tmp_path / "one.json")
+    assert code == 0, err
+    free, one = (json.loads((tmp_path / f"{k}.json").read_text())["policies"]["staging"]
+                 for k in ("free", "one"))
+    assert free["binding"] != "node CPU" and one["binding"] == "node CPU"
+    assert one["total_s"] >= one["need_s"]["node CPU"] > free["total_s"]
+    assert "node CPU" in text

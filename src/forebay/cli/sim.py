@@ -99,6 +99,10 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     sysm = load_system(a.system, compute_MBps=a.compute_MBps,
                        preprocess_MBps=a.preprocess_MBps, network_MBps=a.network_MBps,
                        pfs_open_ms=a.pfs_open_ms)
+    if a.cpus is not None:
+        from dataclasses import replace
+
+        sysm = replace(sysm, cpus=a.cpus)
     kw = dict(workers=a.workers, epochs=a.epochs, batch=a.batch, scale=a.scale, seed=a.seed,
               layout=a.layout)
     mix = mixture_of(a)
@@ -247,6 +251,9 @@ def register(sub: Any) -> None:
     sm.add_argument("--preprocess-MBps", dest="preprocess_MBps", type=positive_float,
                     default=None)
     sm.add_argument("--network-MBps", dest="network_MBps", type=positive_float, default=None)
+    sm.add_argument("--cpus", type=positive_float, default=None,
+                    help="cores per node, shared by its prefetch threads (overrides "
+                    "[compute] cpus; default: a core per thread)")
     sm.add_argument("--pfs-open-ms", dest="pfs_open_ms", type=nonneg_float, default=None,
                     help="latency of opening one file on the PFS (overrides [pfs] open_ms; "
                     "paid per sample read with --layout files)")
