@@ -830,3 +830,10 @@ def test_simulate_cli_cpus_names_the_node_cpu_as_the_bound(cli, tmp_path):
     assert free["binding"] != "node CPU" and one["binding"] == "node CPU"
     assert one["total_s"] >= one["need_s"]["node CPU"] > free["total_s"]
     assert "node CPU" in text
+    # plan says why a target is out of reach on such nodes, and with what
+    code, text, err = cli("simulate", "plan", "--target-au", "0.9", "--dataset", "imagenet-1k",
+                          "--workers", "4", "--epochs", "2", "--scale", "0.002",
+                          "--policies", "staging", "--preprocess-MBps", "20", "--cpus", "2")
+    assert code == 0, err
+    assert "not reachable" in text and "bound by node CPU (" in text, text
+    assert "CPU-seconds of preprocessing a node, on 2 cores" in text, text

@@ -210,7 +210,7 @@ def plan_capacity(system: "System | str | os.PathLike[str]",
                         "epochs": kw.get("epochs"),
                         **{k: best.get(k) for k in ("binding", "need_s", "au_bound",
                                                     "binding_epochs", "pfs_MB",
-                                                    "pfs_MBps_max")}})
+                                                    "pfs_MBps_max", "node_cpus")}})
     prog.close()
     return {"target_au": target_au, "policy": policy, "dataset_bytes": full,
             "workers": kw.get("workers"), "epochs": kw.get("epochs"), "scale": scale,

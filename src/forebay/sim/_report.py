@@ -100,6 +100,10 @@ def _binding(o: dict[str, Any]) -> str:
     if what == "PFS bandwidth":
         detail = (f" ({o['pfs_MB'] / 1e3:,.1f} GB from the file system at most "
                   f"{o['pfs_MBps_max']:,.0f} MB/s, its table's largest rate)")
+    elif what == "node CPU" and o.get("node_cpus"):
+        detail = (f" ({need[what] * o['node_cpus']:,.1f} CPU-seconds of preprocessing a "
+                  f"node, on "
+                  f"{o['node_cpus']:g} core{'s' if o['node_cpus'] != 1 else ''})")
     n = o.get("binding_epochs") or 0
     return (f": bound by {what}{detail}, which outlasts compute in {n} of {o['epochs']} "
             f"epoch{'s' if o['epochs'] != 1 else ''}; no schedule gets AU above "

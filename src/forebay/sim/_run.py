@@ -364,7 +364,7 @@ class Run:
             binding = max(("PFS bandwidth", "PFS requests"), key=lambda k: need[k])
         j = names.index(binding)
         return {"pfs_MB": pfs_mb, "pfs_MBps_mean": pfs_mb / tl.total_s if tl.total_s else 0.0,
-                "pfs_MBps_max": top,
+                "pfs_MBps_max": top, "node_cpus": sysm.cpus,
                 "need_s": need,
                 "binding": binding, "au_bound": tl.compute_s / bound if bound else 1.0,
                 # epochs in which the binding resource needs longer than compute
