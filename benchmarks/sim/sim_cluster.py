@@ -12,8 +12,9 @@ bandwidth, the packed dataset's cold random reads per reader count (the PFS tabl
 and one-sided gets from the other node's memory (the link).  torch reads one file per
 sample: its t(k) is measured the same way on those files (cold, k threads, in the
 cgroup).  The preprocessing rate of each path is timed warm (forebay's get_many +
-collate; torch's ``__getitem__`` + per-sample collate; torch with worker processes, a
-warm epoch through them, batches handed back in shared memory).  Nothing is fitted to the times
+collate; torch's ``__getitem__`` + per-sample collate; torch with worker processes,
+warm epochs through them, batches handed back in shared memory, with the CPU seconds
+a batch costs the workers and the main process); each figure the median of three.  Nothing is fitted to the times
 under test: compute is the runs' ``--compute-ms`` per step.  Runs made on capped nodes
 (``--cpus-per-node``) are calibrated on nodes of the same size, and the rates timed on one.
 
@@ -38,9 +39,11 @@ record).
 
 Which policy models which loader: torch with 0 workers is *naive* (fetch, collate,
 compute in turn) over the files; torch with 2 workers is *staging* with 2 threads and
-its prefetch depth (2 workers x prefetch_factor 4 batches), the main process taking
-each batch back from the workers serially with the step (at the warm rate measured
-through the workers); forebay direct is *staging* with the loader's one prefetch
+its prefetch depth (2 workers x prefetch_factor 4 batches), on the node's cores
+(``System.cpus``: ``--cpus-per-node``): the workers' CPU a batch is its preprocessing,
+and the main process's CPU taking each batch back is the hand-back, in series with the
+step (``System.handback_MBps``), both timed over warm epochs through the workers;
+forebay direct is *staging* with the loader's one prefetch
 thread over the packed dataset; forebay preload and clairvoyant are *forebay-preload*
 and *forebay-clairvoyant* (the runtime's own placement).
 
