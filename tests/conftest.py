@@ -291,3 +291,14 @@ def small_fs(tmp_path):
         yield d
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def pytest_configure(config) -> None:
+    """A run started as a shell's background job (``make test &`` in a script) inherits
+    SIGINT ignored, and so would every command a test starts: a test that stops one as
+    Ctrl-C does would find it writing on (``forebay synth`` wrote all its 22 GB).  The
+    run takes SIGINT back, so its commands start with it as a terminal gives it."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
