@@ -112,8 +112,8 @@ def calibrate(packed: Path, spec: str, out: Path, workdir: Path,
             raise SystemExit(f"forebay calibrate failed:\n{proc.stderr[-3000:]}")
 
 
-#: times each calibration figure of this script is measured (its median is used):
-#: one measurement of the files' t(2) gave 128 and 201 MB/s on two runs of one mount
+#: times each calibration figure of this script is measured (its median is used): one
+#: measurement of a figure moved by up to a third between two runs on one mount
 REPEAT = 3
 
 
