@@ -784,7 +784,7 @@ def test_the_hand_back_is_in_series_with_the_step():
 def test_no_policy_uses_more_cores_than_the_node_has(model):
     """Every policy's preprocessing on nodes of 2 cores with 8 prefetch threads: the
     run lasts at least its CPU seconds over the cores."""
-    sysm = replace(lassen(), cpus=2.0, preprocess_MBps=40.0, model=model,
+    sysm = replace(lassen(), cpus=2.0, preprocess_MBps=20.0, model=model,
                    tier_reads="shared")
     rep = simulate(sysm, "imagenet-1k", workers=4, epochs=2, scale=0.002, progress=False)
     for name, r in rep["policies"].items():
@@ -792,6 +792,9 @@ def test_no_policy_uses_more_cores_than_the_node_has(model):
             continue
         assert r["need_s"]["node CPU"] > 0, name
         assert r["total_s"] >= r["need_s"]["node CPU"] * 0.999, name
+        # and the least time it reports is no more than the run: each epoch's largest
+        # worker, summed, came out above it (a different worker the largest each epoch)
+        assert r["compute_s"] / r["au_bound"] <= r["total_s"] * 1.001, name
 
 
 def test_cores_and_hand_back_in_system_files(tmp_path):

@@ -331,23 +331,30 @@ class Run:
         # per epoch: what each resource needs at least (set-up in epoch 0)
         e_, st = w.plan.epochs, w.steps
         per = lambda a: a.reshape(w.n, e_, st).sum(axis=2)       # noqa: E731  [N, E]
+
+        def worker(a: np.ndarray) -> np.ndarray:
+            """``[E]``: a worker's own resource by epoch, of the worker that needs the
+            most over the run (the largest of each epoch, summed, would pass what any
+            one worker needs when the largest is a different worker's epoch by epoch)."""
+            by = per(a)
+            return by[int(by.sum(axis=1).argmax())]
         pfs_e = per(self.pfs_mb + self.sync_mb).sum(axis=0)
         n_e = per(self.pfs_n + self.sync_n).sum(axis=0)
         pfs_e[0] += self.extra_pfs_mb
         n_e[0] += self.extra_pfs_n
         pfs_mb = float(pfs_e.sum()) + fill_mb
         comp_e = w.step_compute_s().reshape(e_, st).sum(axis=1)
-        prep_e = (per(self.write_mb) * self.wcoef).max(axis=0) / self.threads
+        prep_e = worker(self.write_mb) * self.wcoef / self.threads
         prep_e[0] += self.setup_write_s
         each = {"compute": comp_e, "PFS bandwidth": pfs_e / top,
                 "PFS requests": n_e * w.open_s / (w.n * self.threads),
-                "network link": per(self.peer_mb).max(axis=0) / sysm.network_MBps,
-                "tier and peer reads": per(self.other_s).max(axis=0) / self.threads,
+                "network link": worker(self.peer_mb) / sysm.network_MBps,
+                "tier and peer reads": worker(self.other_s) / self.threads,
                 "preprocessing": prep_e}
         if sysm.handback_MBps is not None:     # the training process's chain: in series
-            each["hand-back"] = comp_e + per(self.handback_s()).max(axis=0)
+            each["hand-back"] = comp_e + worker(self.handback_s())
         if sysm.cpus is not None:
-            each["node CPU"] = per(self.cpu_s()).max(axis=0) / sysm.cpus
+            each["node CPU"] = worker(self.cpu_s()) / sysm.cpus
         names = list(each)
         table = np.stack([each[k] for k in names])               # [resources, E]
         worst = table.max(axis=0)
