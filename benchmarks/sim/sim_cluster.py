@@ -185,6 +185,7 @@ def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
     fsizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
     rng = np.random.default_rng(0)
     picks = [rng.choice(len(ds), bs, replace=False) for _ in range(20)]
+
     def rate(fn, nbytes: int) -> float:
         return statistics.median(_rate(fn, picks, nbytes) for _ in range(REPEAT))
 

@@ -162,6 +162,12 @@ class Run:
         cpus = self.w.system.cpus
         return 0.0 if cpus is None else self.cpu_s() / cpus
 
+    def delivery_s(self, pfs_s: np.ndarray, floor: "np.ndarray | float") -> np.ndarray:
+        """``[N, S]``: each delivery's time, its threads' PFS seconds ``pfs_s``, tier and
+        peer reads and writes over the threads, at least the node's CPU ``floor``."""
+        return np.maximum((pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads,
+                          floor)
+
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
         """The timeline and the PFS thread-seconds per worker and step (a demand
         read counted once per prefetch thread, so that / threads is the worker's
@@ -182,8 +188,7 @@ class Run:
             coef = sysm.pfs_s_per_MB(gamma)
             pfs_s = self.pfs_mb * coef + self.pfs_n * w.open_s
             sync_s = self.sync_mb * coef + self.sync_n * w.open_s
-            read = np.maximum(
-                (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads, floor)
+            read = self.delivery_s(pfs_s, floor)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all" or w.n == 1:
                 break
@@ -234,8 +239,7 @@ class Run:
         for _ in range(80):
             pfs_s = self.pfs_mb / rate + self.pfs_n * w.open_s
             sync_s = self.sync_mb / srate + self.sync_n * w.open_s
-            read = np.maximum(
-                (pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads, floor)
+            read = self.delivery_s(pfs_s, floor)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all":
                 break

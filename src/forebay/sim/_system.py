@@ -310,5 +310,3 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                   tier_reads=model.get("tier_reads", "shared"),
                   cpus=comp.get("cpus"), handback_MBps=comp.get("handback_MBps"),
                   name=name, model=model.get("model", "conserving"))
-
-
