@@ -40,11 +40,16 @@ from ._handover import (HeldBuffers, SharedRing, _inline_small, _over, _pack,
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
            "seed_sample", "start_forkserver"]
 
+def _ring_keep(workers: int) -> int:
+    """Free input buffers the loader's SharedRing keeps for reuse."""
+    return 6 * workers + 2
+
+
 def _held_size(workers: int) -> int:
     """Input buffers a worker keeps mapped: as many as the loader's SharedRing keeps
-    free (6 per worker and 2) and has in flight (4 per worker), so that a reused buffer
-    is one the worker holds."""
-    return 10 * workers + 2
+    free and has in flight (4 per worker), so that a reused buffer is one the worker
+    holds."""
+    return _ring_keep(workers) + 4 * workers
 
 #: seconds between liveness checks of the workers while a result is awaited
 _POLL_S = 0.5
@@ -326,7 +331,7 @@ class WorkerPool:
                     gc.unfreeze()
         self._done: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         #: the batches' input buffers (the batches in flight, at least 4 per worker)
-        self.ring = SharedRing(keep=6 * workers + 2)
+        self.ring = SharedRing(keep=_ring_keep(workers))
         #: the buffers each worker holds (its own record, mirrored)
         self._held = [HeldBuffers(_held_size(workers)) for _ in range(workers)]
         #: batches whose buffer went by its id alone (the worker held it)
