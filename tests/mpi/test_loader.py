@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from forebay import AccessPlan
-from conftest import SeenBatches, run_ranks, say, say_global_batches
+from conftest import (assert_ranks_ok, run_ranks, say, say_global_batches, SeenBatches,
+                      skip_without)
 
 pytest.importorskip("mpi4py")
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 GLOBAL_BATCH = 16
@@ -80,6 +81,25 @@ def test_resume_on_a_different_world_size(labelled):
     assert state == {**state, "epoch": 0, "step": 3, "global_batch": GLOBAL_BATCH}
     rest, _ = _run(4, labelled, 2, json.dumps(state))
     assert rest == full[3:]
+
+
+def rank_numpy_batches(path: str) -> None:
+    """Every store mode with a collate_fn that makes no tensors: the rank never loads
+    torch (1.5-2 CPU-seconds of import a process, for nothing)."""
+    import sys
+
+    from forebay.torch import Auto, Clairvoyant, DataLoader, Direct, Pipeline, Preload
+
+    for store in (Preload(), Clairvoyant(ram_bytes=1 << 20), Direct(), Auto()):
+        dl = DataLoader(path, 8, seed=1, epochs=1, store=store,
+                        pipeline=Pipeline(collate_fn=lambda b: b.ids.copy()))
+        assert sum(len(ids) for ids in dl) == len(dl) * 8
+        dl.close()
+    assert "torch" not in sys.modules, "a loader of numpy batches imported torch"
+
+
+def test_a_loader_of_numpy_batches_never_imports_torch(labelled):
+    assert_ranks_ok(run_ranks(2, rank_numpy_batches, labelled), 2)
 
 
 def rank_fetch_ahead(path: str) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from ..dataset import SampleBatch, SampleViews
 from ..dataset import KIND_BYTES, gather_ranges
 from ..errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["default_collate", "collate_graphs", "collate_views", "is_graph_batch",
            "pin_tree", "NODE_FIELDS"]
@@ -19,6 +21,8 @@ NODE_FIELDS = ("x", "pos", "z", "atomic_numbers")
 
 
 def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
+    import torch      # here: a loader whose collate_fn makes no tensors never loads it
+
     if pin:
         return _pinned(a)
     return torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))
@@ -37,6 +41,8 @@ def _pinned(a: np.ndarray) -> torch.Tensor:
     tensor's storage is that block; over the same memory through numpy it is not, so
     once the batch was dropped the block went to the next batch's gather while the
     copy (queued behind the model's kernels) had yet to read it."""
+    import torch
+
     owner = a.base
     while isinstance(owner, np.ndarray):
         owner = owner.base
@@ -62,6 +68,8 @@ def pin_tree(obj: Any) -> Any:
     object with a ``pin_memory()`` method, such as a PyG batch) copied into pinned
     memory, as torch's ``DataLoader(pin_memory=True)`` does to what its workers
     return; tensors already pinned and device tensors stay as they are."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return obj.pin_memory() if obj.device.type == "cpu" else obj
     if isinstance(obj, dict):
@@ -198,4 +206,6 @@ def collate_samples(samples: list, collate_fn: Optional[Callable] = None) -> Any
 def pinned_alloc(nbytes: int) -> np.ndarray:
     """A page-locked uint8 buffer of ``nbytes`` (batches assembled there go to the GPU
     without a staging copy)."""
+    import torch
+
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()

@@ -9,7 +9,6 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import numpy as np
-import torch
 
 from .. import trace as _trace
 from ..dataset import (BufferPool, IndexLayout, Manifest, PackedDataset, PrefixDataset,
@@ -224,7 +223,7 @@ class DataLoader:
         #: (the batches in flight: the staging area's, the one being used, one more)
         self._buffers = BufferPool(keep=self.prefetch + 2)
         self.pin_memory = pipe.pin_memory
-        if self.pin_memory and not torch.cuda.is_available():
+        if self.pin_memory and not _cuda_available():
             warnings.warn("pin_memory=True but no CUDA device is available; batches stay in "
                           "pageable memory", RuntimeWarning, stacklevel=2)
             self.pin_memory = False
@@ -589,3 +588,9 @@ class DataLoader:
         self._stop_prefetch()
         if self._own_store:   # a store the caller built is theirs to close
             self.store.__exit__(exc_type, exc, tb)   # no collective while an error propagates
+
+
+def _cuda_available() -> bool:
+    import torch      # only with pin_memory: a loader of numpy batches never loads torch
+
+    return bool(torch.cuda.is_available())
