@@ -12,10 +12,10 @@ import pytest
 
 import forebay
 from forebay.errors import ChecksumError, RankMismatchError
-from conftest import assert_step_ok, damaged_copy, run_steps
+from conftest import assert_step_ok, damaged_copy, run_steps, skip_without
 
 pytest.importorskip("mpi4py")
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 

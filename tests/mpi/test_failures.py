@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import forebay
-from conftest import run_ranks
+from conftest import run_ranks, skip_without
 
 pytest.importorskip("mpi4py")
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 

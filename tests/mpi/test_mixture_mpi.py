@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from conftest import assert_ranks_ok, run_ranks, run_torchrun, say_global_batches
+from conftest import assert_ranks_ok, run_ranks, run_torchrun, say_global_batches, skip_without
 
 pytest.importorskip("mpi4py")
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 GLOBAL_BATCH = 16

@@ -15,9 +15,9 @@ import forebay
 from forebay import AccessPlan
 from forebay.comm import SHM_DIR
 from forebay.dataset import can_lock
-from conftest import assert_ranks_ok, run_ranks, run_torchrun
+from conftest import assert_ranks_ok, run_ranks, run_torchrun, skip_without
 
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 N, BATCH, EPOCHS, SEED = 96, 4, 2, 5

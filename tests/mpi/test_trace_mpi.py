@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_ranks
+from conftest import run_ranks, skip_without
 from forebay.trace._analyze import analyze
 
 pytest.importorskip("mpi4py")
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 def rank_script(*args: str) -> None:

@@ -11,10 +11,10 @@ import pytest
 
 from forebay.dataset.sources import get_source, ingest
 from forebay.synth import synthesize
-from conftest import BIN
+from conftest import BIN, skip_without
 
 pytest.importorskip("mpi4py")
-pytest.importorskip("torch")
+skip_without("torch")
 pytestmark = pytest.mark.mpi
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loader" / "train_gnn.py"
