@@ -18,7 +18,10 @@ job (epoch 1 is cold), later epochs are warm:
   node);
 * ``torch 0 workers`` / ``torch 2 workers``: ``torch.utils.data.DataLoader`` +
   ``DistributedSampler`` over one file per sample (PFF pickles for graphs, an
-  ImageFolder tree of blobs for images), per-sample collation;
+  ImageFolder tree of blobs for images), per-sample collation; ``torch 2 workers
+  file_system``: the same with ``torch.multiprocessing.set_sharing_strategy(
+  "file_system")`` (batches come back as shared-memory names, not as descriptors that
+  the main process fetches from the worker one tensor at a time);
 * ``mosaicml-streaming``: ``StreamingDataset`` over MDS shards in a local directory
   (``MDSWriter``, 64 MiB shards) + torch ``DataLoader(num_workers=2)``;
 * ``litdata``: ``StreamingDataset`` over ``litdata.optimize`` chunks (64 MB) +
@@ -103,7 +106,8 @@ BIN = Path(sys.executable).parent
 FOREBAY = ("forebay direct", "forebay preload", "forebay preload-overlap",
            "forebay clairvoyant", "forebay direct views", "forebay preload views",
            "forebay clairvoyant views")
-PEERS = ("torch 0 workers", "torch 2 workers", "mosaicml-streaming", "litdata")
+PEERS = ("torch 0 workers", "torch 2 workers", "torch 2 workers file_system",
+         "mosaicml-streaming", "litdata")
 
 
 def _streaming():
@@ -171,6 +175,8 @@ def worker(a) -> None:
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank,
                                                       shuffle=True, seed=0)
         nw = int(c.split()[1])
+        if c.endswith(" file_system"):
+            torch.multiprocessing.set_sharing_strategy("file_system")
         loader = torch.utils.data.DataLoader(
             ds, batch_size=bs, sampler=sampler, num_workers=nw,
             persistent_workers=nw > 0, prefetch_factor=4 if nw else None,
@@ -323,7 +329,8 @@ def main() -> None:
             get_source("pickle", paths["pff"], trust_pickle=True)
         ingest(src, paths["packed"], progress=True)
     contenders = [c for c in a.contenders.split(",") if c] if a.contenders else \
-        [c for c in FOREBAY + PEERS if a.kind == "imagenet" or not c.endswith(" views")]
+        [c for c in FOREBAY + PEERS if (a.kind == "imagenet" or not c.endswith(" views"))
+         and not c.endswith(" file_system")]
     if not paths["mds"].exists() and "mosaicml-streaming" in contenders:
         write_mds(a.kind, paths["pff"], paths["mds"])
     if not paths["lit"].exists() and "litdata" in contenders:

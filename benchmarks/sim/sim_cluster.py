@@ -42,7 +42,9 @@ compute in turn) over the files; torch with 2 workers is *staging* with 2 thread
 its prefetch depth (2 workers x prefetch_factor 4 batches), on the node's cores
 (``System.cpus``: ``--cpus-per-node``): the workers' CPU a batch is its preprocessing,
 and the main process's CPU taking each batch back is the hand-back, in series with the
-step (``System.handback_MBps``), both timed over warm epochs through the workers;
+step (``System.handback_MBps``), both timed over warm epochs through the workers
+(``torch 2 workers file_system``: the same over the figures timed with that sharing
+strategy);
 forebay direct is *staging* with the loader's one prefetch
 thread over the packed dataset; forebay preload and clairvoyant are *forebay-preload*
 and *forebay-clairvoyant* (the runtime's own placement).
@@ -146,13 +148,17 @@ def _children_cpu_s() -> float:
     return total
 
 
-def torch_workers(pff: Path, bs: int, workers: int) -> dict:
+def torch_workers(pff: Path, bs: int, workers: int, sharing: "str | None" = None) -> dict:
     """torch's DataLoader with ``workers`` worker processes over the files, warm (the
     median of REPEAT epochs after one): reading from the page cache, collating and handing each
     batch back through shared memory.  ``MBps``: the model's preprocessing rate of that
     path; ``main_cpu_ms`` and ``workers_cpu_ms``: the CPU a batch costs the main
-    process (taking it back) and the workers, in that epoch."""
+    process (taking it back) and the workers, in that epoch.  ``sharing``: torch's
+    sharing strategy for the run (then set for the rest of the process)."""
     import torch
+
+    if sharing:
+        torch.multiprocessing.set_sharing_strategy(sharing)
 
     ds, files = image_folder_dataset(pff)
     nbytes = sum(f.stat().st_size for f in files)
@@ -195,7 +201,10 @@ def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
             "beta_torch_MBps": rate(lambda b: image_collate([tds[int(i)] for i in b]),
                                     sum(int(fsizes[b].sum()) for b in picks)),
             **{f"torch_workers_{k}": v for k, v in
-               torch_workers(pff, bs, TORCH_WORKERS).items()}}
+               torch_workers(pff, bs, TORCH_WORKERS).items()},
+            # after the default: the strategy stays set in this process
+            **{f"torch_workers_fs_{k}": v for k, v in
+               torch_workers(pff, bs, TORCH_WORKERS, "file_system").items()}}
 
 
 def rates_on_a_node(packed: Path, pff: Path, spec: str, bs: int, cpus: float,
@@ -332,6 +341,8 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
         got = {k: old[k] for k in ("files_MBps", "beta_forebay_MBps", "beta_torch_MBps",
                                    "torch_workers_MBps", "torch_workers_main_cpu_ms",
                                    "torch_workers_workers_cpu_ms")}
+        got.update({k: old[k] for k in ("torch_workers_fs_main_cpu_ms",
+                                         "torch_workers_fs_workers_cpu_ms") if k in old})
         got["files_MBps"] = {int(k): v for k, v in got["files_MBps"].items()}
     elif cpus:
         with tempfile.TemporaryDirectory() as tmp:
@@ -341,6 +352,7 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
     t_files, beta_fb = got["files_MBps"], got["beta_forebay_MBps"]
     beta_torch, beta_workers = got["beta_torch_MBps"], got["torch_workers_MBps"]
     main_ms, workers_ms = got["torch_workers_main_cpu_ms"], got["torch_workers_workers_cpu_ms"]
+    fs_ms = (got.get("torch_workers_fs_main_cpu_ms"), got.get("torch_workers_fs_workers_cpu_ms"))
 
     ds = forebay.open_dataset(packed)
     sizes = np.asarray(ds.sample_nbytes, dtype=np.int64)
@@ -355,7 +367,9 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
           f"{ {k: round(v) for k, v in t_files.items()} } MB/s, RAM {mem} MB/s, link "
           f"{link:.0f} MB/s; beta forebay {beta_fb:.0f} MB/s, torch {beta_torch:.0f} MB/s, "
           f"torch through {TORCH_WORKERS} workers {beta_workers:.0f} MB/s (CPU a batch: "
-          f"{workers_ms:.1f} ms in the workers, {main_ms:.1f} ms taking it back)")
+          f"{workers_ms:.1f} ms in the workers, {main_ms:.1f} ms taking it back"
+          + (f"; with file_system sharing {fs_ms[1]:.1f} and {fs_ms[0]:.1f} ms"
+             if fs_ms[0] is not None else "") + ")")
 
     rows = []
     steps_ms: dict = {}
@@ -384,8 +398,14 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                 batch_MB = bs * sz.mean() / 1e6
                 # with workers: their CPU a batch and the main process's taking it
                 # back (in series with the step), both on the node's cores
-                extra = dict(preprocess_MBps=batch_MB / (workers_ms / 1e3),
-                             handback_MBps=batch_MB / (main_ms / 1e3), cpus=cpus) \
+                m_ms, w_ms = (main_ms, workers_ms)
+                if name.endswith(" file_system"):
+                    if fs_ms[0] is None:
+                        raise SystemExit(f"{name}: the calibration has no file_system "
+                                         f"figures (an older --json): calibrate again")
+                    m_ms, w_ms = fs_ms
+                extra = dict(preprocess_MBps=batch_MB / (w_ms / 1e3),
+                             handback_MBps=batch_MB / (m_ms / 1e3), cpus=cpus) \
                     if nw else dict(preprocess_MBps=beta_torch)
                 sysm = System(pfs_MBps=t_files, staging_threads=max(nw, 1),
                               staging_bytes=int(torch_buffer(max(nw, 1)) * bs * sz.mean()),
@@ -449,6 +469,8 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                                       "torch_workers_MBps": beta_workers,
                                       "torch_workers_main_cpu_ms": main_ms,
                                       "torch_workers_workers_cpu_ms": workers_ms,
+                                      "torch_workers_fs_main_cpu_ms": fs_ms[0],
+                                      "torch_workers_fs_workers_cpu_ms": fs_ms[1],
                                       "rows": rows}, indent=1,
                                      default=str))
 
