@@ -200,11 +200,13 @@ def _input_buffer(payload: Any, held: HeldBuffers, wid: int) -> Any:
 
 def _worker_main(wid: int, inbox: Any, outbox: Any, schema: Any, transform: Any,
                  batch_transform: Any, collate_fn: Any, seed: int, parent: Optional[int],
-                 verify_on_read: bool = False, held_size: int = 8) -> None:
+                 verify_on_read: bool, held_size: int) -> None:
     """A worker: transform batches until told to stop (None) or the loader dies.  A
     batch comes as its samples (in shared memory) or as ids and the dataset directory
     to read them from (the loader's direct mode), opened on first use.  ``parent``:
-    the loader's pid, or None when started from a fork server (its parent then)."""
+    the loader's pid, or None when started from a fork server (its parent then);
+    ``held_size``: how many input buffers it keeps mapped (:func:`_held_size`, the
+    loader's ring)."""
     from ..dataset.sources._base import _die_with_parent
 
     _die_with_parent(os.getppid() if parent is None else parent)  # ignores Ctrl-C
