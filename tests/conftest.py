@@ -222,7 +222,7 @@ class SeenBatches:
 def skip_without(module: str) -> None:
     """Skip the calling test module when ``module`` is not installed, without importing
     it: every rank of a multi-rank test imports its test module, and torch's import
-    costs 1.5-2 CPU-seconds a process (``pytest.importorskip`` imports it)."""
+    costs about 2 seconds a process (``pytest.importorskip`` imports it)."""
     import importlib.util
 
     if importlib.util.find_spec(module) is None:

@@ -85,7 +85,7 @@ def test_resume_on_a_different_world_size(labelled):
 
 def rank_numpy_batches(path: str) -> None:
     """Every store mode with a collate_fn that makes no tensors: the rank never loads
-    torch (1.5-2 CPU-seconds of import a process, for nothing)."""
+    torch (about 2 seconds of import a process, for nothing)."""
     import sys
 
     from forebay.torch import Auto, Clairvoyant, DataLoader, Direct, Pipeline, Preload
