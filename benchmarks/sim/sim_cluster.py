@@ -179,9 +179,11 @@ def torch_workers(pff: Path, bs: int, workers: int, sharing: "str | None" = None
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
+def rates(packed: Path, pff: Path, spec: "str | None", bs: int,
+          file_system: bool = False) -> dict:
     """The files' t(k) and the preprocessing rates of each path (in this process, or,
-    when the runs' nodes were capped, see :func:`rates_on_a_node`)."""
+    when the runs' nodes were capped, see :func:`rates_on_a_node`); ``file_system``:
+    torch's workers timed again with that sharing strategy (a run has that contender)."""
     import forebay
     from forebay.torch import default_collate
 
@@ -195,27 +197,28 @@ def rates(packed: Path, pff: Path, spec: "str | None", bs: int) -> dict:
     def rate(fn, nbytes: int) -> float:
         return statistics.median(_rate(fn, picks, nbytes) for _ in range(REPEAT))
 
-    return {"files_MBps": files_table(pff, spec),
+    got = {"files_MBps": files_table(pff, spec),
             "beta_forebay_MBps": rate(lambda b: default_collate(ds.get_many(b)),
                                       sum(int(sizes[b].sum()) for b in picks)),
             "beta_torch_MBps": rate(lambda b: image_collate([tds[int(i)] for i in b]),
                                     sum(int(fsizes[b].sum()) for b in picks)),
             **{f"torch_workers_{k}": v for k, v in
-               torch_workers(pff, bs, TORCH_WORKERS).items()},
-            # after the default: the strategy stays set in this process
-            **{f"torch_workers_fs_{k}": v for k, v in
-               torch_workers(pff, bs, TORCH_WORKERS, "file_system").items()}}
+               torch_workers(pff, bs, TORCH_WORKERS).items()}}
+    if file_system:    # after the default: the strategy stays set in this process
+        got.update({f"torch_workers_fs_{k}": v for k, v in
+                    torch_workers(pff, bs, TORCH_WORKERS, "file_system").items()})
+    return got
 
 
 def rates_on_a_node(packed: Path, pff: Path, spec: str, bs: int, cpus: float,
-                    workdir: Path) -> dict:
+                    workdir: Path, file_system: bool = False) -> dict:
     """:func:`rates` measured on a node of ``cpus`` cores, in the throttled cgroup."""
     from cluster import Cluster
 
     out = workdir / "rates.json"
     with throttled(packed, spec) as th, Cluster(1, workdir / "one", cpus=cpus) as cl:
         cmd = cl.on(0, [sys.executable, str(HERE), "--rates", str(out), str(packed),
-                        str(pff), str(bs)])
+                        str(pff), str(bs), str(int(file_system))])
         proc = subprocess.run(th.wrap(cmd) if th else cmd, capture_output=True, text=True,
                               timeout=900, env=cl.env(dict(os.environ)))
         if proc.returncode:
@@ -280,7 +283,7 @@ def main() -> None:
     p.add_argument("--profile", type=Path, help="the calibration (written here when missing)")
     p.add_argument("--json", type=Path)
     # the workers of rates_on_a_node (OUT PACKED PFF BATCH) and step_seconds (MS STEPS)
-    p.add_argument("--rates", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--rates", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--probe", nargs=2, type=float, help=argparse.SUPPRESS)
     p.add_argument("--calibration", type=Path, metavar="JSON",
                    help="the rates and steps a previous --json recorded, reused (nothing "
@@ -293,8 +296,9 @@ def main() -> None:
         step_probe(a.probe[0], int(a.probe[1]))
         return
     if a.rates:                   # on a capped node, already in the throttled cgroup
-        out, packed, pff, bs = a.rates
-        Path(out).write_text(json.dumps(rates(Path(packed), Path(pff), None, int(bs))))
+        out, packed, pff, bs, fs = a.rates
+        Path(out).write_text(json.dumps(rates(Path(packed), Path(pff), None, int(bs),
+                                              fs == "1")))
         return
     if not (a.data and a.runs and a.profile):
         p.error("--data, --runs and --profile are required")
@@ -344,11 +348,13 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
         got.update({k: old[k] for k in ("torch_workers_fs_main_cpu_ms",
                                          "torch_workers_fs_workers_cpu_ms") if k in old})
         got["files_MBps"] = {int(k): v for k, v in got["files_MBps"].items()}
-    elif cpus:
-        with tempfile.TemporaryDirectory() as tmp:
-            got = rates_on_a_node(packed, pff, spec, bs, cpus, Path(tmp))
     else:
-        got = rates(packed, pff, spec, bs)
+        fs = any(name.endswith(" file_system") for doc in docs for name in doc["runs"])
+        if cpus:
+            with tempfile.TemporaryDirectory() as tmp:
+                got = rates_on_a_node(packed, pff, spec, bs, cpus, Path(tmp), fs)
+        else:
+            got = rates(packed, pff, spec, bs, fs)
     t_files, beta_fb = got["files_MBps"], got["beta_forebay_MBps"]
     beta_torch, beta_workers = got["beta_torch_MBps"], got["torch_workers_MBps"]
     main_ms, workers_ms = got["torch_workers_main_cpu_ms"], got["torch_workers_workers_cpu_ms"]

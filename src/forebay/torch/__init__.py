@@ -19,20 +19,18 @@ __all__ = ["Auto", "Checkpoint", "Clairvoyant", "DataLoader", "Dataset", "Direct
            "store_settings", "TransformError", "releases_gil", "sample_rng", "sample_rngs",
            "DecodeCropFlip", "BatchDecodeCropFlip"]
 
+#: made on first use: torch.distributed.checkpoint costs 0.6 s to import, paid otherwise
+#: by every script that only loads data and by every transform worker; Dataset and
+#: PlanSampler subclass torch's (about 2 s to import), which a loader of numpy batches
+#: (collate_fn making no tensors) never needs
+_LAZY = {"Checkpoint": "._checkpoint", "Dataset": "._dataset", "PlanSampler": "._dataset"}
+
 if not TYPE_CHECKING:      # type checkers see the import above
     def __getattr__(name: str) -> Any:
-        # made on first use: torch.distributed.checkpoint costs 0.6 s to import, paid
-        # otherwise by every script that only loads data and by every transform worker;
-        # Dataset and PlanSampler subclass torch's (1.5 s to import), which a loader of
-        # numpy batches (collate_fn making no tensors) never needs
-        if name == "Checkpoint":
-            from ._checkpoint import Checkpoint
+        if name not in _LAZY:
+            raise AttributeError(f"module 'forebay.torch' has no attribute {name!r}")
+        import importlib
 
-            globals()[name] = Checkpoint
-            return Checkpoint
-        if name in ("Dataset", "PlanSampler"):
-            from . import _dataset
-
-            globals()[name] = getattr(_dataset, name)
-            return globals()[name]
-        raise AttributeError(f"module 'forebay.torch' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
