@@ -136,14 +136,15 @@ def throttled(path: Path, spec: "str | None") -> "Any":
     return ThrottledDevice(path, float(mbps), int(iops or 0))
 
 
-def paced(root: Path, spec: str) -> "Any":
+def paced(root: Path, spec: str, clients: int = 1) -> "Any":
     """The benchmarks' ``--fs fuse``: ``root`` served read-only through a FUSE file
     system paced at ``--throttle MBPS[,IOPS]`` (tests/cluster_pfs.py: one queue, no
     credit for a reader's idle time, unlike the block-I/O cgroup), mounted at
     ``<root>-pfs`` (a context manager; :meth:`path` maps a path under ``root`` to the
-    mount; make it before an emulated cluster, whose nodes copy the host's mounts).
-    The files are read once first, so that the server reads from memory and the
-    pacing is the file system's speed."""
+    mount; make it before an emulated cluster, whose nodes copy the host's mounts;
+    ``clients``: mounts of it, each its own page cache, for ``attach``: one for this
+    process and one per node).  The files are read once first, so that the server
+    reads from memory and the pacing is the file system's speed."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -156,7 +157,7 @@ def paced(root: Path, spec: str) -> "Any":
         with open(f, "rb") as fh:
             while fh.read(1 << 24):
                 pass
-    return PacedFS.beside(root, spec)
+    return PacedFS.beside(root, spec, clients)
 
 
 def drop_all_caches() -> bool:

@@ -20,6 +20,13 @@ namespaces copy it) and unmount after they are gone.  The kernel's page cache ke
 what was read (pages are kept across opens), so a cold read needs an eviction first
 (``posix_fadvise(DONTNEED)``), as on the throttled disk.
 
+One mount is one client, and one page cache: nodes that share it share what any of
+them read (the neighbours of a record one node read are cached for the others).  A
+cluster's nodes each have a client of their own: ``PacedFS(clients=N + 1)`` mounts N
+more clients of the same server (one queue for all), and :meth:`PacedFS.attach` puts
+client k + 1 at ``mountpoint`` on node k, so each node's reads fill its own cache;
+:meth:`PacedFS.evict` empties every client's.
+
 Needs root and ``/dev/fuse``: :func:`unavailable` says why not.  Used by
 ``benchmarks/loader/peers_bench.py --fs fuse`` and ``benchmarks/sim/sim_cluster.py``.
 """
@@ -27,6 +34,7 @@ Needs root and ``/dev/fuse``: :func:`unavailable` says why not.  Used by
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -43,7 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 __all__ = ["PacedFS", "unavailable"]
 
@@ -109,16 +117,22 @@ class _Clock:
 class PacedFS:
     """``source`` served read-only at ``mountpoint`` through FUSE, its reads paced at
     ``mbps`` MB/s and ``iops`` requests/s (0: unpaced) plus ``latency`` s each, by
-    ``threads`` server threads in a process of their own (a process that faults on a
+    ``threads`` server threads per client in a process of their own (a process that faults on a
     mapped file holds its GIL: a server in it would never answer).  A context manager:
     mounted on entry, unmounted and stopped on exit.  ``served_bytes``: bytes the reads
-    returned (what the file system delivered: the page cache's hits never reach it)."""
+    returned (what the file system delivered: the page cache's hits never reach it).
+    ``clients``: how many mounts (clients, each its own page cache) the server serves,
+    the first at ``mountpoint`` (see :meth:`attach`)."""
 
     def __init__(self, source: "str | os.PathLike[str]", mountpoint: "str | os.PathLike[str]",
-                 mbps: float, iops: float = 0, latency: float = 0.0, threads: int = 8) -> None:
+                 mbps: float, iops: float = 0, latency: float = 0.0, threads: int = 8,
+                 clients: int = 1) -> None:
+        if not 1 <= clients <= 65:
+            raise ValueError(f"clients must be 1..65, got {clients}")
         self.source = Path(source).resolve()
         self.mountpoint = Path(mountpoint)
         self.mbps, self.iops, self.latency, self.threads = mbps, iops, latency, threads
+        self.clients = clients
         self._server: Optional[subprocess.Popen] = None
         self._stats: Optional[Path] = None
         self._schedule: "list[tuple[float, float, float, int]]" = []
@@ -127,12 +141,22 @@ class PacedFS:
         self.error: Optional[str] = None
 
     @classmethod
-    def beside(cls, source: "str | os.PathLike[str]", rate: str) -> "PacedFS":
+    def beside(cls, source: "str | os.PathLike[str]", rate: str,
+               clients: int = 1) -> "PacedFS":
         """``source`` served at ``<source>-pfs`` at ``rate``, ``"MBPS[,IOPS]"`` (the
         benchmarks' ``--throttle``, scripts/cluster.py's ``--pfs-rate``)."""
         mbps, _, iops = rate.partition(",")
         src = Path(source).resolve()
-        return cls(src, src.with_name(src.name + "-pfs"), float(mbps), float(iops or 0))
+        return cls(src, src.with_name(src.name + "-pfs"), float(mbps), float(iops or 0),
+                   clients=clients)
+
+    def client_mount(self, k: int) -> Path:
+        """Where client ``k`` is mounted in this process's namespace (client 0 at
+        ``mountpoint``, the others beside it, hidden)."""
+        if not 0 <= k < self.clients:
+            raise ValueError(f"client {k}: this file system has {self.clients}")
+        return self.mountpoint if k == 0 else \
+            self.mountpoint.with_name(f".{self.mountpoint.name}-client{k}")
 
     def __enter__(self) -> "PacedFS":
         why = unavailable()
@@ -143,21 +167,68 @@ class PacedFS:
         os.write(fd, bytes(16))
         os.close(fd)
         self._stats = Path(stats)
-        dev = os.open("/dev/fuse", os.O_RDWR)
+        devs: list[int] = []
         try:
-            opts = (f"fd={dev},rootmode=40000,user_id=0,group_id=0,allow_other,"
-                    f"max_read={_MAX_READ}")
-            if _libc().mount(b"forebay-pfs", str(self.mountpoint).encode(), b"fuse",
-                             ctypes.c_ulong(1 | 2 | 4), opts.encode()) != 0:  # RDONLY|NOSUID|NODEV
-                e = ctypes.get_errno()
-                raise OSError(e, f"mount -t fuse at {self.mountpoint}: {os.strerror(e)}")
+            for k in range(self.clients):
+                where = self.client_mount(k)
+                where.mkdir(parents=True, exist_ok=True)
+                devs.append(os.open("/dev/fuse", os.O_RDWR))
+                opts = (f"fd={devs[-1]},rootmode=40000,user_id=0,group_id=0,allow_other,"
+                        f"max_read={_MAX_READ}")
+                if _libc().mount(b"forebay-pfs", str(where).encode(), b"fuse",
+                                 ctypes.c_ulong(1 | 2 | 4), opts.encode()) != 0:
+                    e = ctypes.get_errno()             # (RDONLY|NOSUID|NODEV)
+                    raise OSError(e, f"mount -t fuse at {where}: {os.strerror(e)}")
             self._server = subprocess.Popen(
-                [sys.executable, __file__, str(dev), str(self.source), repr(self.mbps),
-                 repr(self.iops), repr(self.latency), str(self.threads), stats],
-                pass_fds=(dev,), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                [sys.executable, __file__, ",".join(map(str, devs)), str(self.source),
+                 repr(self.mbps), repr(self.iops), repr(self.latency), str(self.threads),
+                 stats], pass_fds=devs, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except BaseException:
+            self._unmount(len(devs))
+            raise
         finally:
-            os.close(dev)           # the server holds it
+            for dev in devs:
+                os.close(dev)       # the server holds them
         return self
+
+    def _unmount(self, clients: int) -> None:
+        # lazily: a process still holding a file of it (a map) gets ENOTCONN once the
+        # server's end of /dev/fuse closes (the kernel aborts the connection)
+        for k in range(clients):
+            _libc().umount2(str(self.client_mount(k)).encode(), 2)     # MNT_DETACH
+            if k:
+                with contextlib.suppress(OSError):
+                    self.client_mount(k).rmdir()
+
+    def attach(self, cluster: Any) -> None:
+        """Give each node of ``cluster`` (tests/cluster.py, made after this was mounted)
+        a client of its own: node k sees client k + 1 at ``mountpoint``, so what it reads
+        fills its own page cache, not the other nodes' nor this process's."""
+        if self.clients < cluster.nodes + 1:
+            raise ValueError(f"{cluster.nodes} nodes need clients={cluster.nodes + 1} "
+                             f"(this file system has {self.clients})")
+        for k in range(cluster.nodes):
+            r = cluster.run(k, ["mount", "--bind", str(self.client_mount(k + 1)),
+                                str(self.mountpoint)], cwd="/")
+            if r.returncode:
+                raise RuntimeError(f"node {k}: client {k + 1} not mounted: {r.stderr}")
+
+    def evict(self, paths: "Iterable[str | os.PathLike[str]]") -> int:
+        """Drop the files ``paths`` (under ``mountpoint``) from every client's page
+        cache (``posix_fadvise(DONTNEED)``; mapped pages stay): their next read on any
+        node is cold.  Returns the bytes of one copy of them."""
+        total = 0
+        for p in paths:
+            inside = Path(p).relative_to(self.mountpoint)
+            for k in range(self.clients):
+                fd = os.open(self.client_mount(k) / inside, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+            total += size
+        return total
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -167,9 +238,7 @@ class PacedFS:
         stop the server."""
         if self._server is None:
             return
-        # the mount goes now; a process still holding a file of it (a map) gets ENOTCONN
-        # once the server's end of /dev/fuse closes: the kernel aborts the connection
-        _libc().umount2(str(self.mountpoint).encode(), 2)     # MNT_DETACH
+        self._unmount(self.clients)
         self.cpu_seconds()
         self._server.terminate()
         try:
@@ -246,9 +315,10 @@ def _libc() -> Any:
 
 
 class _Server:
-    """The server process's side: answers the kernel's requests on ``dev``."""
+    """The server process's side: answers the kernel's requests on each of ``devs``
+    (one connection per client mount), through one clock."""
 
-    def __init__(self, dev: int, source: Path, mbps: float, iops: float, latency: float,
+    def __init__(self, devs: "list[int]", source: Path, mbps: float, iops: float, latency: float,
                  threads: int, stats: Path) -> None:
         self.source = source
         self.clock = _Clock(mbps, iops, latency)
@@ -260,7 +330,8 @@ class _Server:
         self._fds: dict[int, int] = {}
         self._next_fh = 1
         self._lock = threading.Lock()
-        self._dev = dev
+        self._devs = devs
+        self._here = threading.local()           # .dev: the connection a thread serves
         fd = os.open(stats, os.O_RDWR)
         self._stats = mmap.mmap(fd, 16)          # the counters, read by PacedFS
         os.close(fd)
@@ -278,8 +349,9 @@ class _Server:
         request met a defect of this server."""
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        workers = [threading.Thread(target=self._serve, name=f"pacedfs-{k}", daemon=True)
-                   for k in range(self.threads)]
+        workers = [threading.Thread(target=self._serve, args=(dev,),
+                                    name=f"pacedfs-{c}-{k}", daemon=True)
+                   for c, dev in enumerate(self._devs) for k in range(self.threads)]
         for t in workers:
             t.start()
         while not stop.is_set() and any(t.is_alive() for t in workers):
@@ -312,11 +384,12 @@ class _Server:
         finally:
             os.close(fd)
 
-    def _serve(self) -> None:
+    def _serve(self, dev: int) -> None:
+        self._here.dev = dev
         size = _MAX_READ + 4096 + 128
         while not self._stopping:
             try:
-                req = os.read(self._dev, size)
+                req = os.read(dev, size)
             except OSError as e:
                 if e.errno in (errno.EINTR, errno.EAGAIN):
                     continue
@@ -336,7 +409,7 @@ class _Server:
                data: Any = None) -> None:
         parts = [body] if data is None else [body, data]
         n = _OUT.size + sum(len(p) for p in parts)
-        os.writev(self._dev, [_OUT.pack(n, -err, unique), *parts])
+        os.writev(self._here.dev, [_OUT.pack(n, -err, unique), *parts])
 
     def _attr(self, p: Path) -> bytes:
         st = os.lstat(p)
@@ -447,7 +520,7 @@ class _Server:
             raise OSError(errno.ENOSYS, f"operation {op}")
 
 
-if __name__ == "__main__":     # the server process: DEV SOURCE MBPS IOPS LATENCY THREADS STATS
-    _dev, _src, _mbps, _iops, _lat, _thr, _stats = sys.argv[1:8]
-    sys.exit(_Server(int(_dev), Path(_src), float(_mbps), float(_iops), float(_lat),
-                     int(_thr), Path(_stats)).run())
+if __name__ == "__main__":     # the server: DEV[,DEV...] SOURCE MBPS IOPS LATENCY THREADS STATS
+    _devs, _src, _mbps, _iops, _lat, _thr, _stats = sys.argv[1:8]
+    sys.exit(_Server([int(d) for d in _devs.split(",")], Path(_src), float(_mbps),
+                     float(_iops), float(_lat), int(_thr), Path(_stats)).run())

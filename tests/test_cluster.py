@@ -209,6 +209,49 @@ def test_a_paced_file_system_serves_every_node_read_only_and_never_above_its_rat
     assert (end - start >= np.maximum(nbytes / 200e6, 1 / 2000) - 1e-9).all()
 
 
+def test_each_node_of_a_paced_file_system_caches_only_what_it_read(tmp_path):
+    """PacedFS(clients=3).attach(cluster): each node reads through a client of its own,
+    as a cluster's nodes do, so its page cache holds what it read and nothing another
+    node read: a file node 0 read is served to node 1 again, node 0's second read is
+    not; this process is a client of its own too; evict() empties every client's."""
+    import hashlib
+
+    from cluster_pfs import PacedFS, unavailable as pfs_unavailable
+
+    for why in (unavailable(), pfs_unavailable()):
+        if why:
+            pytest.skip(why)
+    src = tmp_path / "src"
+    src.mkdir()
+    data = np.random.default_rng(4).bytes(400_000)
+    (src / "f").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    with PacedFS(src, tmp_path / "pfs", mbps=2000, clients=3) as fs, \
+            Cluster(2, tmp_path / "c").up() as c:
+        with pytest.raises(ValueError, match="3 nodes need clients=4"):
+            fs.attach(Cluster(3, tmp_path / "never"))
+        fs.attach(c)
+        f = fs.path(src / "f")
+
+        def served_to(k: int) -> int:
+            before = fs.served_bytes
+            r = c.run(k, ["sha256sum", str(f)])
+            assert r.returncode == 0 and r.stdout.split()[0] == digest, r.stderr
+            return fs.served_bytes - before
+
+        assert served_to(0) >= len(data)
+        assert served_to(0) == 0                  # node 0's own cache
+        assert served_to(1) >= len(data)          # not node 0's
+        before = fs.served_bytes
+        assert f.read_bytes() == data             # this process: client 0
+        assert fs.served_bytes - before >= len(data)
+        assert served_to(1) == 0
+        assert fs.evict([f]) == len(data)
+        assert served_to(0) >= len(data) and served_to(1) >= len(data)
+    assert fs.error is None
+    assert not any(p.name.startswith(".pfs-client") for p in tmp_path.iterdir())
+
+
 def rank_read_the_plan(path: str, kind: str, epochs: str) -> None:
     """Every batch of the plan through a preload or clairvoyant store over ``path``,
     the dataset's files evicted from this node's page cache before each epoch."""

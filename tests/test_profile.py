@@ -24,6 +24,24 @@ def test_calibrate_round_trips(tmp_path, packed):
     assert back["ram"]["copy_MBps"].keys() == {1, 2}
     assert back["pfs"]["record_bytes"] == prof["pfs"]["record_bytes"]
     assert back["pfs"]["stream_MBps"].keys() == {1, 2}
+    # the subset was every record of this small dataset: the dense case already
+    assert back["pfs"]["read_fraction"] == 1.0 and "dense_MBps" not in back["pfs"]
+
+
+def test_calibrate_reads_a_random_subset_and_a_dense_range(tmp_path, packed):
+    """A record's request brings in parts of its neighbours: calibrate times random
+    records (``read_fraction`` of them) and every record of a range of as many
+    (``dense_MBps``), for the simulator to interpolate between by a node's share."""
+    prof = calibrate(dataset=packed[0], threads=[1, 2], ram_bytes=8 << 20, samples=50,
+                     pfs_bytes=1)
+    assert prof["pfs"]["read_fraction"] == pytest.approx(50 / 300, abs=1e-4)
+    assert set(prof["pfs"]["dense_MBps"]) == set(prof["pfs"]["read_MBps"]) == {1, 2}
+    assert all(v > 0 for v in prof["pfs"]["dense_MBps"].values())
+    path = tmp_path / "p.toml"
+    path.write_text(dump_profile(prof))
+    back = load_profile(path)
+    assert back["pfs"]["dense_MBps"].keys() == {1, 2}
+    assert back["pfs"]["read_fraction"] == prof["pfs"]["read_fraction"]
 
 
 @pytest.mark.parametrize("text, words", [
@@ -33,6 +51,8 @@ def test_calibrate_round_trips(tmp_path, packed):
     ("[pfs]\nread_MBps = { \"1\" = \"fast\" }\n", "must be a number of MB/s"),
     ("[pfs]\nread_MBps = { \"one\" = 3 }\n", "thread or reader count"),
     ("[rma]\nranks = 0\n", "positive number"),
+    ("[pfs]\nread_fraction = 0\n", "fraction in \\(0, 1\\]"),
+    ("[pfs]\nread_fraction = 1.5\n", "fraction in \\(0, 1\\]"),
     ("[tiers]\nram_bytes = \"lots\"\n", "not a size"),
     ("[tiers]\nssd_bytes = -1\n", "non-negative integer of bytes"),
     ("[tiers]\nprefetch = 1.5\n", "non-negative integer"),

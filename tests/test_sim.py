@@ -840,3 +840,33 @@ def test_simulate_cli_cpus_names_the_node_cpu_as_the_bound(cli, tmp_path):
     assert code == 0, err
     assert "not reachable" in text and "bound by node CPU (" in text, text
     assert "CPU-seconds of preprocessing a node, on 2 cores" in text, text
+
+
+def test_a_node_reading_every_record_reads_at_the_dense_rate():
+    """A record's request brings in parts of its neighbours (issue R): with calibrate's
+    two tables, a worker that reads every record each epoch reads at the dense rate,
+    one that reads the calibration's share at the random-read table's, fewer still
+    slower; samples stored as files of their own, or a system without the dense
+    table, read at the table's rate whatever their share."""
+    sysm = toy(pfs_MBps={1: 40.0}, pfs_dense_MBps={1: 50.0}, pfs_read_fraction=0.5,
+               compute_MBps=1e7, preprocess_MBps=1e7)
+    assert sysm.pfs_record_cost(0.5) == pytest.approx(1.0)
+    assert sysm.pfs_record_cost(1.0) == pytest.approx(0.8)
+    assert sysm.pfs_record_cost(0.0) == pytest.approx(1.2)
+    assert sysm.pfs_top_MBps == 50.0
+    plain = replace(sysm, pfs_dense_MBps={}, pfs_read_fraction=0.0)
+    assert plain.pfs_record_cost(0.1) == pytest.approx(1.0)
+    with pytest.raises(ProfileError, match="dense_MBps needs read_fraction"):
+        replace(sysm, pfs_read_fraction=1.0)
+    sizes = np.full(400, 10**6)
+
+    def run(system: System, world: int, per_file: bool = False) -> float:
+        plan = AccessPlan(num_samples=400, world_size=world, batch_size=4, epochs=2)
+        res = simulate_policy("naive", Workload(sizes, plan, system, per_file=per_file))
+        return res["total_s"]
+    # one worker reads every record: 800 MB at 50 MB/s; at 40 without the dense table
+    assert run(sysm, 1) == pytest.approx(800 / 50, rel=0.01)
+    assert run(plain, 1) == pytest.approx(800 / 40, rel=0.01)
+    assert run(sysm, 1, per_file=True) == pytest.approx(800 / 40, rel=0.01)
+    # four workers read a quarter each: above the calibration's share, 1.1 x the table
+    assert run(sysm, 4) == pytest.approx(1.1 * run(plain, 4), rel=0.01)

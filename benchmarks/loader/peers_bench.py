@@ -60,9 +60,11 @@ transport or RAM tier, the preload overlapped with training by default.
 own network, hostname, IPC and /dev/shm; the data shared; root only), ``--ranks``
 spread evenly over them: mpiexec with hydra entering each node, or one torchrun agent
 per node with the rendezvous on node0.  forebay then reads peers' memory across nodes
-(rma under mpiexec, the exchange under torchrun).  The nodes share this machine's one
-page cache, so ``--evict-each-epoch`` is what makes each epoch read the (throttled)
-file system as separate nodes would.  ``--cpus-per-node C`` caps each node at C cores
+(rma under mpiexec, the exchange under torchrun).  On the throttled disk the nodes share
+this machine's one page cache: what one node read (a record's neighbouring pages
+included) the others find cached.  With ``--fs fuse`` each node is a client of its
+own (``PacedFS.attach``: its own page cache, as a cluster's nodes have), and
+``--evict-each-epoch`` empties every node's before each epoch.  ``--cpus-per-node C`` caps each node at C cores
 (a CPU cgroup of its own), so that nodes do not lend each other this machine's cores.
 
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
@@ -87,6 +89,7 @@ import importlib.util
 import json
 import os
 import pickle
+import socket
 import statistics
 import subprocess
 import sys
@@ -149,6 +152,9 @@ def worker(a) -> None:
         for x in batch["image"]:
             xxhash.xxh3_64_intdigest(x.numpy() if isinstance(x, torch.Tensor) else x)
 
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    first_on_node = hosts.index(hosts[rank]) == rank
     t0 = time.perf_counter()
     set_epoch = None
     if c.startswith("forebay"):
@@ -209,7 +215,7 @@ def worker(a) -> None:
     for e in range(a.epochs):
         if set_epoch is not None:
             set_epoch(e)
-        if e and a.evict_each_epoch and rank == 0:
+        if e and a.evict_each_epoch and first_on_node:   # each node its own cache
             evict(files_under(Path(mine)))
         dist.barrier()
         t0 = time.perf_counter()
@@ -347,11 +353,14 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     if a.fs == "fuse" and not a.throttle:
         p.error("--fs fuse needs --throttle MBPS[,IOPS] (its pace)")
-    slow_fs = paced(a.out, a.throttle) if a.fs == "fuse" else \
+    # through FUSE, each node a client of its own (its own page cache), and this one
+    slow_fs = paced(a.out, a.throttle, (a.cluster or 0) + 1) if a.fs == "fuse" else \
         throttled(paths["packed"], a.throttle)
     with slow_fs as throttle, _cluster(a) as cluster:
         if a.fs == "fuse":          # every contender reads through the mount
             paths = {k: throttle.path(v) for k, v in paths.items()}
+            if cluster is not None:
+                throttle.attach(cluster)
         files = {"forebay": files_under(paths["packed"]), "torch": files_under(paths["pff"]),
                  "mosaicml-streaming": files_under(paths["mds"]) if paths["mds"].exists()
                  else [],
@@ -415,7 +424,8 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
     for rep in range(a.reps):
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            evict(files[c.split()[0]])
+            # every client's cache, with a file system of several (--fs fuse)
+            (throttle.evict if hasattr(throttle, "attach") else evict)(files[c.split()[0]])
             cmd = [__file__, "--worker", "--contender", c, "--kind", a.kind,
                    "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]

@@ -35,7 +35,10 @@ Runs made with ``--fs fuse`` (the data served by tests/cluster_pfs.py's paced fi
 system, which gives a pausing reader no credit) are calibrated through the same mount,
 made once before any node; forebay-preload's chunks then load at the calibration's
 ``stream_MBps`` (large requests), every other read at its ``read_MBps`` (a request per
-record).
+record), as a cluster's nodes read it: a node's records at the rate of its share of
+them (``read_fraction`` and ``dense_MBps``: a record's request brings in parts of its
+neighbours, ``System.pfs_record_cost``).  peers_bench gives each node a client of the
+mount of its own (its own page cache), as a cluster's nodes have.
 
 Which policy models which loader: torch with 0 workers is *naive* (fetch, collate,
 compute in turn) over the files; torch with 2 workers is *staging* with 2 threads and
@@ -368,7 +371,9 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
     link = max(prof.get("rma", {}).get("get_MBps", {}).values() or mem.values())
     t_packed = prof["pfs"]["read_MBps"]
     print(f"machine: {machine()}" + (f"; nodes of {cpus:g} core each" if cpus else ""))
-    print(f"calibration: packed t(k) {t_packed} MB/s (streamed "
+    print(f"calibration: packed t(k) {t_packed} MB/s (random records, "
+          f"{prof['pfs'].get('read_fraction', '-')} of them; every record of a range "
+          f"{prof['pfs'].get('dense_MBps', '-')}; streamed "
           f"{prof['pfs'].get('stream_MBps', '-')}), files t(k) "
           f"{ {k: round(v) for k, v in t_files.items()} } MB/s, RAM {mem} MB/s, link "
           f"{link:.0f} MB/s; beta forebay {beta_fb:.0f} MB/s, torch {beta_torch:.0f} MB/s, "
@@ -421,6 +426,8 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                 mode = name.split()[1]
                 sysm = System(preprocess_MBps=beta_fb, pfs_MBps=t_packed,
                               pfs_stream_MBps=prof["pfs"].get("stream_MBps", {}),
+                              pfs_dense_MBps=prof["pfs"].get("dense_MBps", {}),
+                              pfs_read_fraction=prof["pfs"].get("read_fraction", 0.0),
                               staging_threads=1,
                               staging_bytes=int(FOREBAY_BUFFER * bs * sz.mean()),
                               ram_bytes=int(ar.get("ram_bytes") or sz.sum()), **base)

@@ -155,6 +155,27 @@ class Run:
         hand = 0.0 if sysm.handback_MBps is None else self.nbytes / 1e6 / sysm.handback_MBps
         return (self.write_mb + self.sync_mb) / sysm.preprocess_MBps + hand
 
+    def record_cost(self) -> np.ndarray:
+        """``[N, S]``: the PFS seconds per MB of each step's record reads relative to
+        the read table's, by the share of the dataset's records the worker reads from
+        the PFS in that epoch (``System.pfs_record_cost``: a record's request brings in
+        parts of its neighbours, wasted unless the worker reads them too); 1 where
+        samples are files of their own, or without the system's dense table."""
+        w = self.w
+        if w.per_file or not w.system.pfs_dense_MBps:
+            return np.ones(self.pfs_mb.shape)
+        e_, st = w.plan.epochs, w.steps
+        share = (self.pfs_n + self.sync_n).reshape(w.n, e_, st).sum(axis=2) / w.plan.num_samples
+        return np.repeat(w.system.pfs_record_cost(share), st, axis=1)
+
+    def fill_cost(self) -> np.ndarray:
+        """The same for each background fill (its reads' share of the records)."""
+        w = self.w
+        fn = np.array([f[2] for f in self.fills], dtype=np.float64)
+        if w.per_file or not w.system.pfs_dense_MBps:
+            return np.ones(len(fn))
+        return w.system.pfs_record_cost(fn / w.plan.num_samples)
+
     def cpu_floor_s(self) -> "np.ndarray | float":
         """The least time a delivery takes on a node of ``System.cpus`` cores: its
         batch's CPU seconds over the cores, however many threads share them (0 when
@@ -183,9 +204,10 @@ class Run:
         comp = w.step_compute_s()[None, :]
         sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads) + self.handback_s()
         floor = self.cpu_floor_s()
+        cost = self.record_cost()
         gamma = np.full(self.pfs_mb.shape, float(w.n))
         for _ in range(40):
-            coef = sysm.pfs_s_per_MB(gamma)
+            coef = sysm.pfs_s_per_MB(gamma) * cost
             pfs_s = self.pfs_mb * coef + self.pfs_n * w.open_s
             sync_s = self.sync_mb * coef + self.sync_n * w.open_s
             read = self.delivery_s(pfs_s, floor)
@@ -222,6 +244,7 @@ class Run:
         sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads) + self.handback_s()
         floor = self.cpu_floor_s()
         own_cap = sysm.pfs_client_MBps
+        cost, fcost = self.record_cost(), self.fill_cost()
         every = float(w.n * self.threads + sum(f[3] for f in self.fills))
         rate = np.full(self.pfs_mb.shape, float(sysm.pfs_thread_MBps(every)))
         srate = rate.copy()
@@ -237,8 +260,8 @@ class Run:
         pfs_s = sync_s = np.zeros(self.pfs_mb.shape)
         last, damp = np.inf, 0.0
         for _ in range(80):
-            pfs_s = self.pfs_mb / rate + self.pfs_n * w.open_s
-            sync_s = self.sync_mb / srate + self.sync_n * w.open_s
+            pfs_s = self.pfs_mb * cost / rate + self.pfs_n * w.open_s
+            sync_s = self.sync_mb * cost / srate + self.sync_n * w.open_s
             read = self.delivery_s(pfs_s, floor)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all":
@@ -250,7 +273,7 @@ class Run:
             s0 = s1 - (sync_s + sync_write)
             sg = np.divide(sync_s, sync_s + sync_write, out=np.zeros_like(sync_s),
                            where=sync_s > 0)
-            fpfs = fmb / frate + fn * w.open_s                 # a fill's thread-seconds
+            fpfs = fmb * fcost / frate + fn * w.open_s         # a fill's thread-seconds
             fend = (fpfs + fmb * fwr) / np.maximum(fthr, 1.0)
             fg = fthr * np.divide(fpfs, fpfs + fmb * fwr, out=np.zeros_like(fpfs),
                                   where=fpfs > 0)
@@ -268,10 +291,11 @@ class Run:
                               own_cap / np.maximum(fthr, 1.0))
             # the change in PFS thread-seconds the new speeds give, over all of them
             # (a span that reads little may swing without moving the timeline)
-            secs = np.concatenate([self.pfs_mb.ravel() / rate.ravel(),
-                                   self.sync_mb.ravel() / srate.ravel(), fmb / frate])
-            diff = np.concatenate([self.pfs_mb.ravel() / new.ravel(),
-                                   self.sync_mb.ravel() / snew.ravel(), fmb / fnew]) - secs
+            secs = np.concatenate([(self.pfs_mb * cost / rate).ravel(),
+                                   (self.sync_mb * cost / srate).ravel(), fmb * fcost / frate])
+            diff = np.concatenate([(self.pfs_mb * cost / new).ravel(),
+                                   (self.sync_mb * cost / snew).ravel(),
+                                   fmb * fcost / fnew]) - secs
             change = float(np.abs(diff).sum() / max(secs.sum(), 1e-300))
             if change <= 1e-6:
                 break
@@ -284,8 +308,8 @@ class Run:
             frate = damp * frate + (1 - damp) * fnew
         assert tl is not None
         # what the fills read during the run (the rest comes after its end)
-        self.fill_MBps = frate
-        fpfs = fmb / frate + fn * w.open_s
+        self.fill_MBps = frate / fcost
+        fpfs = fmb * fcost / frate + fn * w.open_s
         fend = (fpfs + fmb * fwr) / np.maximum(fthr, 1.0)
         upto = np.minimum(fend, tl.total_s)
         part = np.divide(upto, fend, out=np.ones_like(upto), where=fend > 0)
@@ -294,7 +318,7 @@ class Run:
         else:
             fg = fthr * np.divide(fpfs, fpfs + fmb * fwr, out=np.zeros_like(fpfs),
                                   where=fpfs > 0)
-            got = fg * upto * fluid.mean_rate(np.zeros(len(fend)), upto)
+            got = fg * upto * fluid.mean_rate(np.zeros(len(fend)), upto) / fcost
         self.fill_read = (got, fn * part)
         self.gamma = gseen
         return tl, pfs_s + sync_s * self.threads
@@ -331,7 +355,7 @@ class Run:
             part = np.minimum(1.0, tl.total_s / np.maximum([f[5] for f in self.fills], 1e-12))
             fill_mb = float((np.array([f[1] for f in self.fills]) * part).sum())
             fill_n = float((np.array([f[2] for f in self.fills]) * part).sum())
-        top = max(sysm.pfs_MBps.values())
+        top = sysm.pfs_top_MBps
         # per epoch: what each resource needs at least (set-up in epoch 0)
         e_, st = w.plan.epochs, w.steps
         per = lambda a: a.reshape(w.n, e_, st).sum(axis=2)       # noqa: E731  [N, E]

@@ -48,6 +48,11 @@ class System:
     # t(gamma) of large sequential requests (a preload's chunks); empty: pfs_MBps, which
     # is measured with one request per record
     pfs_stream_MBps: Mapping[int, float] = field(default_factory=dict)
+    # t(gamma) reading every record of a range (a record's request brings in parts of
+    # its neighbours, read next), and the share of the records pfs_MBps's reads covered
+    # (random ones); empty / 0: a read's speed does not depend on what else is read
+    pfs_dense_MBps: Mapping[int, float] = field(default_factory=dict)
+    pfs_read_fraction: float = 0.0
     pfs_client_MBps: float = float("inf")     # b_fs: one worker's link to the PFS
     pfs_readers: str = "active"               # how gamma is counted (PFS_READERS)
     tier_reads: str = "shared"                # a tier's table per thread (TIER_READS)
@@ -94,6 +99,13 @@ class System:
             v = getattr(self, key)
             if v is not None and not v > 0:
                 raise ProfileError(f"system {self.name}: {key} must be positive, got {v!r}")
+        if not 0 <= self.pfs_read_fraction <= 1:
+            raise ProfileError(f"system {self.name}: pfs_read_fraction must be in [0, 1], "
+                               f"got {self.pfs_read_fraction!r}")
+        if self.pfs_dense_MBps and not 0 < self.pfs_read_fraction < 1:
+            raise ProfileError(f"system {self.name}: [pfs] dense_MBps needs read_fraction "
+                               f"(the share of the records read_MBps's reads covered), "
+                               f"in (0, 1)")
         if not self.pfs_client_MBps > 0:
             raise ProfileError(f"system {self.name}: pfs_client_MBps must be positive")
         if not self.pfs_open_ms >= 0:
@@ -127,6 +139,27 @@ class System:
         ks = np.array(sorted(table), dtype=np.float64)
         vs = np.array([table[int(k)] for k in ks])
         return np.interp(g, ks, vs) / g
+
+    def pfs_record_cost(self, share: "float | np.ndarray") -> np.ndarray:
+        """A record read's PFS seconds per MB, relative to ``pfs_MBps``'s, for a reader
+        whose node reads ``share`` of the dataset's records in the epoch: the pages a
+        request brings in beyond its record hold parts of the neighbours, fetched again
+        only if the node reads them later (probability about ``share``).  Linear in the
+        share through the two calibrated points, 1 at ``pfs_read_fraction`` (random
+        records) and d = t(1) / t_dense(1) at every record:
+        d + (1 - d) (1 - share) / (1 - pfs_read_fraction), above 1 below the
+        calibration's share.  1 without ``pfs_dense_MBps``."""
+        share = np.clip(np.asarray(share, dtype=np.float64), 0.0, 1.0)
+        if not self.pfs_dense_MBps:
+            return np.ones_like(share)
+        d = interpolate(self.pfs_MBps, 1) / interpolate(self.pfs_dense_MBps, 1)
+        return d + (1.0 - d) * (1.0 - share) / (1.0 - self.pfs_read_fraction)
+
+    @property
+    def pfs_top_MBps(self) -> float:
+        """The most the PFS delivers of records' bytes: the largest rate of its tables
+        of record reads (dense reads waste no pages)."""
+        return max([*self.pfs_MBps.values(), *self.pfs_dense_MBps.values()])
 
     def pfs_setup_s_per_MB(self, workers: int, threads: int, stream: bool = False) -> float:
         """Per MB of one thread when ``workers`` workers load with ``threads`` threads
@@ -192,6 +225,8 @@ class System:
         return {"name": self.name, "compute_MBps": self.compute_MBps,
                 "preprocess_MBps": self.preprocess_MBps, "network_MBps": self.network_MBps,
                 "pfs_MBps": dict(self.pfs_MBps), "pfs_stream_MBps": dict(self.pfs_stream_MBps),
+                "pfs_dense_MBps": dict(self.pfs_dense_MBps),
+                "pfs_read_fraction": self.pfs_read_fraction,
                 "mem_MBps": dict(self.mem_MBps),
                 "ssd_read_MBps": dict(self.ssd_read_MBps),
                 "staging_bytes": self.staging_bytes, "ram_bytes": self.ram_bytes,
@@ -306,6 +341,8 @@ def system_from_profile(prof: Mapping[str, Any], *, name: str = "profile",
                                     else prof.get("pfs", {}).get("open_ms", 0.0)),
                   pfs_client_MBps=float(prof.get("pfs", {}).get("client_MBps", float("inf"))),
                   pfs_stream_MBps=prof.get("pfs", {}).get("stream_MBps", {}),
+                  pfs_dense_MBps=prof.get("pfs", {}).get("dense_MBps", {}),
+                  pfs_read_fraction=float(prof.get("pfs", {}).get("read_fraction", 0.0)),
                   pfs_readers=model.get("pfs_readers", "active"),
                   tier_reads=model.get("tier_reads", "shared"),
                   cpus=comp.get("cpus"), handback_MBps=comp.get("handback_MBps"),

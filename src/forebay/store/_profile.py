@@ -32,8 +32,12 @@ SCHEMA: dict[str, dict[str, str]] = {
     # stream_MBps: t(k) of large sequential requests (a preload's chunks), where
     # read_MBps is of one request per record: what a file system's per-request cost
     # takes is the difference
+    # read_fraction: the share of the dataset's records read_MBps's random reads covered;
+    # dense_MBps: t(k) reading every record of a contiguous range (in random order), where
+    # the pages a record's request brings in beyond it hold records read next
     "pfs": {"path": "str", "read_MBps": "bw", "record_bytes": "num", "open_ms": "num0",
-            "client_MBps": "num", "stream_MBps": "bw"},
+            "client_MBps": "num", "stream_MBps": "bw", "read_fraction": "frac",
+            "dense_MBps": "bw"},
     "rma": {"get_MBps": "bw", "ranks": "num"},
     # tier settings for the clairvoyant loader (DataLoader(system=...)); sizes in bytes
     # or as "8GiB"; 0 disables a tier
@@ -123,6 +127,11 @@ def load_profile(path: "str | os.PathLike[str]") -> dict[str, Any]:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ProfileError(f"{where} = {value!r}: must be a non-negative integer")
                 out[section][key] = value
+            elif kind == "frac":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not 0 < value <= 1:
+                    raise ProfileError(f"{where} = {value!r}: must be a fraction in (0, 1]")
+                out[section][key] = float(value)
             elif kind in ("num", "num0"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) \
                         or not np.isfinite(value) or value < 0 or (kind == "num" and value == 0):
@@ -220,34 +229,47 @@ def _evict(files: list[Path]) -> None:
             os.close(fd)
 
 
-def _pfs(dataset: Path, readers: list[int], samples: int
-         ) -> tuple[dict[int, float], float, list[Path]]:
-    """Cold random reads of the dataset's samples per reader count: (MB/s by
-    readers, the mean sample's bytes, the shard files)."""
+def _pfs(dataset: Path, readers: list[int], samples: int, pfs_bytes: int = 0
+         ) -> tuple[dict[int, float], dict[int, float], float, float, list[Path]]:
+    """Cold random reads of the dataset's samples per reader count: (MB/s by readers
+    of a random subset of the records, the same of every record of a contiguous range
+    ({} when the subset is every record), the subset's share of the records, the mean
+    sample's bytes, the shard files)."""
     from ..dataset import open_dataset
 
     ds = open_dataset(dataset)
     files = [dataset / s.data for s in ds.manifest.shards]
     rng = np.random.default_rng(0)
-    out = {}
-    for n in readers:
+    # the same bytes at every reader count, split between the readers: at least
+    # ``samples`` samples and ``pfs_bytes`` (or the whole dataset), so that a file
+    # system's bursts and first requests do not decide the figure
+    want = min(len(ds), max(samples, int(np.ceil(
+        (pfs_bytes or PFS_BYTES) / max(float(ds.sample_nbytes.mean()), 1.0)))))
+
+    def timed(ids: np.ndarray, n: int) -> float:
         _evict(files)
-        # the same bytes at every reader count, split between the readers: at least
-        # ``samples`` samples and PFS_BYTES (or the whole dataset), so that a file
-        # system's bursts and first requests do not decide the figure
-        want = max(samples, int(np.ceil(PFS_BYTES / max(float(ds.sample_nbytes.mean()), 1.0))))
-        ids = np.array_split(rng.permutation(len(ds))[:min(want, len(ds))], n)
-        nbytes = sum(int(ds.sample_nbytes[i].sum()) for i in ids)
+        parts = np.array_split(ids, n)
+        nbytes = int(ds.sample_nbytes[ids].sum())
         fresh = open_dataset(dataset)
 
-        def read(k, ids=ids, fresh=fresh):
-            for a in range(0, len(ids[k]), 64):
-                fresh.get_many(ids[k][a:a + 64])
-        out[n] = nbytes / _threaded(read, n) / 1e6
-        # unmap before the next count's eviction: pages an open map holds stay cached
+        def read(k, parts=parts, fresh=fresh):
+            for a in range(0, len(parts[k]), 64):
+                fresh.get_many(parts[k][a:a + 64])
+        mbps = nbytes / _threaded(read, n) / 1e6
+        # unmap before the next eviction: pages an open map holds stay cached
         del read, fresh
         gc.collect()
-    return out, float(ds.sample_nbytes.mean()), files
+        return mbps
+
+    # a record's request brings in pages beyond it (its neighbours' parts): wasted when
+    # the neighbours are not read, read already when they are.  The random subset is
+    # the sparse case, every record of one range (shuffled) the dense one: the
+    # simulator interpolates between them by the share of the records a node reads
+    sparse = {n: timed(rng.permutation(len(ds))[:want], n) for n in readers}
+    start = int(rng.integers(0, len(ds) - want + 1))
+    dense = {} if want == len(ds) else \
+        {n: timed(start + rng.permutation(want), n) for n in readers}
+    return sparse, dense, want / len(ds), float(ds.sample_nbytes.mean()), files
 
 
 #: request size of the streaming reads (a preload's chunk is read in requests of the
@@ -327,13 +349,15 @@ def _rma(comm: Any, nbytes: int, chunk: int = 64 << 10) -> float:
 def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
               threads: Optional[list[int]] = None, ram_bytes: int = 256 << 20,
               ssd_bytes: int = 256 << 20, samples: int = 500, comm: Any = None,
-              rma_bytes: int = 64 << 20) -> dict[str, Any]:
+              rma_bytes: int = 64 << 20, pfs_bytes: int = PFS_BYTES) -> dict[str, Any]:
     """Measure this machine: RAM copy bandwidth per thread count, the SSD directory's
     write and cold read bandwidth, cold random reads of a packed dataset (the PFS) per
-    reader count (one request per record: ``read_MBps``) and its files read cold in
-    large sequential requests (``stream_MBps``), and, with an MPI communicator of 2 or
-    more ranks, one-sided get bandwidth from a peer's memory.  Returns a profile (see
-    :func:`dump_profile`)."""
+    reader count (one request per record: ``read_MBps`` of a random ``read_fraction``
+    of the records, ``dense_MBps`` of every record of a range of as many) and its files
+    read cold in large sequential requests (``stream_MBps``), and, with an MPI communicator of 2 or
+    more ranks, one-sided get bandwidth from a peer's memory.  The dataset's reads
+    take at least ``samples`` records and ``pfs_bytes`` (or all of it) per reader
+    count.  Returns a profile (see :func:`dump_profile`)."""
     import platform
 
     threads = threads or sorted({1, 2, min(4, os.cpu_count() or 1)})
@@ -350,10 +374,12 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
         failure: Optional[BaseException] = None
         if comm is None or comm.Get_rank() == 0:
             try:
-                bw, rec, files = _pfs(Path(dataset), threads, samples)
+                bw, dense, share, rec, files = _pfs(Path(dataset), threads, samples, pfs_bytes)
                 prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
-                               "record_bytes": round(rec),
+                               "record_bytes": round(rec), "read_fraction": round(share, 4),
                                "stream_MBps": _pfs_stream(files, threads)}
+                if dense:
+                    prof["pfs"]["dense_MBps"] = dense
             except Exception as e:            # every rank ends, not only rank 0
                 failure = e
         if comm is not None:
