@@ -257,6 +257,15 @@ def test_system_files(tmp_path):
     prof.write_text(prof.read_text().replace("[pfs]\n", "[pfs]\nopen_ms = 1.5\n"))
     assert load_system(prof).pfs_open_ms == 1.5
     assert load_system(prof, pfs_open_ms=0.2).pfs_open_ms == 0.2
+    dense = prof.read_text().replace("[pfs]\n", '[pfs]\ndense_MBps = { "1" = 125.0 }\n'
+                                     'read_fraction = 0.2\n')
+    prof.write_text(dense)
+    s = load_system(prof)
+    assert (dict(s.pfs_dense_MBps), s.pfs_read_fraction) == ({1: 125.0}, 0.2)
+    assert s.pfs_record_cost(1.0) == pytest.approx(0.8)
+    prof.write_text(dense.replace("read_fraction = 0.2\n", ""))
+    with pytest.raises(ProfileError, match="dense_MBps needs read_fraction"):
+        load_system(prof)
     prof.write_text("[compute]\nMBps = -3\n")
     with pytest.raises(ProfileError, match="positive number"):
         load_system(prof)
