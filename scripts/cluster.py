@@ -17,8 +17,9 @@ needs Slurm installed (Debian: ``apt-get install slurm-wlm munge``): the script 
 munged, slurmctld on node0 and a slurmd on every node for the job.  ``--pfs DIR``
 serves DIR to every node read-only through a paced file system (tests/cluster_pfs.py:
 ``--pfs-rate MBPS[,IOPS]``, one queue, no credit for a reader's idle time), mounted at
-``DIR-pfs`` before the nodes are made; ``$FOREBAY_CLUSTER_PFS`` is that mount, and
-the bytes it served are said at the end.  The cluster's
+``DIR-pfs`` before the nodes are made, each node a client of its own (its own page
+cache); ``$FOREBAY_CLUSTER_PFS`` is that mount, and the bytes it served are said at the
+end.  The cluster's
 implementation, also the test suite's, is tests/cluster.py.
 """
 
@@ -84,14 +85,17 @@ def main(argv: "list[str] | None" = None) -> int:
                 if why:
                     print(f"cluster.py: --pfs: {why}", file=sys.stderr)
                     return 2
-                fs = stack.enter_context(PacedFS.beside(a.pfs, a.pfs_rate))
+                # a client per node (its own page cache) and one for this process
+                fs = stack.enter_context(PacedFS.beside(a.pfs, a.pfs_rate, a.nodes + 1))
                 stack.callback(lambda: print(f"cluster: the paced file system served "
                                              f"{fs.served_bytes / 1e6:,.1f} MB in "
                                              f"{fs.requests:,} requests", file=sys.stderr))
                 extra["FOREBAY_CLUSTER_PFS"] = str(fs.mountpoint)
-            return _run(a, stack.enter_context(
-                Cluster(a.nodes, root / "c", shm_bytes=int(a.shm) << 20, cpus=a.cpus)),
-                cmd, node, extra)
+            c = stack.enter_context(
+                Cluster(a.nodes, root / "c", shm_bytes=int(a.shm) << 20, cpus=a.cpus))
+            if a.pfs is not None:
+                fs.attach(c)
+            return _run(a, c, cmd, node, extra)
     finally:
         if made:
             shutil.rmtree(root, ignore_errors=True)

@@ -252,6 +252,32 @@ def test_each_node_of_a_paced_file_system_caches_only_what_it_read(tmp_path):
     assert not any(p.name.startswith(".pfs-client") for p in tmp_path.iterdir())
 
 
+def test_the_cluster_script_gives_each_node_its_own_client_of_the_paced_file_system(tmp_path):
+    """``scripts/cluster.py --pfs DIR``: every node reads DIR through the paced mount,
+    bit-exact, and caches what it read itself: two nodes reading a file twice each
+    are served it twice, not once, nor four times."""
+    import hashlib
+
+    from cluster_pfs import unavailable as pfs_unavailable
+
+    for why in (unavailable(), pfs_unavailable()):
+        if why:
+            pytest.skip(why)
+    data = np.random.default_rng(5).bytes(3_000_000)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "f").write_bytes(data)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cluster.py"
+    p = subprocess.run([sys.executable, str(script), "--nodes", "2", "--root",
+                        str(tmp_path / "c"), "--pfs", str(tmp_path / "data"), "--pfs-rate",
+                        "500", "mpiexec", "--", "sh", "-c",
+                        "sha256sum $FOREBAY_CLUSTER_PFS/f; sha256sum $FOREBAY_CLUSTER_PFS/f"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    digest = hashlib.sha256(data).hexdigest()
+    assert [line.split()[0] for line in p.stdout.splitlines()] == [digest] * 4
+    assert "the paced file system served 6.0 MB in" in p.stderr, p.stderr
+
+
 def rank_read_the_plan(path: str, kind: str, epochs: str) -> None:
     """Every batch of the plan through a preload or clairvoyant store over ``path``,
     the dataset's files evicted from this node's page cache before each epoch."""
