@@ -117,8 +117,8 @@ class _Clock:
 class PacedFS:
     """``source`` served read-only at ``mountpoint`` through FUSE, its reads paced at
     ``mbps`` MB/s and ``iops`` requests/s (0: unpaced) plus ``latency`` s each, by
-    ``threads`` server threads per client in a process of their own (a process that faults on a
-    mapped file holds its GIL: a server in it would never answer).  A context manager:
+    ``threads`` server threads per client in a process of their own (a process that
+    faults on a mapped file holds its GIL: a server in it would never answer).  A context manager:
     mounted on entry, unmounted and stopped on exit.  ``served_bytes``: bytes the reads
     returned (what the file system delivered: the page cache's hits never reach it).
     ``clients``: how many mounts (clients, each its own page cache) the server serves,
@@ -318,8 +318,8 @@ class _Server:
     """The server process's side: answers the kernel's requests on each of ``devs``
     (one connection per client mount), through one clock."""
 
-    def __init__(self, devs: "list[int]", source: Path, mbps: float, iops: float, latency: float,
-                 threads: int, stats: Path) -> None:
+    def __init__(self, devs: "list[int]", source: Path, mbps: float, iops: float,
+                 latency: float, threads: int, stats: Path) -> None:
         self.source = source
         self.clock = _Clock(mbps, iops, latency)
         self.served_bytes = 0

@@ -64,8 +64,9 @@ per node with the rendezvous on node0.  forebay then reads peers' memory across 
 this machine's one page cache: what one node read (a record's neighbouring pages
 included) the others find cached.  With ``--fs fuse`` each node is a client of its
 own (``PacedFS.attach``: its own page cache, as a cluster's nodes have), and
-``--evict-each-epoch`` empties every node's before each epoch.  ``--cpus-per-node C`` caps each node at C cores
-(a CPU cgroup of its own), so that nodes do not lend each other this machine's cores.
+``--evict-each-epoch`` empties every node's before each epoch.  ``--cpus-per-node C``
+caps each node at C cores (a CPU cgroup of its own), so that nodes do not lend each
+other this machine's cores.
 
 The streaming peers are not forebay's dependencies: install them (with the torch pin)
 somewhere on PYTHONPATH, e.g.::
