@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from forebay.progress import Progress
 from forebay.store import ProfileError, calibrate, dump_profile, load_profile
 
 
@@ -42,6 +43,32 @@ def test_calibrate_reads_a_random_subset_and_a_dense_range(tmp_path, packed):
     back = load_profile(path)
     assert back["pfs"]["dense_MBps"].keys() == {1, 2}
     assert back["pfs"]["read_fraction"] == prof["pfs"]["read_fraction"]
+
+
+class Recording(Progress):
+    def __init__(self) -> None:
+        self.total, self.done, self.closed = None, 0.0, False
+
+    def start(self, total, desc="", unit="it") -> None:
+        self.total = total
+
+    def update(self, n=1) -> None:
+        self.done += n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("pfs_bytes", [1, None])
+def test_calibrate_tells_a_progress_hook_each_measurement(tmp_path, packed, pfs_bytes):
+    """A slow file system makes calibrate long (each dataset read at least 256 MB, three
+    kinds per reader count): a ``progress=`` hook is told every measurement, whether the
+    random reads were a subset (a dense range read too) or the whole dataset."""
+    bar = Recording()
+    calibrate(ssd_dir=tmp_path, dataset=packed[0], threads=[1, 2], ram_bytes=8 << 20,
+              ssd_bytes=16 << 20, samples=50, progress=bar,
+              **({"pfs_bytes": pfs_bytes} if pfs_bytes else {}))
+    assert bar.total == 1 + 1 + 3 * 2 and bar.done == bar.total and bar.closed
 
 
 @pytest.mark.parametrize("text, words", [

@@ -190,7 +190,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         from mpi4py import MPI   # under mpiexec: also measure gets from a peer's memory
 
         comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() >= 2 else None
-    prof = calibrate(ssd_dir=a.ssd_dir, dataset=a.dataset, comm=comm)
+    prof = calibrate(ssd_dir=a.ssd_dir, dataset=a.dataset, comm=comm, progress=progress())
     if comm is not None and comm.Get_rank() != 0:
         return 0                 # rank 0 writes and prints the profile
     text = dump_profile(prof)

@@ -9,11 +9,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from ..errors import ForebayError
+
+if TYPE_CHECKING:
+    from ..progress import Progress
 
 __all__ = ["ProfileError", "load_profile", "dump_profile", "calibrate", "SCHEMA"]
 
@@ -229,7 +232,8 @@ def _evict(files: list[Path]) -> None:
             os.close(fd)
 
 
-def _pfs(dataset: Path, readers: list[int], samples: int, pfs_bytes: int = 0
+def _pfs(dataset: Path, readers: list[int], samples: int, pfs_bytes: int = 0,
+         progress: Optional["Progress"] = None
          ) -> tuple[dict[int, float], dict[int, float], float, float, list[Path]]:
     """Cold random reads of the dataset's samples per reader count: (MB/s by readers
     of a random subset of the records, the same of every record of a contiguous range
@@ -259,6 +263,8 @@ def _pfs(dataset: Path, readers: list[int], samples: int, pfs_bytes: int = 0
         # unmap before the next eviction: pages an open map holds stay cached
         del read, fresh
         gc.collect()
+        if progress is not None:
+            progress.update(1)
         return mbps
 
     # a record's request brings in pages beyond it (its neighbours' parts): wasted when
@@ -349,7 +355,8 @@ def _rma(comm: Any, nbytes: int, chunk: int = 64 << 10) -> float:
 def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
               threads: Optional[list[int]] = None, ram_bytes: int = 256 << 20,
               ssd_bytes: int = 256 << 20, samples: int = 500, comm: Any = None,
-              rma_bytes: int = 64 << 20, pfs_bytes: int = PFS_BYTES) -> dict[str, Any]:
+              rma_bytes: int = 64 << 20, pfs_bytes: int = PFS_BYTES,
+              progress: "Progress | bool | None" = None) -> dict[str, Any]:
     """Measure this machine: RAM copy bandwidth per thread count, the SSD directory's
     write and cold read bandwidth, cold random reads of a packed dataset (the PFS) per
     reader count (one request per record: ``read_MBps`` of a random ``read_fraction``
@@ -357,27 +364,53 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
     read cold in large sequential requests (``stream_MBps``), and, with an MPI communicator of 2 or
     more ranks, one-sided get bandwidth from a peer's memory.  The dataset's reads
     take at least ``samples`` records and ``pfs_bytes`` (or all of it) per reader
-    count.  Returns a profile (see :func:`dump_profile`)."""
+    count.  ``progress``: a hook (:mod:`forebay.progress`) told each measurement as it
+    ends (this rank's: under MPI the dataset is read by rank 0 alone).  Returns a
+    profile (see :func:`dump_profile`)."""
     import platform
 
+    from ..progress import as_progress
+
     threads = threads or sorted({1, 2, min(4, os.cpu_count() or 1)})
-    prof: dict[str, Any] = {"machine": {"description": f"{platform.node()} "
-                                        f"{os.cpu_count()} cores {platform.machine()}",
-                                        "date": time.strftime("%Y-%m-%d %H:%M")},
-                            "ram": {"copy_MBps": _ram(threads, ram_bytes)}}
+    reads_pfs = dataset is not None and (comm is None or comm.Get_rank() == 0)
+    bar = as_progress(progress)
+    # one step a measurement: RAM, SSD, the dataset's random, dense and streamed reads
+    # per reader count, the peer's memory
+    bar.start(1 + (ssd_dir is not None) + 3 * len(threads) * reads_pfs
+              + (comm is not None and comm.Get_size() >= 2), "calibrate", "measurement")
+    with bar:
+        return _calibrate(prof={"machine": {"description": f"{platform.node()} "
+                                            f"{os.cpu_count()} cores {platform.machine()}",
+                                            "date": time.strftime("%Y-%m-%d %H:%M")}},
+                          bar=bar, ssd_dir=ssd_dir, dataset=dataset, threads=threads,
+                          ram_bytes=ram_bytes, ssd_bytes=ssd_bytes, samples=samples,
+                          comm=comm, rma_bytes=rma_bytes, pfs_bytes=pfs_bytes)
+
+
+def _calibrate(*, prof: dict[str, Any], bar: "Progress", ssd_dir: Optional[Path],
+               dataset: Optional[Path], threads: list[int], ram_bytes: int, ssd_bytes: int,
+               samples: int, comm: Any, rma_bytes: int, pfs_bytes: int) -> dict[str, Any]:
+    """:func:`calibrate`'s measurements, each told to ``bar`` as it ends."""
+    prof["ram"] = {"copy_MBps": _ram(threads, ram_bytes)}
+    bar.update(1)
     if ssd_dir is not None:
         w, r = _ssd(Path(ssd_dir), ssd_bytes)
         prof["ssd"] = {"path": str(ssd_dir), "write_MBps": w, "read_MBps": r}
+        bar.update(1)
     if dataset is not None:
         # the file system is shared: under MPI rank 0 alone reads it while the others
         # wait (every rank at once would each see a share of it, not t(k))
         failure: Optional[BaseException] = None
         if comm is None or comm.Get_rank() == 0:
             try:
-                bw, dense, share, rec, files = _pfs(Path(dataset), threads, samples, pfs_bytes)
+                bw, dense, share, rec, files = _pfs(Path(dataset), threads, samples,
+                                                    pfs_bytes, bar)
+                if not dense:                  # the random reads were every record
+                    bar.update(len(threads))
                 prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
                                "record_bytes": round(rec), "read_fraction": round(share, 4),
                                "stream_MBps": _pfs_stream(files, threads)}
+                bar.update(len(threads))
                 if dense:
                     prof["pfs"]["dense_MBps"] = dense
             except Exception as e:            # every rank ends, not only rank 0
@@ -393,4 +426,5 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
     if comm is not None and comm.Get_size() >= 2:
         prof["rma"] = {"get_MBps": {comm.Get_size(): _rma(comm, rma_bytes)},
                        "ranks": comm.Get_size()}
+        bar.update(1)
     return prof
