@@ -426,7 +426,7 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
             # every client's cache, with a file system of several (--fs fuse)
-            (throttle.evict if hasattr(throttle, "attach") else evict)(files[c.split()[0]])
+            getattr(throttle, "evict", evict)(files[c.split()[0]])
             cmd = [__file__, "--worker", "--contender", c, "--kind", a.kind,
                    "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
                    "--compute-ms", str(a.compute_ms), "--ram-bytes", str(a.ram_bytes)]

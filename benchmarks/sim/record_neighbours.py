@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _common
-from _common import machine, paced  # noqa: E402
+from _common import evict, machine, paced  # noqa: E402
 
 SHARES = (0.25, 0.39, 0.5, 1.0)
 
 
 def main() -> None:
     import forebay
-    from forebay.store._profile import _evict
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True)
@@ -49,7 +48,7 @@ def main() -> None:
               "bytes | requests per record |\n|---:|---:|---:|---:|---:|---:|")
         for r in range(a.rounds):
             for share in SHARES[r % 2::1] + SHARES[:r % 2]:      # the order turned each round
-                _evict(files)
+                evict(files)
                 ids = rng.permutation(len(ds))[:int(round(share * len(ds)))]
                 nbytes = int(ds.sample_nbytes[ids].sum())
                 fresh = forebay.open_dataset(path)

@@ -162,19 +162,18 @@ class Run:
         parts of its neighbours, wasted unless the worker reads them too); 1 where
         samples are files of their own, or without the system's dense table."""
         w = self.w
-        if w.per_file or not w.system.pfs_dense_MBps:
-            return np.ones(self.pfs_mb.shape)
         e_, st = w.plan.epochs, w.steps
-        share = (self.pfs_n + self.sync_n).reshape(w.n, e_, st).sum(axis=2) / w.plan.num_samples
-        return np.repeat(w.system.pfs_record_cost(share), st, axis=1)
+        reads = (self.pfs_n + self.sync_n).reshape(w.n, e_, st).sum(axis=2)
+        return np.repeat(self._cost_of(reads), st, axis=1)
 
     def fill_cost(self) -> np.ndarray:
         """The same for each background fill (its reads' share of the records)."""
-        w = self.w
-        fn = np.array([f[2] for f in self.fills], dtype=np.float64)
-        if w.per_file or not w.system.pfs_dense_MBps:
-            return np.ones(len(fn))
-        return w.system.pfs_record_cost(fn / w.plan.num_samples)
+        return self._cost_of(np.array([f[2] for f in self.fills], dtype=np.float64))
+
+    def _cost_of(self, reads: np.ndarray) -> np.ndarray:
+        if self.w.per_file:                     # a file of its own has no neighbours
+            return np.ones(reads.shape)
+        return self.w.system.pfs_record_cost(reads / self.w.plan.num_samples)
 
     def cpu_floor_s(self) -> "np.ndarray | float":
         """The least time a delivery takes on a node of ``System.cpus`` cores: its

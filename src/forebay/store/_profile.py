@@ -275,6 +275,8 @@ def _pfs(dataset: Path, readers: list[int], samples: int, pfs_bytes: int = 0,
     start = int(rng.integers(0, len(ds) - want + 1))
     dense = {} if want == len(ds) else \
         {n: timed(start + rng.permutation(want), n) for n in readers}
+    if not dense and progress is not None:     # the random reads were every record
+        progress.update(len(readers))
     return sparse, dense, want / len(ds), float(ds.sample_nbytes.mean()), files
 
 
@@ -361,12 +363,12 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
     write and cold read bandwidth, cold random reads of a packed dataset (the PFS) per
     reader count (one request per record: ``read_MBps`` of a random ``read_fraction``
     of the records, ``dense_MBps`` of every record of a range of as many) and its files
-    read cold in large sequential requests (``stream_MBps``), and, with an MPI communicator of 2 or
-    more ranks, one-sided get bandwidth from a peer's memory.  The dataset's reads
-    take at least ``samples`` records and ``pfs_bytes`` (or all of it) per reader
-    count.  ``progress``: a hook (:mod:`forebay.progress`) told each measurement as it
-    ends (this rank's: under MPI the dataset is read by rank 0 alone).  Returns a
-    profile (see :func:`dump_profile`)."""
+    read cold in large sequential requests (``stream_MBps``), and, with an MPI
+    communicator of 2 or more ranks, one-sided get bandwidth from a peer's memory.
+    The dataset's reads take at least ``samples`` records and ``pfs_bytes`` (or all of
+    it) per reader count.  ``progress``: a hook (:mod:`forebay.progress`) told each
+    measurement as it ends (this rank's: under MPI the dataset is read by rank 0
+    alone).  Returns a profile (see :func:`dump_profile`)."""
     import platform
 
     from ..progress import as_progress
@@ -379,52 +381,41 @@ def calibrate(*, ssd_dir: Optional[Path] = None, dataset: Optional[Path] = None,
     bar.start(1 + (ssd_dir is not None) + 3 * len(threads) * reads_pfs
               + (comm is not None and comm.Get_size() >= 2), "calibrate", "measurement")
     with bar:
-        return _calibrate(prof={"machine": {"description": f"{platform.node()} "
+        prof: dict[str, Any] = {"machine": {"description": f"{platform.node()} "
                                             f"{os.cpu_count()} cores {platform.machine()}",
-                                            "date": time.strftime("%Y-%m-%d %H:%M")}},
-                          bar=bar, ssd_dir=ssd_dir, dataset=dataset, threads=threads,
-                          ram_bytes=ram_bytes, ssd_bytes=ssd_bytes, samples=samples,
-                          comm=comm, rma_bytes=rma_bytes, pfs_bytes=pfs_bytes)
-
-
-def _calibrate(*, prof: dict[str, Any], bar: "Progress", ssd_dir: Optional[Path],
-               dataset: Optional[Path], threads: list[int], ram_bytes: int, ssd_bytes: int,
-               samples: int, comm: Any, rma_bytes: int, pfs_bytes: int) -> dict[str, Any]:
-    """:func:`calibrate`'s measurements, each told to ``bar`` as it ends."""
-    prof["ram"] = {"copy_MBps": _ram(threads, ram_bytes)}
-    bar.update(1)
-    if ssd_dir is not None:
-        w, r = _ssd(Path(ssd_dir), ssd_bytes)
-        prof["ssd"] = {"path": str(ssd_dir), "write_MBps": w, "read_MBps": r}
+                                            "date": time.strftime("%Y-%m-%d %H:%M")},
+                                "ram": {"copy_MBps": _ram(threads, ram_bytes)}}
         bar.update(1)
-    if dataset is not None:
-        # the file system is shared: under MPI rank 0 alone reads it while the others
-        # wait (every rank at once would each see a share of it, not t(k))
-        failure: Optional[BaseException] = None
-        if comm is None or comm.Get_rank() == 0:
-            try:
-                bw, dense, share, rec, files = _pfs(Path(dataset), threads, samples,
-                                                    pfs_bytes, bar)
-                if not dense:                  # the random reads were every record
+        if ssd_dir is not None:
+            w, r = _ssd(Path(ssd_dir), ssd_bytes)
+            prof["ssd"] = {"path": str(ssd_dir), "write_MBps": w, "read_MBps": r}
+            bar.update(1)
+        if dataset is not None:
+            # the file system is shared: under MPI rank 0 alone reads it while the others
+            # wait (every rank at once would each see a share of it, not t(k))
+            failure: Optional[BaseException] = None
+            if comm is None or comm.Get_rank() == 0:
+                try:
+                    bw, dense, share, rec, files = _pfs(Path(dataset), threads, samples,
+                                                        pfs_bytes, bar)
+                    prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
+                                   "record_bytes": round(rec), "read_fraction": round(share, 4),
+                                   "stream_MBps": _pfs_stream(files, threads)}
                     bar.update(len(threads))
-                prof["pfs"] = {"path": str(dataset), "read_MBps": bw,
-                               "record_bytes": round(rec), "read_fraction": round(share, 4),
-                               "stream_MBps": _pfs_stream(files, threads)}
-                bar.update(len(threads))
-                if dense:
-                    prof["pfs"]["dense_MBps"] = dense
-            except Exception as e:            # every rank ends, not only rank 0
-                failure = e
-        if comm is not None:
-            flag = np.array([failure is not None], dtype=np.int32)
-            comm.Bcast(flag, root=0)
-            if flag[0] and failure is None:
-                raise ForebayError("calibrate: rank 0 could not measure the parallel file "
-                                   "system (its error says why)")
-        if failure is not None:
-            raise failure
-    if comm is not None and comm.Get_size() >= 2:
-        prof["rma"] = {"get_MBps": {comm.Get_size(): _rma(comm, rma_bytes)},
-                       "ranks": comm.Get_size()}
-        bar.update(1)
+                    if dense:
+                        prof["pfs"]["dense_MBps"] = dense
+                except Exception as e:            # every rank ends, not only rank 0
+                    failure = e
+            if comm is not None:
+                flag = np.array([failure is not None], dtype=np.int32)
+                comm.Bcast(flag, root=0)
+                if flag[0] and failure is None:
+                    raise ForebayError("calibrate: rank 0 could not measure the parallel file "
+                                       "system (its error says why)")
+            if failure is not None:
+                raise failure
+        if comm is not None and comm.Get_size() >= 2:
+            prof["rma"] = {"get_MBps": {comm.Get_size(): _rma(comm, rma_bytes)},
+                           "ranks": comm.Get_size()}
+            bar.update(1)
     return prof
