@@ -11,6 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..plan import AccessPlan
+from . import _cores as cores
 from ._engine import F_PEER_RAM, F_PEER_SSD, F_PFS, SOURCES, Timeline, timeline
 from ._fluid import Fluid
 from ._system import System
@@ -184,9 +185,19 @@ class Run:
 
     def delivery_s(self, pfs_s: np.ndarray, floor: "np.ndarray | float") -> np.ndarray:
         """``[N, S]``: each delivery's time, its threads' PFS seconds ``pfs_s``, tier and
-        peer reads and writes over the threads, at least the node's CPU ``floor``."""
-        return np.maximum((pfs_s + self.other_s + self.write_mb * self.wcoef) / self.threads,
-                          floor)
+        peer reads and writes over the threads, at least the node's CPU ``floor``.  On
+        a node of ``System.cpus`` cores the threads queue for them: each batch's
+        preprocessing is CPU on the shared cores, the rest of its span the thread's
+        own, and the training process's CPU (hand-back, its own reads' preprocessing)
+        takes its share of the cores (:func:`._cores.delivery_s`)."""
+        sysm = self.w.system
+        span = pfs_s + self.other_s + self.write_mb * self.wcoef
+        if sysm.cpus is None:
+            return np.maximum(span / self.threads, floor)
+        prep = self.write_mb / sysm.preprocess_MBps              # CPU-seconds, one core
+        own = np.maximum(span - prep / sysm.core_share, 0.0)
+        return np.maximum(cores.delivery_s(own, prep, self.cpu_s() - prep, self.threads,
+                                           sysm.cpus), floor)
 
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
         """The timeline and the PFS thread-seconds per worker and step (a demand
