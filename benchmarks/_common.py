@@ -208,6 +208,20 @@ def rss_bytes() -> int:
     return 0
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) the live child processes of this one have used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me, total = os.getpid(), 0.0
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = st.read_text().rsplit(")", 1)[1].split()
+        except OSError:                              # a process that ended meanwhile
+            continue
+        if int(f[1]) == me:                          # fields after the name: ppid at 1
+            total += (int(f[11]) + int(f[12])) / tick   # utime, stime
+    return total
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

@@ -28,7 +28,9 @@ job (epoch 1 is cold), later epochs are warm:
   ``StreamingDataLoader(num_workers=2)``.
 
 Per job: set-up seconds (the store's preload or placement, the streaming dataset's
-construction), epoch seconds of the slowest rank.  Reported per workload: samples/s
+construction), epoch seconds of the slowest rank, and the CPU-seconds each epoch cost
+(``epoch_cpu_s``: every rank and its live child processes, a loader's workers,
+summed over the ranks; `benchmarks/sim/sim_cluster.py` checks its calibration with it).  Reported per workload: samples/s
 in the cold epoch with set-up counted and in the warm epochs (median), each as a ratio
 to the best peer of the same round (the fastest of the torch, streaming and litdata
 rows), min and median over rounds.  ``--compute-ms`` sleeps that long per step (an
@@ -102,7 +104,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import evict, files_under, machine, paced, throttled  # noqa: E402
+from _common import children_cpu_s, evict, files_under, machine, paced, throttled  # noqa: E402
 from _baselines import (image_collate, image_folder_dataset, list_collate,  # noqa: E402
                         pff_dataset)
 
@@ -209,7 +211,12 @@ def worker(a) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    times, counts = [], []
+    def total_of(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    times, counts, cpus = [], [], []
     setup = slowest(setup)
     mine = {"forebay": a.packed, "torch": a.pff, "mosaicml-streaming": a.mds,
             "litdata": a.lit}[c.split()[0]]
@@ -219,6 +226,8 @@ def worker(a) -> None:
         if e and a.evict_each_epoch and first_on_node:   # each node its own cache
             evict(files_under(Path(mine)))
         dist.barrier()
+        # the CPU the epoch costs: every rank and its live children (a loader's workers)
+        c0 = time.process_time() + children_cpu_s()
         t0 = time.perf_counter()
         n = 0
         for batch in loader:
@@ -229,13 +238,16 @@ def worker(a) -> None:
                 time.sleep(compute)
             if a.sync_steps:       # synchronous SGD's gradient all-reduce, as a barrier
                 dist.all_reduce(torch.zeros(1))
-        times.append(slowest(time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        cpus.append(total_of(time.process_time() + children_cpu_s() - c0))
+        times.append(slowest(dt))
         counts.append(n)
     total = torch.tensor([counts[0]], dtype=torch.int64)
     dist.all_reduce(total)
     if rank == 0:
         print("RESULT " + json.dumps({"epoch_s": times, "setup_s": setup,
-                                      "samples": int(total)}), flush=True)
+                                      "epoch_cpu_s": cpus, "samples": int(total)}),
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -459,7 +471,9 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
             print(f"rep {rep} {c:<22} set-up {r['setup_s']:6.2f} s, epochs "
                   f"{', '.join(f'{t:.2f}' for t in r['epoch_s'])} s ({n} samples)"
                   + (f"; the file system's server used {r['fs_server_cpu_s']:.2f} CPU-s"
-                     if cpu0 is not None else ""), flush=True)
+                     if cpu0 is not None else "")
+                  + f"; the ranks' CPU an epoch {', '.join(f'{t:.2f}' for t in r['epoch_cpu_s'])} s",
+                  flush=True)
 
 
 def _report(a, contenders, runs, throttle) -> None:

@@ -42,14 +42,15 @@ mount of its own (its own page cache), as a cluster's nodes have.
 
 Which policy models which loader: torch with 0 workers is *naive* (fetch, collate,
 compute in turn) over the files; torch with 2 workers is *staging* with 2 threads and
-its prefetch depth (2 workers x prefetch_factor 4 batches), on the node's cores
-(``System.cpus``: ``--cpus-per-node``): the workers' CPU a batch is its preprocessing,
-and the main process's CPU taking each batch back is the hand-back, in series with the
-step (``System.handback_MBps``), both timed over warm epochs through the workers
-(``torch 2 workers file_system``: the same over the figures timed with that sharing
-strategy);
-forebay direct is *staging* with the loader's one prefetch
-thread over the packed dataset; forebay preload and clairvoyant are *forebay-preload*
+its prefetch depth (2 workers x prefetch_factor 4 batches), queueing for the node's
+cores (``System.cpus``: ``--cpus-per-node``; docs/sim.md, "A node's cores"): the
+workers' CPU a batch is its preprocessing, and the main process's CPU taking each
+batch back is the hand-back, in series with the step (``System.handback_MBps``), both
+timed over warm epochs through the workers (``torch 2 workers file_system``: the same
+over the figures timed with that sharing strategy).  The table ends with the CPU a
+batch the runs spent on a node (peers_bench's ``epoch_cpu_s``) next to the
+calibration's.  forebay direct is *staging* with the loader's one prefetch thread over
+the packed dataset; forebay preload and clairvoyant are *forebay-preload*
 and *forebay-clairvoyant* (the runtime's own placement).
 
 forebay direct is left out of the error summary: it keeps the dataset mapped and the
@@ -77,7 +78,7 @@ sys.path.insert(0, str(HERE.parents[1]))                    # _common, _baseline
 sys.path.insert(0, str(HERE.parent))                        # sim_validate
 sys.path.insert(0, str(HERE.parents[2] / "tests"))          # cluster
 from _baselines import image_collate, image_folder_dataset  # noqa: E402
-from _common import machine, paced, throttled  # noqa: E402
+from _common import children_cpu_s, machine, paced, throttled  # noqa: E402
 from sim_validate import _cold_MBps, _rate  # noqa: E402
 
 #: torch DataLoader's prefetch: workers x prefetch_factor batches (peers_bench's settings)
@@ -137,20 +138,6 @@ def files_table(pff: Path, spec: str, readers=(1, 2, 4)) -> dict[int, float]:
     return {k: statistics.median(g[k] for g in got) for k in readers}
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds (user + system) the live child processes of this one have used."""
-    tick = os.sysconf("SC_CLK_TCK")
-    me, total = os.getpid(), 0.0
-    for st in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            f = st.read_text().rsplit(")", 1)[1].split()
-        except OSError:                              # a process that ended meanwhile
-            continue
-        if int(f[1]) == me:                          # fields after the name: ppid at 1
-            total += (int(f[11]) + int(f[12])) / tick   # utime, stime
-    return total
-
-
 def torch_workers(pff: Path, bs: int, workers: int, sharing: "str | None" = None) -> dict:
     """torch's DataLoader with ``workers`` worker processes over the files, warm (the
     median of REPEAT epochs after one): reading from the page cache, collating and handing each
@@ -172,13 +159,13 @@ def torch_workers(pff: Path, bs: int, workers: int, sharing: "str | None" = None
     got: dict[str, list] = {"MBps": [], "main_cpu_ms": [], "workers_cpu_ms": []}
     for epoch in range(REPEAT + 1):           # the first starts the workers: not counted
         it = iter(loader)                    # the workers exist from here on
-        c0, w0, t0 = time.process_time(), _children_cpu_s(), time.perf_counter()
+        c0, w0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
         n = sum(1 for _batch in it)
         t = time.perf_counter() - t0
         if epoch:
             got["MBps"].append(nbytes / t / 1e6)
             got["main_cpu_ms"].append(1e3 * (time.process_time() - c0) / n)
-            got["workers_cpu_ms"].append(1e3 * (_children_cpu_s() - w0) / n)
+            got["workers_cpu_ms"].append(1e3 * (children_cpu_s() - w0) / n)
     return {k: statistics.median(v) for k, v in got.items()}
 
 
@@ -270,6 +257,16 @@ def step_seconds(nodes: int, compute_ms: float, cpus: "float | None", workdir: P
     if proc.returncode or line is None:
         raise SystemExit(f"the step probe failed:\n{proc.stderr[-3000:]}")
     return float(line.split()[1])
+
+
+def _cpu_a_batch(runs: list[dict], bs: int, samples: int, nodes: int) -> "float | None":
+    """The CPU a batch costs a node in the runs' later epochs, every process of it (the
+    ranks and their workers; peers_bench's ``epoch_cpu_s``, summed over the nodes):
+    the median over the repetitions, in ms; None for runs without it."""
+    got = [statistics.mean(r["epoch_cpu_s"][1:]) / nodes for r in runs
+           if len(r.get("epoch_cpu_s", [])) > 1]
+    steps = -(-samples // (nodes * bs))                 # a node's batches an epoch
+    return 1e3 * statistics.median(got) / steps if got else None
 
 
 def _median_run(rows: list[dict]) -> dict:
@@ -404,8 +401,9 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
             c = bs * sz.mean() / 1e6 / (cms / 1e3) if cms else 1e9
             base = dict(compute_MBps=c, network_MBps=link, mem_MBps=mem,
                         ram_threads=1, ssd_threads=1, name="emulated cluster")
+            nw = int(name.split()[1]) if torch_run else 0
+            m_ms = w_ms = 0.0
             if torch_run:
-                nw = int(name.split()[1])
                 batch_MB = bs * sz.mean() / 1e6
                 # with workers: their CPU a batch and the main process's taking it
                 # back (in series with the step), both on the node's cores
@@ -453,7 +451,10 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
                          "measured_s": m_total, "predicted_s": res["total_s"],
                          "measured_first_s": m_first, "predicted_first_s": p_first,
                          "measured_later_s": m_later, "predicted_later_s": p_later,
-                         "binding": res.get("binding")})
+                         "binding": res.get("binding"),
+                         "cpu_ms": _cpu_a_batch(runs, bs, len(sz), ar.get("cluster") or 1)
+                         if nw else None,
+                         "calibrated_cpu_ms": m_ms + w_ms if nw else None})
     print("\n| nodes | loader | policy | run measured s | predicted s | error | epoch 1 "
           "error | later epochs error | PFS MB measured | predicted | bound |\n"
           "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -474,6 +475,11 @@ def predict(a: argparse.Namespace, docs: list, packed: Path, pff: Path,
         print(f"\nwhole runs (forebay direct left out): mean |error| {100 * np.mean(errs):.0f}%, max "
               f"{100 * max(errs):.0f}%; within 10%: {sum(e <= 0.10 for e in errs)} of "
               f"{len(errs)}, within 15%: {sum(e <= 0.15 for e in errs)}")
+    cpu = [r for r in rows if r["cpu_ms"] is not None]
+    if cpu:       # the calibration's CPU a batch against what the runs spent
+        print("\nCPU a batch on a node, its later epochs (every process) / the calibration's: "
+              + "; ".join(f"{r['loader']} at {r['nodes']}: {r['cpu_ms']:.1f} / "
+                          f"{r['calibrated_cpu_ms']:.1f} ms" for r in cpu))
     if a.json:
         a.json.write_text(json.dumps({"machine": machine(), "profile": prof,
                                       "step_ms": steps_ms,
