@@ -18,7 +18,7 @@ from forebay import AccessPlan  # noqa: E402
 from forebay.errors import InvalidArgumentError  # noqa: E402
 from forebay.torch import (DataLoader, Pipeline, TransformError, releases_gil,  # noqa: E402
                            sample_rng)
-from forebay.torch._start import fork_hazards  # noqa: E402
+from forebay.torch._start import choose_start, fork_hazards, gil_enabled  # noqa: E402
 
 N, BATCH = 60, 8
 
@@ -256,6 +256,36 @@ def test_auto_runs_marked_transforms_on_threads_and_forks_only_a_process_without
     assert "users-own-thread" not in " ".join(fork_hazards())
     with pytest.raises(InvalidArgumentError, match="cannot mark"):
         releases_gil(len)
+
+
+def test_without_the_gil_auto_runs_every_transform_on_threads():
+    """W item 2: on a free-threaded CPython threads run Python in parallel, so "auto"
+    picks them for a GIL-bound transform too; with the GIL the rule above holds."""
+    import sysconfig
+
+    assert choose_start("auto", own_rng_only, None, None, gil=False) == (
+        "thread", "this Python runs without the GIL (free-threaded)")
+    assert choose_start("auto", own_rng_only, None, None, gil=True)[0] in ("fork",
+                                                                          "forkserver")
+    assert choose_start("fork", own_rng_only, None, None, gil=False) == ("fork", "asked for")
+    if not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        assert gil_enabled()           # a standard build always runs with the GIL
+
+
+def test_a_free_threaded_python_runs_a_python_transform_on_threads(images):
+    import sysconfig
+
+    if not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        pytest.skip("this Python has the GIL (needs a free-threaded build, 3.13t or later)")
+    want = choose_start("auto", own_rng_only, None, None)[0]
+    assert want == ("thread" if not gil_enabled() else want)
+    dl = DataLoader(images, BATCH, comm=None, store="direct",
+                    pipeline=Pipeline(workers=2, transform=own_rng_only))
+    try:
+        assert sum(len(b["label"]) for b in dl) == len(dl) * BATCH
+        assert dl.stats()["worker_start"] == want
+    finally:
+        dl.close()
 
 
 @pytest.mark.parametrize("how", ["auto", "thread"])

@@ -13,7 +13,8 @@ from ..errors import InvalidArgumentError
 from ._threads import ThreadWorkers
 from ._workers import DEFAULT_TIMEOUT_S, WorkerPool, _picklable
 
-__all__ = ["START_METHODS", "choose_start", "fork_hazards", "make_workers", "releases_gil"]
+__all__ = ["START_METHODS", "choose_start", "fork_hazards", "gil_enabled", "make_workers",
+           "releases_gil"]
 
 #: ``Pipeline(worker_start=)``'s choices: ``"auto"`` picks one of the others
 START_METHODS = ("auto", "thread", "fork", "forkserver", "spawn")
@@ -60,10 +61,19 @@ def fork_hazards() -> list[str]:
     return out
 
 
+def gil_enabled() -> bool:
+    """Whether this interpreter runs with the GIL: False only on a free-threaded
+    CPython (3.13t and later) that has not turned it back on (``PYTHON_GIL=1``, or a
+    module that needs it)."""
+    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+
+
 def choose_start(start: str, transform: Optional[Callable], batch_transform: Optional[Callable],
-                 collate_fn: Optional[Callable]) -> tuple[str, str]:
+                 collate_fn: Optional[Callable], *, gil: Optional[bool] = None
+                 ) -> tuple[str, str]:
     """The workers' start method ``start`` stands for here, and why.  ``"auto"``:
-    threads when the transform is marked :func:`releases_gil`; else processes forked
+    threads when the transform is marked :func:`releases_gil` or the interpreter runs
+    without the GIL (``gil``: None asks it, :func:`gil_enabled`); else processes forked
     from this one when :func:`fork_hazards` finds none (or when the transform cannot
     be pickled: forked anyway, as torch's DataLoader always does); else started from a
     fork server (a clean process that imported torch once, started with the loader)."""
@@ -75,6 +85,8 @@ def choose_start(start: str, transform: Optional[Callable], batch_transform: Opt
     stage = transform if transform is not None else batch_transform
     if getattr(stage, "releases_gil", False) is True:
         return "thread", "the transform releases the GIL"
+    if not (gil_enabled() if gil is None else gil):
+        return "thread", "this Python runs without the GIL (free-threaded)"
     hazards = fork_hazards()
     if not hazards:
         return "fork", "no other thread, CUDA context or MPI in this process"
