@@ -830,10 +830,25 @@ def test_the_hand_back_is_in_series_with_the_step():
     half = simulate_policy("staging", one_worker(toy(handback_MBps=1.0, cpus=0.5,
                                                      preprocess_MBps=1e6)))
     # half a core: 4 s a hand-back, and a delivery (2 s of reads) lasts at least its
-    # batch's CPU on the node, the hand-back's included (a mean rate): 4 s
-    assert half["total_s"] == pytest.approx(4 + 4 * (4 + 2))
+    # batch's CPU on the node, the hand-back's included (a mean rate): 4 s (the
+    # thread's 2 us of CPU a batch, sharing the core with the hand-back, add 0.1%)
+    assert half["total_s"] == pytest.approx(4 + 4 * (4 + 2), rel=2e-3)
     # the hand-back's CPU counts on the node's cores too
     assert half["need_s"]["node CPU"] == pytest.approx(4 * 2 / 0.5, rel=1e-3)
+
+
+def test_the_hand_back_shares_the_cores_with_the_threads_there():
+    """On a node of half a core whose one prefetch thread is always preprocessing
+    (reads take no time; 0.5 CPU-s a batch), the training process's hand-back (2
+    CPU-s a batch) gets half of that half core: 8 s in series with each 2 s step, and
+    the thread's deliveries (at most every 5 s: the node's 2.5 CPU-s a batch) wait
+    for it.  Its least need stays 4 s a step (the core alone)."""
+    r = simulate_policy("staging", one_worker(toy(handback_MBps=1.0, cpus=0.5,
+                                                  preprocess_MBps=4.0,
+                                                  pfs_MBps={1: 1e9, 2: 2e9})))
+    assert r["total_s"] == pytest.approx(5 + 4 * (8 + 2))
+    assert r["need_s"]["hand-back"] == pytest.approx(4 * 2 + 4 * 4)
+    assert r["binding"] == "hand-back"
 
 
 @pytest.mark.parametrize("model", ["conserving", "thesis"])

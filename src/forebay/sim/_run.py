@@ -114,6 +114,9 @@ class Run:
         self.setup_write_s = 0.0         # the slowest worker's set-up preprocessing
         self.fill_read: Optional[tuple[np.ndarray, np.ndarray]] = None
         self.peer_mb = np.zeros(shape)
+        #: the mean number of prefetch threads at the node's cores, per delivery (set
+        #: by delivery_s with System.cpus): the training process shares them too
+        self.cores_busy = np.zeros(shape)
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
@@ -143,11 +146,17 @@ class Run:
         self.src_s += np.bincount(src.ravel(), other.ravel(), len(SOURCES)) / self.threads
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
 
-    def handback_s(self) -> np.ndarray:
+    def handback_s(self, shared: bool = True) -> np.ndarray:
         """``[N, S]``: the training process's seconds taking each step's batch back
         from the loader's worker processes (``System.handback_MBps``), in series with
-        the step like a read it makes itself (0 without)."""
-        return self.nbytes / 1e6 * self.w.system.handback_s_per_MB()
+        the step like a read it makes itself (0 without).  ``shared``: on a node of
+        ``System.cpus`` cores it shares them with the threads there (on average
+        ``cores_busy``, from :meth:`delivery_s`), min(1, cpus / (1 + busy)) of a core."""
+        sysm = self.w.system
+        alone = self.nbytes / 1e6 * sysm.handback_s_per_MB()
+        if not shared or sysm.cpus is None:
+            return alone
+        return alone * sysm.core_share / np.minimum(1.0, sysm.cpus / (1.0 + self.cores_busy))
 
     def cpu_s(self) -> np.ndarray:
         """``[N, S]``: the CPU seconds (on one core) of each step's batch on its worker:
@@ -196,8 +205,9 @@ class Run:
             return np.maximum(span / self.threads, floor)
         prep = self.write_mb / sysm.preprocess_MBps              # CPU-seconds, one core
         own = np.maximum(span - prep / sysm.core_share, 0.0)
-        return np.maximum(cores.delivery_s(own, prep, self.cpu_s() - prep, self.threads,
-                                           sysm.cpus), floor)
+        each, self.cores_busy = cores.delivery_s(own, prep, self.cpu_s() - prep,
+                                                 self.threads, sysm.cpus)
+        return np.maximum(each, floor)
 
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
         """The timeline and the PFS thread-seconds per worker and step (a demand
@@ -212,7 +222,7 @@ class Run:
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
-        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads) + self.handback_s()
+        own_write = self.sync_mb * sysm.write_s_per_MB(self.threads)
         floor = self.cpu_floor_s()
         cost = self.record_cost()
         gamma = np.full(self.pfs_mb.shape, float(w.n))
@@ -221,6 +231,7 @@ class Run:
             pfs_s = self.pfs_mb * coef + self.pfs_n * w.open_s
             sync_s = self.sync_mb * coef + self.sync_n * w.open_s
             read = self.delivery_s(pfs_s, floor)
+            sync_write = own_write + self.handback_s()
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all" or w.n == 1:
                 break
@@ -251,7 +262,7 @@ class Run:
         w, sysm = self.w, self.w.system
         cap = sysm.staging_bytes if staging_bytes is None else staging_bytes
         comp = w.step_compute_s()[None, :]
-        sync_write = self.sync_mb * sysm.write_s_per_MB(self.threads) + self.handback_s()
+        own_write = self.sync_mb * sysm.write_s_per_MB(self.threads)
         floor = self.cpu_floor_s()
         own_cap = sysm.pfs_client_MBps
         cost, fcost = self.record_cost(), self.fill_cost()
@@ -273,6 +284,7 @@ class Run:
             pfs_s = self.pfs_mb * cost / rate + self.pfs_n * w.open_s
             sync_s = self.sync_mb * cost / srate + self.sync_n * w.open_s
             read = self.delivery_s(pfs_s, floor)
+            sync_write = own_write + self.handback_s()
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all":
                 break
@@ -390,7 +402,7 @@ class Run:
                 "tier and peer reads": worker(self.other_s) / self.threads,
                 "preprocessing": prep_e}
         if sysm.handback_MBps is not None:     # the training process's chain: in series
-            each["hand-back"] = comp_e + worker(self.handback_s())
+            each["hand-back"] = comp_e + worker(self.handback_s(shared=False))
         if sysm.cpus is not None:
             each["node CPU"] = worker(self.cpu_s()) / sysm.cpus
         names = list(each)
