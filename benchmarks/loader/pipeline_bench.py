@@ -193,6 +193,7 @@ def contenders(workload: str) -> list[str]:
         out += [f"forebay {mode} (auto)", f"forebay {mode} (spawn)"]
     out += [f"forebay {mode} ({'thread' if workload == 'python' else 'fork'})"
             for mode in ("direct", "preload")]
+    out += [f"forebay {mode} (forkserver)" for mode in ("direct", "preload")]
     return out
 
 
