@@ -167,12 +167,15 @@ def job(a: argparse.Namespace) -> dict:
             with p.auto_stop():
                 yield from p
         return _timed(epoch, a.epochs, t0, c0)
-    from forebay.torch import DataLoader, Pipeline
+    from forebay.torch import DataLoader, Pipeline, store_settings
 
     mode, start = name.split()[1], name.split("(")[1].rstrip(")")
+    # "preload-overlap": training starts while the preload loads (a local disk's
+    # default is to load first)
+    store = store_settings("preload", overlap=True) if mode == "preload-overlap" else mode
     t0 = time.perf_counter()
     dl = DataLoader(packed, a.batch, comm=None, seed=0, epochs=a.epochs, progress=False,
-                    store=mode, pipeline=Pipeline(transform=T, workers=w, worker_start=start))
+                    store=store, pipeline=Pipeline(transform=T, workers=w, worker_start=start))
 
     def fb_epoch(e: int):
         dl.set_epoch(e)
@@ -194,6 +197,7 @@ def contenders(workload: str) -> list[str]:
     out += [f"forebay {mode} ({'thread' if workload == 'python' else 'fork'})"
             for mode in ("direct", "preload")]
     out += [f"forebay {mode} (forkserver)" for mode in ("direct", "preload")]
+    out.append("forebay preload-overlap (auto)")
     return out
 
 
