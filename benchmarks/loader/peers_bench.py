@@ -29,15 +29,15 @@ job (epoch 1 is cold), later epochs are warm:
 
 Per job: set-up seconds (the store's preload or placement, the streaming dataset's
 construction), epoch seconds of the slowest rank, and the CPU-seconds each epoch cost
-(``epoch_cpu_s``: every rank and its live child processes, a loader's workers,
-summed over the ranks; `benchmarks/sim/sim_cluster.py` checks its calibration with it).  Reported per workload: samples/s
-in the cold epoch with set-up counted and in the warm epochs (median), each as a ratio
-to the best peer of the same round (the fastest of the torch, streaming and litdata
-rows), min and median over rounds.  ``--compute-ms`` sleeps that long per step (an
-accelerator's step, as the host sees it).  ``--touch``: the training loop reads every
-byte of every image once (an xxh3 of each: what a decoder would do; without it a
-contender that lends its samples is never charged for reading them, while one that
-copies them has read them once).
+(``epoch_cpu_s``: every rank and its live child processes, a loader's workers, summed
+over the ranks; ``benchmarks/sim/sim_cluster.py`` checks its calibration with it).
+Reported per workload: samples/s in the cold epoch with set-up counted and in the warm
+epochs (median), each as a ratio to the best peer of the same round (the fastest of the
+torch, streaming and litdata rows), min and median over rounds.  ``--compute-ms`` sleeps
+that long per step (an accelerator's step, as the host sees it).  ``--touch``: the
+training loop reads every byte of every image once (an xxh3 of each: what a decoder
+would do; without it a contender that lends its samples is never charged for reading
+them, while one that copies them has read them once).
 
 ``--throttle MBPS[,IOPS]`` runs every job in a block-I/O cgroup that caps reads from
 the data's disk (root only; unmodified peers read through it too): a slow shared file
@@ -206,18 +206,13 @@ def worker(a) -> None:
         raise SystemExit(f"unknown contender {c!r}")
     setup = time.perf_counter() - t0
 
-    def slowest(dt: float) -> float:
-        t = torch.tensor([dt], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    def total_of(x: float) -> float:
+    def over_ranks(x: float, op=dist.ReduceOp.MAX) -> float:
         t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
         return float(t)
 
     times, counts, cpus = [], [], []
-    setup = slowest(setup)
+    setup = over_ranks(setup)
     mine = {"forebay": a.packed, "torch": a.pff, "mosaicml-streaming": a.mds,
             "litdata": a.lit}[c.split()[0]]
     for e in range(a.epochs):
@@ -239,8 +234,9 @@ def worker(a) -> None:
             if a.sync_steps:       # synchronous SGD's gradient all-reduce, as a barrier
                 dist.all_reduce(torch.zeros(1))
         dt = time.perf_counter() - t0
-        cpus.append(total_of(time.process_time() + children_cpu_s() - c0))
-        times.append(slowest(dt))
+        cpus.append(over_ranks(time.process_time() + children_cpu_s() - c0,
+                               dist.ReduceOp.SUM))
+        times.append(over_ranks(dt))
         counts.append(n)
     total = torch.tensor([counts[0]], dtype=torch.int64)
     dist.all_reduce(total)
@@ -472,7 +468,8 @@ def _rounds(a, contenders, paths, files, env, runs, throttle, cluster=None) -> N
                   f"{', '.join(f'{t:.2f}' for t in r['epoch_s'])} s ({n} samples)"
                   + (f"; the file system's server used {r['fs_server_cpu_s']:.2f} CPU-s"
                      if cpu0 is not None else "")
-                  + f"; the ranks' CPU an epoch {', '.join(f'{t:.2f}' for t in r['epoch_cpu_s'])} s",
+                  + "; the ranks' CPU an epoch "
+                  + ", ".join(f"{t:.2f}" for t in r["epoch_cpu_s"]) + " s",
                   flush=True)
 
 

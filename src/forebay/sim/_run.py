@@ -114,9 +114,6 @@ class Run:
         self.setup_write_s = 0.0         # the slowest worker's set-up preprocessing
         self.fill_read: Optional[tuple[np.ndarray, np.ndarray]] = None
         self.peer_mb = np.zeros(shape)
-        #: the mean number of prefetch threads at the node's cores, per delivery (set
-        #: by delivery_s with System.cpus): the training process shares them too
-        self.cores_busy = np.zeros(shape)
 
     def peer_or_pfs(self, peer_src: np.ndarray) -> np.ndarray:
         """The faster of a peer's copy and the file system, per sample (NoPFS §4)."""
@@ -146,17 +143,17 @@ class Run:
         self.src_s += np.bincount(src.ravel(), other.ravel(), len(SOURCES)) / self.threads
         self.src_n += np.bincount(src.ravel(), minlength=len(SOURCES))
 
-    def handback_s(self, shared: bool = True) -> np.ndarray:
+    def handback_s(self, busy: "np.ndarray | float" = 0.0) -> np.ndarray:
         """``[N, S]``: the training process's seconds taking each step's batch back
         from the loader's worker processes (``System.handback_MBps``), in series with
-        the step like a read it makes itself (0 without).  ``shared``: on a node of
-        ``System.cpus`` cores it shares them with the threads there (on average
-        ``cores_busy``, from :meth:`delivery_s`), min(1, cpus / (1 + busy)) of a core."""
+        the step like a read it makes itself (0 without).  On a node of
+        ``System.cpus`` cores it shares them with the ``busy`` threads there (on
+        average, from :meth:`delivery_s`): min(1, cpus / (1 + busy)) of a core."""
         sysm = self.w.system
         alone = self.nbytes / 1e6 * sysm.handback_s_per_MB()
-        if not shared or sysm.cpus is None:
+        if sysm.cpus is None:
             return alone
-        return alone * sysm.core_share / np.minimum(1.0, sysm.cpus / (1.0 + self.cores_busy))
+        return alone * sysm.core_share / np.minimum(1.0, sysm.cpus / (1.0 + busy))
 
     def cpu_s(self) -> np.ndarray:
         """``[N, S]``: the CPU seconds (on one core) of each step's batch on its worker:
@@ -192,22 +189,24 @@ class Run:
         cpus = self.w.system.cpus
         return 0.0 if cpus is None else self.cpu_s() / cpus
 
-    def delivery_s(self, pfs_s: np.ndarray, floor: "np.ndarray | float") -> np.ndarray:
+    def delivery_s(self, pfs_s: np.ndarray, floor: "np.ndarray | float"
+                   ) -> tuple[np.ndarray, "np.ndarray | float"]:
         """``[N, S]``: each delivery's time, its threads' PFS seconds ``pfs_s``, tier and
         peer reads and writes over the threads, at least the node's CPU ``floor``.  On
         a node of ``System.cpus`` cores the threads queue for them: each batch's
         preprocessing is CPU on the shared cores, the rest of its span the thread's
         own, and the training process's CPU (hand-back, its own reads' preprocessing)
-        takes its share of the cores (:func:`._cores.delivery_s`)."""
+        takes its share of the cores (:func:`._cores.delivery_s`).  Also the mean
+        number of threads at the cores (0 without ``cpus``)."""
         sysm = self.w.system
         span = pfs_s + self.other_s + self.write_mb * self.wcoef
         if sysm.cpus is None:
-            return np.maximum(span / self.threads, floor)
+            return np.maximum(span / self.threads, floor), 0.0
         prep = self.write_mb / sysm.preprocess_MBps              # CPU-seconds, one core
         own = np.maximum(span - prep / sysm.core_share, 0.0)
-        each, self.cores_busy = cores.delivery_s(own, prep, self.cpu_s() - prep,
-                                                 self.threads, sysm.cpus)
-        return np.maximum(each, floor)
+        each, busy = cores.delivery_s(own, prep, self.cpu_s() - prep, self.threads,
+                                      sysm.cpus)
+        return np.maximum(each, floor), busy
 
     def solve(self, staging_bytes: Optional[int] = None) -> tuple[Timeline, np.ndarray]:
         """The timeline and the PFS thread-seconds per worker and step (a demand
@@ -230,8 +229,8 @@ class Run:
             coef = sysm.pfs_s_per_MB(gamma) * cost
             pfs_s = self.pfs_mb * coef + self.pfs_n * w.open_s
             sync_s = self.sync_mb * coef + self.sync_n * w.open_s
-            read = self.delivery_s(pfs_s, floor)
-            sync_write = own_write + self.handback_s()
+            read, busy = self.delivery_s(pfs_s, floor)
+            sync_write = own_write + self.handback_s(busy)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all" or w.n == 1:
                 break
@@ -283,8 +282,8 @@ class Run:
         for _ in range(80):
             pfs_s = self.pfs_mb * cost / rate + self.pfs_n * w.open_s
             sync_s = self.sync_mb * cost / srate + self.sync_n * w.open_s
-            read = self.delivery_s(pfs_s, floor)
-            sync_write = own_write + self.handback_s()
+            read, busy = self.delivery_s(pfs_s, floor)
+            sync_write = own_write + self.handback_s(busy)
             tl = timeline(read, comp, self.nbytes, cap, self.setup_s, sync_s + sync_write)
             if sysm.pfs_readers == "all":
                 break
@@ -402,7 +401,7 @@ class Run:
                 "tier and peer reads": worker(self.other_s) / self.threads,
                 "preprocessing": prep_e}
         if sysm.handback_MBps is not None:     # the training process's chain: in series
-            each["hand-back"] = comp_e + worker(self.handback_s(shared=False))
+            each["hand-back"] = comp_e + worker(self.handback_s())      # the core alone
         if sysm.cpus is not None:
             each["node CPU"] = worker(self.cpu_s()) / sysm.cpus
         names = list(each)
