@@ -9,6 +9,10 @@ epochs, side by side with the pipelines a user would pick instead:
 * SPDL 0.8 (Meta's thread-based pipeline): the file read and the transform in one
   stage with ``concurrency=W`` on a thread pool, then batching and collation (a new
   pipeline each epoch, over the epoch's shuffled order);
+* torchdata.nodes 0.11: the same stage on a ``ParallelMapper`` of W threads or of W
+  forked processes, then ``Batcher``, collation and a ``Prefetcher``;
+* NVIDIA DALI 2.4 on the CPU (decode only): its file reader, its fused decode and
+  random crop (only the crop's region decoded), resize and flip, on W threads;
 * forebay direct and preload with ``workers=W`` and the default ``worker_start="auto"``
   (and, for comparison, ``"spawn"``, the default before, and ``"thread"`` on the
   Python workload, where threads are the wrong choice).
@@ -29,8 +33,11 @@ median over rounds).
     PYTHONPATH=/tmp/peerlib python benchmarks/loader/pipeline_bench.py \\
         --out /tmp/pipe --samples 3000 --workers 2 --rounds 3
 
-(SPDL: ``pip install --no-deps --target /tmp/peerlib spdl==0.8.0 spdl-core==0.8.0
-spdl-io==0.8.0``; left out when it is not importable.)
+Peers left out when they are not importable: SPDL and torchdata.nodes (``pip install
+--no-deps --target /tmp/peerlib spdl==0.8.0 spdl-core==0.8.0 spdl-io==0.8.0
+torchdata==0.11.0``), DALI on the CPU, the decode workload only (``pip install --target
+/tmp/dalilib nvidia-dali-cuda120==2.4.0``, then that folder's numpy removed, and
+``PYTHONPATH=/tmp/peerlib:/tmp/dalilib``).
 """
 
 from __future__ import annotations
@@ -52,7 +59,11 @@ from _common import evict, files_under, jpeg_dataset, machine  # noqa: E402
 
 from forebay.torch import DecodeCropFlip  # noqa: E402
 
-PEERS = ("torch DataLoader (fork)", "torch DataLoader (spawn)", "SPDL (threads)")
+PEERS = ("torch DataLoader (fork)", "torch DataLoader (spawn)", "SPDL (threads)",
+         "torchdata.nodes (threads)", "torchdata.nodes (fork)", "DALI (CPU)")
+#: what each peer needs importable (left out where it is not)
+NEEDS = {"SPDL (threads)": "spdl.pipeline", "torchdata.nodes (threads)": "torchdata.nodes",
+         "torchdata.nodes (fork)": "torchdata.nodes", "DALI (CPU)": "nvidia.dali"}
 
 
 class PyWork:
@@ -95,7 +106,8 @@ def _items(src: Path) -> list:
 
 def _tree_cpu() -> float:
     """CPU seconds (user + system) of this process and every live descendant (worker
-    processes, a fork server's children), from /proc."""
+    processes, a fork server's children), from /proc, with what each has of its
+    children that ended (workers that stop at an epoch's end)."""
     tick = os.sysconf("SC_CLK_TCK")
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
@@ -108,7 +120,7 @@ def _tree_cpu() -> float:
         except OSError:
             continue
         parent[int(d)] = int(fields[1])
-        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / tick
+        cpu[int(d)] = sum(int(x) for x in fields[11:15]) / tick
     me, total = os.getpid(), 0.0
     for pid, c in cpu.items():
         p = pid
@@ -141,7 +153,7 @@ def job(a: argparse.Namespace) -> dict:
     src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
     name, T, w = a.job, TRANSFORMS[a.workload], a.workers
     c0 = _tree_cpu()
-    if name.startswith("torch"):
+    if name.startswith("torch DataLoader"):
         ctx = "spawn" if "spawn" in name else "fork"
         t0 = time.perf_counter()
         dl = torch.utils.data.DataLoader(
@@ -167,6 +179,10 @@ def job(a: argparse.Namespace) -> dict:
             with p.auto_stop():
                 yield from p
         return _timed(epoch, a.epochs, t0, c0)
+    if name.startswith("torchdata"):
+        return _torchdata_nodes(a, "process" if "fork" in name else "thread", c0)
+    if name.startswith("DALI"):
+        return _dali(a, c0)
     from forebay.torch import DataLoader, Pipeline, store_settings
 
     mode, start = name.split()[1], name.split("(")[1].rstrip(")")
@@ -186,12 +202,60 @@ def job(a: argparse.Namespace) -> dict:
     return out
 
 
+def _torchdata_nodes(a: argparse.Namespace, method: str, c0: float) -> dict:
+    """torchdata.nodes: the file read and the transform on a ``ParallelMapper`` of
+    ``W`` threads or forked processes, then batching, collation and a prefetcher of 4
+    batches; the ``Loader`` re-iterated each epoch over a new shuffle."""
+    from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, Prefetcher, SamplerWrapper
+
+    t0 = time.perf_counter()
+    folder = Folder(_items(a.out / f"jpeg-{a.samples}"), a.workload)
+    sampler = torch.utils.data.RandomSampler(folder, generator=torch.Generator().manual_seed(0))
+    node = ParallelMapper(SamplerWrapper(sampler), folder.__getitem__, num_workers=a.workers,
+                          method=method,
+                          multiprocessing_context="fork" if method == "process" else None)
+    node = Prefetcher(Mapper(Batcher(node, a.batch, drop_last=False),
+                             torch.utils.data.default_collate), 4)
+    loader = Loader(node)
+    return _timed(lambda e: loader, a.epochs, t0, c0)
+
+
+def _dali(a: argparse.Namespace, c0: float) -> dict:
+    """NVIDIA DALI's pipeline on the CPU (no GPU here): its file reader (shuffled),
+    its fused decode and random crop (``decoders.image_random_crop``: only the crop's
+    region is decoded), resize to the size, random flip, on ``W`` threads; the
+    decode workload only (a Python transform is not what DALI runs)."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    t0 = time.perf_counter()
+    items = _items(a.out / f"jpeg-{a.samples}")
+
+    @pipeline_def(batch_size=a.batch, num_threads=a.workers, device_id=None, seed=0)
+    def pipe():
+        jpegs, labels = fn.readers.file(files=[f for f, _ in items],
+                                        labels=[c for _, c in items], random_shuffle=True,
+                                        name="files")
+        img = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+        img = fn.resize(img, resize_x=224, resize_y=224)
+        img = fn.flip(img, horizontal=fn.random.coin_flip())
+        return img, labels
+    it = DALIGenericIterator([pipe()], ["image", "label"], reader_name="files",
+                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+    return _timed(lambda e: it, a.epochs, t0, c0)
+
+
 def contenders(workload: str) -> list[str]:
-    out = list(PEERS)
-    try:
-        import spdl.pipeline  # noqa: F401
-    except ImportError:
-        out.remove("SPDL (threads)")
+    import importlib.util
+
+    out = [n for n in PEERS if not (n == "DALI (CPU)" and workload != "decode")]
+    for name, module in NEEDS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found and name in out:
+            out.remove(name)
     for mode in ("direct", "preload"):
         out += [f"forebay {mode} (auto)", f"forebay {mode} (spawn)"]
     out += [f"forebay {mode} ({'thread' if workload == 'python' else 'fork'})"
