@@ -175,6 +175,44 @@ def test_every_way_of_running_workers_gives_the_tensors_of_the_loaders_thread(im
         assert torch.equal(a["img"], b["img"]) and torch.equal(a["label"], b["label"])
 
 
+class MeetOnTheFirstBatch:
+    """Each thread that transforms a sample of the first batch waits there until a
+    second thread has done so too: a batch made by one thread alone never gets past
+    its first sample (the barrier breaks after its timeout)."""
+
+    def __init__(self, first: np.ndarray) -> None:
+        self.first = set(first.tolist())
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, s):
+        if int(s["label"]) in self.first:
+            me = threading.current_thread().name
+            with self.lock:
+                new = me not in self.seen
+                self.seen.add(me)
+            if new:
+                self.barrier.wait()
+        return {"label": int(s["label"])}
+
+
+def test_threads_share_each_batch_so_the_first_comes_at_their_joint_pace(images):
+    """W item 1: on threads, a batch is made in parts, one a thread, and collated in
+    its order: the epoch's first batch (the pipeline empty) is ready when the threads
+    together have made it, not after one thread made all of it."""
+    plan = AccessPlan(N, 1, 6, 1, seed=4)       # 6 divides N: no padded repeats
+    meet = MeetOnTheFirstBatch(plan.batches(0, 0)[0])
+    dl = DataLoader(images, 6, epochs=1, seed=4, comm=None, store="direct",
+                    pipeline=Pipeline(workers=2, transform=meet, worker_start="thread"))
+    try:
+        got = [b["label"].tolist() for b in dl]
+    finally:
+        dl.close()
+    assert len(meet.seen) == 2
+    assert got == [b.tolist() for b in plan.batches(0, 0)]
+
+
 def sizes_of_results(s):
     """Results of every size: a label, a small float array, a large byte array, a
     bfloat16 value (a dtype NumPy lacks)."""

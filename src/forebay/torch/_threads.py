@@ -5,24 +5,55 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ..dataset import SampleBatch
+from ._collate import collate_samples
 from ._workers import (DEFAULT_TIMEOUT_S, _POLL_S, TransformError, _check_pool_args, _Pending,
-                       transform_batch)
+                       transform_batch, transform_samples)
 
 __all__ = ["ThreadWorkers"]
 
 
+class _Parts:
+    """One batch transformed in parts, each on the next free thread: the thread that
+    finishes the last part collates the samples (in the batch's order) and completes
+    :attr:`future`.  ``running``: the threads on a part now (named if it hangs)."""
+
+    def __init__(self, parts: int) -> None:
+        self.future: "Future[Any]" = Future()
+        self.samples: list[Optional[list[Any]]] = [None] * parts
+        self.left = parts
+        self.error: Optional[BaseException] = None
+        self.running: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def started(self, part: int) -> None:
+        with self.lock:
+            self.running[part] = threading.current_thread().name
+
+    def finished(self, part: int, samples: Optional[list[Any]],
+                 error: Optional[BaseException]) -> bool:
+        """Record a part; True for the caller that finished the last one."""
+        with self.lock:
+            self.running.pop(part, None)
+            self.samples[part] = samples
+            if error is not None and self.error is None:
+                self.error = error
+            self.left -= 1
+            return self.left == 0
+
+
 class _ThreadPending(_Pending):
-    """A batch on a transform thread (a future of the pool's executor)."""
+    """A batch on the transform threads (in one part or several)."""
 
     def __init__(self, pool: "ThreadWorkers", key: tuple[int, int, int], ids: np.ndarray,
-                 future: Any, where: dict[str, str]) -> None:
+                 parts: _Parts) -> None:
         super().__init__(pool, key, -1, ids)
-        self.future, self.where = future, where
+        self.parts = parts
 
     def result(self) -> Any:
         from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,15 +62,17 @@ class _ThreadPending(_Pending):
         t0 = None
         while True:
             try:
-                return self.future.result(timeout=_POLL_S)
+                return self.parts.future.result(timeout=_POLL_S)
             except FutureTimeout:
-                if "thread" not in self.where:
+                with self.parts.lock:
+                    names = sorted(self.parts.running.values())
+                if not names:
                     continue          # still queued behind other batches: not its time
                 t0 = t0 if t0 is not None else time.monotonic()
                 if timeout is not None and time.monotonic() - t0 > timeout:
                     ids = self.ids
                     raise TransformError(
-                        f"transform thread {self.where['thread']} returned nothing for "
+                        f"transform thread {', '.join(names)} returned nothing for "
                         f"{timeout:g} s on the batch of epoch {self.key[1]} step "
                         f"{self.key[2]} (samples {ids[:8].tolist()}"
                         f"{'...' if len(ids) > 8 else ''}): a transform that deadlocked; "
@@ -52,9 +85,13 @@ class ThreadWorkers:
     """``workers`` threads of the training process applying the transform (or
     ``batch_transform``) and the collation: for transforms that release the GIL
     (:func:`releases_gil`).  They start at once, receive the store's batch as it is
-    (no shared memory, no pickling) and hand back what the transform returns.  Python's,
-    NumPy's and torch's global generators are the training's, left alone, as with
-    ``workers=0``; :func:`sample_rng` gives each sample its own (thread-local)."""
+    (no shared memory, no pickling) and hand back what the transform returns.  A
+    per-sample ``transform`` runs each batch in ``workers`` parts, one per thread, so
+    that a batch is ready as soon as the threads together can make it (the first one
+    of an epoch too, with the pipeline empty); the samples and their seeds are the
+    same, and a ``batch_transform`` runs whole.  Python's, NumPy's and torch's global
+    generators are the training's, left alone, as with ``workers=0``;
+    :func:`sample_rng` gives each sample its own (thread-local)."""
 
     def __init__(self, workers: int, transform: Optional[Callable],
                  batch_transform: Optional[Callable], collate_fn: Optional[Callable],
@@ -63,6 +100,7 @@ class ThreadWorkers:
 
         _check_pool_args(workers, timeout)
         self.timeout = timeout
+        self.workers = workers
         self._stages = (transform, batch_transform, collate_fn)
         self.seed = seed
         self._ex = ThreadPoolExecutor(workers, thread_name_prefix="forebay-transform")
@@ -70,25 +108,53 @@ class ThreadWorkers:
         self.generation = 0
         self._closed = False
 
-    def _run(self, batch: SampleBatch, epoch: int, step: int, where: dict[str, str]) -> Any:
-        where["thread"] = threading.current_thread().name
+    def _run(self, parts: _Parts, part: int, batch: SampleBatch, start: int, stop: int,
+             epoch: int, step: int) -> None:
+        parts.started(part)
+        transform, batch_transform, collate_fn = self._stages
+        samples, error = None, None
         try:
-            return transform_batch(batch, *self._stages, self.seed, epoch)
-        except TransformError:
-            raise
+            if len(parts.samples) == 1:
+                samples = [transform_batch(batch, *self._stages, self.seed, epoch)]
+            else:
+                samples = transform_samples(batch, transform, self.seed, epoch, start, stop)
         except Exception as e:
-            raise TransformError(f"batch of epoch {epoch} step {step}: {type(e).__name__}: "
-                                 f"{e} (in transform thread {where['thread']})") from e
+            error = e
+        if not parts.finished(part, samples, error):
+            return
+        try:
+            if parts.error is not None:
+                raise parts.error
+            if len(parts.samples) == 1:
+                out = parts.samples[0][0]  # type: ignore[index]
+            else:
+                out = collate_samples([x for p in parts.samples for x in p or ()],
+                                      collate_fn)
+        except TransformError as e:
+            parts.future.set_exception(e)
+        except Exception as e:
+            err = TransformError(f"batch of epoch {epoch} step {step}: {type(e).__name__}: "
+                                 f"{e} (in transform thread "
+                                 f"{threading.current_thread().name})")
+            err.__cause__ = e
+            parts.future.set_exception(err)
+        else:
+            parts.future.set_result(out)
 
     def submit(self, epoch: int, step: int, batch: SampleBatch) -> _ThreadPending:
-        """Hand a batch to the next free thread."""
+        """Hand a batch to the threads: its parts to the next free ones."""
         if self._closed:
             raise TransformError("the transform workers are closed")
-        where: dict[str, str] = {}
-        fut = self._ex.submit(self._run, batch, epoch, step, where)
-        self._futures.add(fut)
-        fut.add_done_callback(self._futures.discard)
-        return _ThreadPending(self, (self.generation, epoch, step), batch.ids, fut, where)
+        n = len(batch.ids)
+        k = 1 if self._stages[1] is not None else max(1, min(self.workers, n))
+        parts = _Parts(k)
+        bounds = [n * i // k for i in range(k + 1)]
+        for i in range(k):
+            fut = self._ex.submit(self._run, parts, i, batch, bounds[i], bounds[i + 1],
+                                  epoch, step)
+            self._futures.add(fut)
+            fut.add_done_callback(self._futures.discard)
+        return _ThreadPending(self, (self.generation, epoch, step), batch.ids, parts)
 
     def new_pass(self) -> None:
         """A new pass over an epoch: batches of earlier passes not started yet are

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..dataset import SampleViews
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, MissingDependencyError
 from ._workers import sample_rng
 
 __all__ = ["DecodeCropFlip", "BatchDecodeCropFlip"]
@@ -36,6 +36,15 @@ class DecodeCropFlip:
                  ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
         self.size, self.image, self.label = size, image, label
         self.scale, self.ratio = scale, ratio
+        # Pillow's import now, not in the first batch (where its first import, with the
+        # collection of the training process's objects it can set off, took 80-90 ms of
+        # a 2-core machine's first batch)
+        try:
+            from PIL import Image
+        except ImportError as e:
+            raise MissingDependencyError(f"DecodeCropFlip decodes with Pillow, which is not "
+                                         f"importable here ({e}); pip install Pillow") from e
+        Image.preinit()
 
     def crop_box(self, width: int, height: int, rng: np.random.Generator
                  ) -> tuple[int, int, int, int]:
@@ -64,9 +73,10 @@ class DecodeCropFlip:
             rng = np.random.default_rng()
         raw = sample[self.image]
         with Image.open(io.BytesIO(raw.tobytes() if hasattr(raw, "tobytes") else raw)) as f:
-            rgb = f.convert("RGB")
-        box = self.crop_box(rgb.width, rgb.height, rng)
-        out = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+            f.load()
+            rgb = f if f.mode == "RGB" else f.convert("RGB")  # (convert copies an RGB one)
+            box = self.crop_box(rgb.width, rgb.height, rng)
+            out = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
         arr = np.asarray(out)
         if rng.random() < 0.5:
             arr = arr[:, ::-1]

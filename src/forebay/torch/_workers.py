@@ -38,7 +38,7 @@ from ._handover import (HeldBuffers, SharedRing, _inline_small, _over, _pack,
                         _restore_small, _unpack, collate_shared)
 
 __all__ = ["TransformError", "WorkerPool", "sample_rng", "sample_rngs", "transform_batch",
-           "seed_sample", "start_forkserver"]
+           "transform_samples", "seed_sample", "start_forkserver"]
 
 def _ring_keep(workers: int) -> int:
     """Free input buffers the loader's SharedRing keeps for reuse."""
@@ -167,8 +167,18 @@ def transform_batch(batch: "SampleBatch | SampleViews", transform: Optional[Call
     if batch_transform is not None:
         seed_sample(seed, epoch, int(batch.ids[0]) if len(batch.ids) else 0, in_worker)
         return batch_transform(batch)
+    return collate_samples(transform_samples(batch, transform, seed, epoch, 0,
+                                             len(batch.ids), in_worker), collate_fn)
+
+
+def transform_samples(batch: "SampleBatch | SampleViews", transform: Optional[Callable],
+                      seed: int, epoch: int, start: int, stop: int,
+                      in_worker: bool = False) -> list[Any]:
+    """``transform`` applied to samples ``[start, stop)`` of ``batch``, each with its
+    own seed (:func:`seed_sample`): a part of :func:`transform_batch`, the same samples
+    whichever thread or process runs it."""
     out = []
-    for k, sid in enumerate(batch.ids.tolist()):
+    for k, sid in enumerate(batch.ids[start:stop].tolist(), start):
         seed_sample(seed, epoch, sid, in_worker)
         try:
             out.append(transform(batch.sample(k)) if transform is not None
@@ -176,7 +186,7 @@ def transform_batch(batch: "SampleBatch | SampleViews", transform: Optional[Call
         except Exception as e:
             raise TransformError(f"the transform failed on sample {sid} (epoch {epoch}): "
                                  f"{type(e).__name__}: {e}") from e
-    return collate_samples(out, collate_fn)
+    return out
 
 
 def _input_buffer(payload: Any, held: HeldBuffers, wid: int) -> Any:
