@@ -213,6 +213,33 @@ def test_threads_share_each_batch_so_the_first_comes_at_their_joint_pace(images)
     assert got == [b.tolist() for b in plan.batches(0, 0)]
 
 
+def test_a_batch_dropped_when_the_threads_close_fails_instead_of_hanging(images):
+    """A batch whose parts were still queued when the transform threads closed raises
+    naming it, where a wait for it would never end; batches already running finish."""
+    from forebay.torch._threads import ThreadWorkers
+
+    started, gate = threading.Semaphore(0), threading.Event()
+
+    def held(s):
+        started.release()
+        gate.wait(30)
+        return {"label": int(s["label"])}
+
+    ds = forebay.open_dataset(images)
+    pool = ThreadWorkers(2, held, None, None, seed=0)
+    try:
+        first = pool.submit(0, 0, ds.get_many(np.arange(8)))
+        queued = pool.submit(0, 1, ds.get_many(np.arange(8, 16)))
+        assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both running
+        pool.close()
+        with pytest.raises(TransformError, match="epoch 0 step 1 was dropped before it was "
+                                                 "made: the transform workers were closed"):
+            queued.result()
+    finally:
+        gate.set()
+    assert first.result()["label"].tolist() == list(range(8))
+
+
 def sizes_of_results(s):
     """Results of every size: a label, a small float array, a large byte array, a
     bfloat16 value (a dtype NumPy lacks)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -111,17 +112,28 @@ class ThreadWorkers:
     def _run(self, parts: _Parts, part: int, batch: SampleBatch, start: int, stop: int,
              epoch: int, step: int) -> None:
         parts.started(part)
-        transform, batch_transform, collate_fn = self._stages
         samples, error = None, None
         try:
             if len(parts.samples) == 1:
                 samples = [transform_batch(batch, *self._stages, self.seed, epoch)]
             else:
-                samples = transform_samples(batch, transform, self.seed, epoch, start, stop)
+                samples = transform_samples(batch, self._stages[0], self.seed, epoch, start,
+                                            stop)
         except Exception as e:
             error = e
-        if not parts.finished(part, samples, error):
-            return
+        if parts.finished(part, samples, error):
+            self._complete(parts, epoch, step)
+
+    def _dropped(self, parts: _Parts, part: int, fut: Any, *, epoch: int, step: int) -> None:
+        """A part cancelled before it ran (a new pass, or the workers closed): its
+        batch fails, so that nothing waits for it for ever."""
+        if fut.cancelled() and parts.finished(part, None, TransformError(
+                f"the batch of epoch {epoch} step {step} was dropped before it was made: "
+                f"the transform workers were closed, or a new pass began")):
+            self._complete(parts, epoch, step)
+
+    def _complete(self, parts: _Parts, epoch: int, step: int) -> None:
+        """Collate a batch whose parts are all done (in the thread of the last one)."""
         try:
             if parts.error is not None:
                 raise parts.error
@@ -129,7 +141,7 @@ class ThreadWorkers:
                 out = parts.samples[0][0]  # type: ignore[index]
             else:
                 out = collate_samples([x for p in parts.samples for x in p or ()],
-                                      collate_fn)
+                                      self._stages[2])
         except TransformError as e:
             parts.future.set_exception(e)
         except Exception as e:
@@ -154,6 +166,7 @@ class ThreadWorkers:
                                   epoch, step)
             self._futures.add(fut)
             fut.add_done_callback(self._futures.discard)
+            fut.add_done_callback(partial(self._dropped, parts, i, epoch=epoch, step=step))
         return _ThreadPending(self, (self.generation, epoch, step), batch.ids, parts)
 
     def new_pass(self) -> None:
