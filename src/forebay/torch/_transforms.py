@@ -37,7 +37,7 @@ class DecodeCropFlip:
         self.size, self.image, self.label = size, image, label
         self.scale, self.ratio = scale, ratio
         # Pillow's import now, not in the first batch (where its first import, with the
-        # collection of the training process's objects it can set off, took 80-90 ms of
+        # collection of the training process's objects it can set off, took 82-84 ms of
         # a 2-core machine's first batch)
         try:
             from PIL import Image
