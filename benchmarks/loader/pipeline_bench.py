@@ -339,6 +339,11 @@ def report(workload: str, names: list[str], res: dict, a: argparse.Namespace) ->
         how = res[name][0].get("worker_start")
         label = f"{name} -> {how}" if how and "auto" in name else name
         print(f"| {label} | " + " | ".join(cells) + " |")
+    print("\nPer round (rounds in the order run), seconds: first batch / epoch 1 / warm epoch")
+    for name in names:
+        print(f"- {name}: " + "; ".join(
+            " / ".join(f"{metric(r, w):.3f}" for w in ("first", "epoch1", "warm"))
+            for r in res[name]))
 
 
 if __name__ == "__main__":
