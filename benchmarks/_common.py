@@ -208,17 +208,30 @@ def rss_bytes() -> int:
     return 0
 
 
-def children_cpu_s() -> float:
-    """CPU seconds (user + system) the live child processes of this one have used."""
-    tick = os.sysconf("SC_CLK_TCK")
-    me, total = os.getpid(), 0.0
+def tree_cpu_s(own: bool = True) -> float:
+    """CPU seconds (user + system) of this process and every live descendant (a
+    loader's workers, a fork server's children), from /proc, each with what its
+    children that ended have used (workers that stop at an epoch's end); without this
+    process's own (``own=False``): its descendants' alone."""
+    tick, me = os.sysconf("SC_CLK_TCK"), os.getpid()
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
     for st in Path("/proc").glob("[0-9]*/stat"):
         try:
             f = st.read_text().rsplit(")", 1)[1].split()
         except OSError:                              # a process that ended meanwhile
             continue
-        if int(f[1]) == me:                          # fields after the name: ppid at 1
-            total += (int(f[11]) + int(f[12])) / tick   # utime, stime
+        pid = int(st.parent.name)                    # fields after the name: ppid at 1
+        parent[pid] = int(f[1])
+        # utime, stime (not this process's without ``own``), cutime, cstime
+        first = 13 if pid == me and not own else 11
+        cpu[pid] = sum(int(x) for x in f[first:15]) / tick
+    total = 0.0
+    for pid, used in cpu.items():
+        p = pid
+        while p > 1 and p != me:
+            p = parent.get(p, 0)
+        total += used if p == me else 0.0
     return total
 
 

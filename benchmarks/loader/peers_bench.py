@@ -29,8 +29,8 @@ job (epoch 1 is cold), later epochs are warm:
 
 Per job: set-up seconds (the store's preload or placement, the streaming dataset's
 construction), epoch seconds of the slowest rank, and the CPU-seconds each epoch cost
-(``epoch_cpu_s``: every rank and its live child processes, a loader's workers, summed
-over the ranks; ``benchmarks/sim/sim_cluster.py`` checks its calibration with it).
+(``epoch_cpu_s``: every rank and its descendants, a loader's workers, summed over
+the ranks; ``benchmarks/sim/sim_cluster.py`` checks its calibration with it).
 Reported per workload: samples/s in the cold epoch with set-up counted and in the warm
 epochs (median), each as a ratio to the best peer of the same round (the fastest of the
 torch, streaming and litdata rows), min and median over rounds.  ``--compute-ms`` sleeps
@@ -104,7 +104,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common, _baselines
-from _common import children_cpu_s, evict, files_under, machine, paced, throttled  # noqa: E402
+from _common import evict, files_under, machine, paced, throttled, tree_cpu_s  # noqa: E402
 from _baselines import (image_collate, image_folder_dataset, list_collate,  # noqa: E402
                         pff_dataset)
 
@@ -221,8 +221,8 @@ def worker(a) -> None:
         if e and a.evict_each_epoch and first_on_node:   # each node its own cache
             evict(files_under(Path(mine)))
         dist.barrier()
-        # the CPU the epoch costs: every rank and its live children (a loader's workers)
-        c0 = time.process_time() + children_cpu_s()
+        # the CPU the epoch costs: every rank and its descendants (a loader's workers)
+        c0 = tree_cpu_s()
         t0 = time.perf_counter()
         n = 0
         for batch in loader:
@@ -234,8 +234,7 @@ def worker(a) -> None:
             if a.sync_steps:       # synchronous SGD's gradient all-reduce, as a barrier
                 dist.all_reduce(torch.zeros(1))
         dt = time.perf_counter() - t0
-        cpus.append(over_ranks(time.process_time() + children_cpu_s() - c0,
-                               dist.ReduceOp.SUM))
+        cpus.append(over_ranks(tree_cpu_s() - c0, dist.ReduceOp.SUM))
         times.append(over_ranks(dt))
         counts.append(n)
     total = torch.tensor([counts[0]], dtype=torch.int64)

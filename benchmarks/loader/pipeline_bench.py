@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common
-from _common import evict, files_under, jpeg_dataset, machine  # noqa: E402
+from _common import evict, files_under, jpeg_dataset, machine, tree_cpu_s  # noqa: E402
 
 from forebay.torch import DecodeCropFlip  # noqa: E402
 
@@ -104,32 +104,6 @@ def _items(src: Path) -> list:
     return [(str(f), i % 10) for i, f in enumerate(sorted(src.rglob("*.JPEG")))]
 
 
-def _tree_cpu() -> float:
-    """CPU seconds (user + system) of this process and every live descendant (worker
-    processes, a fork server's children), from /proc, with what each has of its
-    children that ended (workers that stop at an epoch's end)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(d)] = int(fields[1])
-        cpu[int(d)] = sum(int(x) for x in fields[11:15]) / tick
-    me, total = os.getpid(), 0.0
-    for pid, c in cpu.items():
-        p = pid
-        while p > 1 and p != me:
-            p = parent.get(p, 0)
-        total += c if p == me else 0.0
-    return total
-
-
 def _timed(batches_of_epoch, epochs: int, t0: float, c0: float) -> dict:
     """First batch and epoch times from ``t0`` (the loader's construction began), and
     the CPU seconds of each epoch (this process and its workers) from ``c0`` (the CPU
@@ -141,7 +115,7 @@ def _timed(batches_of_epoch, epochs: int, t0: float, c0: float) -> dict:
         for _ in batches_of_epoch(e):
             if first is None:
                 first = time.perf_counter() - t0
-        now, c = time.perf_counter(), _tree_cpu()
+        now, c = time.perf_counter(), tree_cpu_s()
         times.append(now - start)
         cpu.append(c - c0)
         start, c0 = now, c
@@ -152,7 +126,7 @@ def job(a: argparse.Namespace) -> dict:
     """One contender in this (fresh) process."""
     src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
     name, T, w = a.job, TRANSFORMS[a.workload], a.workers
-    c0 = _tree_cpu()
+    c0 = tree_cpu_s()
     if name.startswith("torch DataLoader"):
         ctx = "spawn" if "spawn" in name else "fork"
         t0 = time.perf_counter()

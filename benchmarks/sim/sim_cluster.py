@@ -78,7 +78,7 @@ sys.path.insert(0, str(HERE.parents[1]))                    # _common, _baseline
 sys.path.insert(0, str(HERE.parent))                        # sim_validate
 sys.path.insert(0, str(HERE.parents[2] / "tests"))          # cluster
 from _baselines import image_collate, image_folder_dataset  # noqa: E402
-from _common import children_cpu_s, machine, paced, throttled  # noqa: E402
+from _common import machine, paced, throttled, tree_cpu_s  # noqa: E402
 from sim_validate import _cold_MBps, _rate  # noqa: E402
 
 #: torch DataLoader's prefetch: workers x prefetch_factor batches (peers_bench's settings)
@@ -159,13 +159,13 @@ def torch_workers(pff: Path, bs: int, workers: int, sharing: "str | None" = None
     got: dict[str, list] = {"MBps": [], "main_cpu_ms": [], "workers_cpu_ms": []}
     for epoch in range(REPEAT + 1):           # the first starts the workers: not counted
         it = iter(loader)                    # the workers exist from here on
-        c0, w0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
+        c0, w0, t0 = time.process_time(), tree_cpu_s(own=False), time.perf_counter()
         n = sum(1 for _batch in it)
         t = time.perf_counter() - t0
         if epoch:
             got["MBps"].append(nbytes / t / 1e6)
             got["main_cpu_ms"].append(1e3 * (time.process_time() - c0) / n)
-            got["workers_cpu_ms"].append(1e3 * (children_cpu_s() - w0) / n)
+            got["workers_cpu_ms"].append(1e3 * (tree_cpu_s(own=False) - w0) / n)
     return {k: statistics.median(v) for k, v in got.items()}
 
 

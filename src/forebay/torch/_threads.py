@@ -22,11 +22,14 @@ __all__ = ["ThreadWorkers"]
 class _Parts:
     """One batch transformed in parts, each on the next free thread: the thread that
     finishes the last part collates the samples (in the batch's order) and completes
-    :attr:`future`.  ``running``: the threads on a part now (named if it hangs)."""
+    :attr:`future`.  ``done``: each part's samples, or a whole batch's result
+    (``whole``: a ``batch_transform``); ``running``: the threads on a part now (named
+    if it hangs)."""
 
-    def __init__(self, parts: int) -> None:
+    def __init__(self, parts: int, whole: bool) -> None:
         self.future: "Future[Any]" = Future()
-        self.samples: list[Optional[list[Any]]] = [None] * parts
+        self.whole = whole
+        self.done: list[Any] = [None] * parts
         self.left = parts
         self.error: Optional[BaseException] = None
         self.running: dict[int, str] = {}
@@ -36,12 +39,11 @@ class _Parts:
         with self.lock:
             self.running[part] = threading.current_thread().name
 
-    def finished(self, part: int, samples: Optional[list[Any]],
-                 error: Optional[BaseException]) -> bool:
+    def finished(self, part: int, done: Any, error: Optional[BaseException]) -> bool:
         """Record a part; True for the caller that finished the last one."""
         with self.lock:
             self.running.pop(part, None)
-            self.samples[part] = samples
+            self.done[part] = done
             if error is not None and self.error is None:
                 self.error = error
             self.left -= 1
@@ -112,16 +114,13 @@ class ThreadWorkers:
     def _run(self, parts: _Parts, part: int, batch: SampleBatch, start: int, stop: int,
              epoch: int, step: int) -> None:
         parts.started(part)
-        samples, error = None, None
+        done, error = None, None
         try:
-            if len(parts.samples) == 1:
-                samples = [transform_batch(batch, *self._stages, self.seed, epoch)]
-            else:
-                samples = transform_samples(batch, self._stages[0], self.seed, epoch, start,
-                                            stop)
+            done = transform_batch(batch, *self._stages, self.seed, epoch) if parts.whole \
+                else transform_samples(batch, self._stages[0], self.seed, epoch, start, stop)
         except Exception as e:
             error = e
-        if parts.finished(part, samples, error):
+        if parts.finished(part, done, error):
             self._complete(parts, epoch, step)
 
     def _dropped(self, parts: _Parts, part: int, fut: Any, *, epoch: int, step: int) -> None:
@@ -137,11 +136,8 @@ class ThreadWorkers:
         try:
             if parts.error is not None:
                 raise parts.error
-            if len(parts.samples) == 1:
-                out = parts.samples[0][0]  # type: ignore[index]
-            else:
-                out = collate_samples([x for p in parts.samples for x in p or ()],
-                                      self._stages[2])
+            out = parts.done[0] if parts.whole else collate_samples(
+                [x for p in parts.done for x in p], self._stages[2])
         except TransformError as e:
             parts.future.set_exception(e)
         except Exception as e:
@@ -157,9 +153,9 @@ class ThreadWorkers:
         """Hand a batch to the threads: its parts to the next free ones."""
         if self._closed:
             raise TransformError("the transform workers are closed")
-        n = len(batch.ids)
-        k = 1 if self._stages[1] is not None else max(1, min(self.workers, n))
-        parts = _Parts(k)
+        n, whole = len(batch.ids), self._stages[1] is not None
+        k = 1 if whole else max(1, min(self.workers, n))
+        parts = _Parts(k, whole)
         bounds = [n * i // k for i in range(k + 1)]
         for i in range(k):
             fut = self._ex.submit(self._run, parts, i, batch, bounds[i], bounds[i + 1],
