@@ -12,7 +12,8 @@ venv: $(STAMP)
 # torch: the CPU build on a machine without a GPU (scripts/torch_index.py says where
 # from; FOREBAY_TORCH_INDEX=URL or =none overrides). -qq: errors only (a machine's pip
 # configuration can print dozens of warnings about its own index locations)
-$(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c scripts/torch_index.py
+$(STAMP): pyproject.toml requirements-dev.txt setup.py src/forebay/_native.c src/forebay/_jpeg.c \
+          scripts/torch_index.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -qq --disable-pip-version-check \
 	    $$($(PY) scripts/torch_index.py) -r requirements-dev.txt

@@ -1,16 +1,21 @@
 """A reference ImageNet training transform: JPEG decode, random-resized crop, flip.
 
-Decoding uses Pillow (libjpeg-turbo in its wheels; the library torchvision's own
-``ImageFolder`` pipeline uses); the crop follows torchvision's ``RandomResizedCrop``
-(scale 0.08-1, aspect 3/4-4/3, ten tries then a centre crop) and is done with the
-resize in one call.  Random choices come from :func:`forebay.torch.sample_rng`, so the
-same run gives the same tensors whatever the number of workers.
+The crop follows torchvision's ``RandomResizedCrop`` (scale 0.08-1, aspect 3/4-4/3, ten
+tries then a centre crop) and is resized with Pillow's ``BILINEAR`` filter.  Where
+forebay's C extension ``forebay._jpeg`` was built (libjpeg-turbo's headers present at
+install), libjpeg-turbo decodes only the rows and columns the crop's resize reads and
+the resize runs in the same call, to the bytes Pillow gives (checked once per process
+before first use, and by the test suite); elsewhere Pillow decodes the whole image.
+Random choices come from :func:`forebay.torch.sample_rng`, so the same run gives the
+same tensors whatever the number of workers.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -19,14 +24,104 @@ from ..dataset import SampleViews
 from ..errors import InvalidArgumentError, MissingDependencyError
 from ._workers import sample_rng
 
+try:
+    from .. import _jpeg  # type: ignore[attr-defined, unused-ignore]
+except ImportError:     # built without libjpeg-turbo's headers: Pillow decodes
+    _jpeg = None
+
 __all__ = ["DecodeCropFlip", "BatchDecodeCropFlip"]
+
+
+def _pillow_crop(data: Any, size: int, box: "tuple[int, int, int, int] | None",
+                 flip: "bool | None", crop_box: Any, rng: np.random.Generator
+                 ) -> np.ndarray:
+    """The crop by Pillow: the whole image decoded, the box resized (drawn from the
+    image's size if not given), mirrored; (3, size, size) uint8."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as f:
+        f.load()
+        rgb = f if f.mode == "RGB" else f.convert("RGB")  # (convert copies an RGB one)
+        if box is None:
+            box = crop_box(rgb.width, rgb.height, rng)
+        out = rgb.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    arr = np.asarray(out)
+    if (rng.random() < 0.5) if flip is None else flip:
+        arr = arr[:, ::-1]
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+@functools.cache
+def _pass_order() -> int:
+    """Which axis Pillow's resize filters first: 1 for Pillow 13's rule (vertically first
+    where the height shrinks more than twice as much as the width), 0 for older Pillow's
+    (always horizontally first)."""
+    import PIL
+
+    return 1 if int(PIL.__version__.split(".")[0]) >= 13 else 0
+
+
+def _max_pixels() -> "int | None":
+    from PIL import Image
+
+    return Image.MAX_IMAGE_PIXELS
+
+
+def region_crop(data: Any, out: np.ndarray, box: "tuple[int, int, int, int]", size: int,
+                flip: bool) -> bool:
+    """The crop by the region decoder into ``out`` ((3, size, size) uint8); False, with
+    nothing written, for a JPEG it leaves to Pillow."""
+    return bool(_jpeg.crop(data, out, *box, size, size, flip, _pass_order()))
+
+
+@functools.cache
+def region_decoder() -> Any:
+    """``forebay._jpeg`` if it is built and gives Pillow's bytes here, else None.
+
+    Checked once per process on two 4:2:0 JPEGs made here (one wide, one tall: Pillow
+    13 changed the order of the resize's passes for the second kind): boxes downscaled,
+    upscaled, whole and at the edges, each mirrored and not, against Pillow's own decode
+    and resize.  A difference (another Pillow resampler, a libjpeg that decodes
+    otherwise) is a RuntimeWarning, and Pillow decodes from then on."""
+    if _jpeg is None:
+        return None
+    from PIL import Image
+
+    rng = np.random.default_rng(2026)
+    cases = {(203, 141): [((0, 0, 203, 141), 64), ((37, 21, 180, 120), 224),
+                          ((101, 3, 140, 40), 17), ((0, 90, 31, 141), 50),
+                          ((150, 0, 203, 141), 96), ((0, 0, 203, 141), 203)],
+             (48, 260): [((0, 0, 48, 260), 32), ((5, 40, 45, 250), 20), ((0, 0, 48, 90), 64)]}
+    for (w, h), boxes in cases.items():
+        img = Image.fromarray(rng.integers(0, 256, (h // 12, w // 12, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        img.resize((w, h), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=90,
+                                                          subsampling=2)
+        data = buf.getvalue()
+        for box, size in boxes:
+            for flip in (False, True):
+                want = _pillow_crop(data, size, box, flip, None, rng)
+                got = np.empty((3, size, size), np.uint8)
+                if not (region_crop(data, got, box, size, flip) and np.array_equal(got, want)):
+                    warnings.warn(f"forebay._jpeg's crop of {box} of a {w} x {h} JPEG to "
+                                  f"{size} x {size} differs from Pillow's here: "
+                                  f"DecodeCropFlip decodes with Pillow", RuntimeWarning,
+                                  stacklevel=2)
+                    return None
+    return _jpeg
 
 
 class DecodeCropFlip:
     """``{"image": JPEG bytes, "label": int}`` -> ``{"image": uint8 (3, size, size)
     tensor, "label": int}``.  A class (not a closure) so that spawned transform
-    workers can receive it.  Its time goes to Pillow's decode and resize, which release
-    the GIL: the loader's ``worker_start="auto"`` runs it on threads."""
+    workers can receive it.  Its time goes to the decode and resize, which release the
+    GIL: the loader's ``worker_start="auto"`` runs it on threads.
+
+    ``decoder`` says which decodes: ``"libjpeg-turbo region"`` (only the rows and
+    columns the crop reads; see the module's docstring) or ``"Pillow"`` (the whole
+    image: the extension is not built, or gave other bytes than Pillow here).  A JPEG
+    the region decoder leaves (CMYK, 12-bit, no end-of-image marker, data libjpeg fails
+    on) goes to Pillow, which gives the image or its error as before."""
 
     #: see :func:`forebay.torch.releases_gil`
     releases_gil = True
@@ -45,6 +140,7 @@ class DecodeCropFlip:
             raise MissingDependencyError(f"DecodeCropFlip decodes with Pillow, which is not "
                                          f"importable here ({e}); pip install Pillow") from e
         Image.preinit()
+        self.decoder = "libjpeg-turbo region" if region_decoder() is not None else "Pillow"
 
     def crop_box(self, width: int, height: int, rng: np.random.Generator
                  ) -> tuple[int, int, int, int]:
@@ -65,23 +161,28 @@ class DecodeCropFlip:
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         import torch
-        from PIL import Image
 
         try:
             rng = sample_rng()
         except InvalidArgumentError:    # outside forebay's loader (torch's, say)
             rng = np.random.default_rng()
         raw = sample[self.image]
-        with Image.open(io.BytesIO(raw.tobytes() if hasattr(raw, "tobytes") else raw)) as f:
-            f.load()
-            rgb = f if f.mode == "RGB" else f.convert("RGB")  # (convert copies an RGB one)
-            box = self.crop_box(rgb.width, rgb.height, rng)
-            out = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
-        arr = np.asarray(out)
-        if rng.random() < 0.5:
-            arr = arr[:, ::-1]
-        return {"image": torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1))),
-                "label": int(sample[self.label])}
+        data = raw if isinstance(raw, bytes) else np.ascontiguousarray(raw)
+        label = int(sample[self.label])
+        box = flip = None
+        region = region_decoder()
+        wh = region.info(data) if region is not None else None
+        if wh is not None and wh[0] * wh[1] > (_max_pixels() or wh[0] * wh[1]):
+            wh = None           # Pillow's decompression-bomb check: its warning or error
+        if wh is not None:
+            box = self.crop_box(wh[0], wh[1], rng)
+            flip = rng.random() < 0.5
+            out = torch.empty((3, self.size, self.size), dtype=torch.uint8)
+            if region_crop(data, out.numpy(), box, self.size, flip):
+                return {"image": out, "label": label}
+        arr = _pillow_crop(data if isinstance(data, bytes) else data.tobytes(), self.size,
+                           box, flip, self.crop_box, rng)
+        return {"image": torch.from_numpy(arr), "label": label}
 
 
 def _pillow_decode(data: "list[Any]", device: Any) -> "list[Any]":
