@@ -10,7 +10,8 @@ import io
 import numpy as np
 import pytest
 
-from forebay.torch import DecodeCropFlip, sample_rng
+from forebay.errors import InvalidArgumentError
+from forebay.torch import DecodeCropFlip
 from forebay.torch import _transforms as tr
 
 torch = pytest.importorskip("torch")
@@ -81,21 +82,12 @@ def test_the_region_decode_gives_pillows_bytes_for_every_kind_of_jpeg_and_box():
     assert checked == len(kinds) * 6 * 9 * 3
 
 
-class PillowCropFlip(DecodeCropFlip):
-    """DecodeCropFlip as it was before the region decoder: Pillow decodes every image."""
-
-    def __call__(self, sample):
-        data = sample[self.image]
-        arr = tr._pillow_crop(data if isinstance(data, bytes) else data.tobytes(), self.size,
-                              None, None, self.crop_box, sample_rng())
-        return {"image": torch.from_numpy(arr), "label": int(sample[self.label])}
-
-
 @needs_region
 def test_the_loader_gives_the_same_tensors_with_the_region_decoder_as_with_pillow(tmp_path):
     """Real JPEGs (forebay synth imagenet --encode jpeg, ingested): an epoch through the
     loader with DecodeCropFlip (the region decoder; on 2 threads, and from samples lent
-    by the store) gives the tensors the Pillow-only transform gives, with the same draws."""
+    by the store) gives the tensors DecodeCropFlip(decoder="pillow") gives (the whole
+    image by Pillow, as before the region decoder), with the same draws."""
     from forebay.dataset.sources import get_source, ingest
     from forebay.synth import synthesize
     from forebay.torch import DataLoader, Pipeline
@@ -111,8 +103,10 @@ def test_the_loader_gives_the_same_tensors_with_the_region_decoder_as_with_pillo
         return out
 
     t = DecodeCropFlip(112)
-    assert t.decoder == "libjpeg-turbo region"
-    want = epoch(PillowCropFlip(112))
+    assert t.decoder == DecodeCropFlip(112, decoder="region").decoder == "libjpeg-turbo region"
+    pillow = DecodeCropFlip(112, decoder="pillow")
+    assert pillow.decoder == "Pillow"
+    want = epoch(pillow)
     for got in (epoch(t), epoch(t, workers=2), epoch(t, views=True)):
         assert len(got) == len(want) == 4
         for a, b in zip(got, want):
@@ -174,3 +168,8 @@ def test_bad_arguments_to_the_region_decoder_are_errors_not_crashes():
         _crop(data, np.empty((3, 8, 7), np.uint8), 0, 0, 50, 40, 8, 8, False)
     with pytest.raises(TypeError):
         _crop(data, b"read-only" * 22, 0, 0, 50, 40, 8, 8, False)
+
+
+def test_an_unknown_decoder_is_an_error_that_names_the_choices():
+    with pytest.raises(InvalidArgumentError, match="'auto', 'region', 'pillow'"):
+        DecodeCropFlip(224, decoder="turbo")

@@ -19,8 +19,14 @@ epochs, side by side with the pipelines a user would pick instead:
 
 Two workloads over the same real JPEGs (``forebay synth imagenet --encode jpeg``, ~78 KB):
 
-* ``decode``: Pillow decode, random-resized crop to 224, flip
-  (``forebay.torch.DecodeCropFlip``): the time is in C code that releases the GIL;
+* ``decode``: JPEG decode, random-resized crop to 224, flip
+  (``forebay.torch.DecodeCropFlip``): the time is in C code that releases the GIL.
+  forebay's contenders decode only the crop's rows and columns (``forebay._jpeg``,
+  where built); the peers decode the whole image with Pillow
+  (``DecodeCropFlip(decoder="pillow")``, the bytes torchvision's ``ImageFolder`` and
+  ``RandomResizedCrop`` on Pillow give, and the same bytes as forebay's); "torch
+  DataLoader (fork), forebay's decode" (not a peer) is torch's loader with forebay's
+  transform, to tell the pipeline's share from the decoder's;
 * ``python``: a GIL-bound transform (a Python loop over 16,384 bytes of each file).
 
 Rates count distinct samples only (forebay fills its last batch with repeats; torch's
@@ -82,22 +88,31 @@ class PyWork:
         return {"image": torch.tensor(hist, dtype=torch.int32), "label": int(sample["label"])}
 
 
+#: forebay's transforms; the peers decode with Pillow, as torchvision's ImageFolder and
+#: RandomResizedCrop do (the same bytes: DecodeCropFlip checks it)
 TRANSFORMS = {"decode": DecodeCropFlip(224), "python": PyWork()}
+PEER_TRANSFORMS = {"decode": DecodeCropFlip(224, decoder="pillow"), "python": PyWork()}
+#: not a peer: torch's DataLoader with forebay's transform (the pipeline's share apart)
+REGION_IN_TORCH = "torch DataLoader (fork), forebay's decode"
+
+
+def transform_for(name: str, workload: str):
+    return (PEER_TRANSFORMS if name in PEERS else TRANSFORMS)[workload]
 
 
 class Folder(torch.utils.data.Dataset):
     """torchvision's ImageFolder in spirit: one file read per sample, then the
     transform."""
 
-    def __init__(self, items: list, workload: str) -> None:
-        self.items, self.workload = items, workload
+    def __init__(self, items: list, transform) -> None:
+        self.items, self.transform = items, transform
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict:
         path, label = self.items[i]
-        return TRANSFORMS[self.workload]({"image": Path(path).read_bytes(), "label": label})
+        return self.transform({"image": Path(path).read_bytes(), "label": label})
 
 
 def _items(src: Path) -> list:
@@ -125,13 +140,13 @@ def _timed(batches_of_epoch, epochs: int, t0: float, c0: float) -> dict:
 def job(a: argparse.Namespace) -> dict:
     """One contender in this (fresh) process."""
     src, packed = a.out / f"jpeg-{a.samples}", a.out / f"jpeg-{a.samples}.fb"
-    name, T, w = a.job, TRANSFORMS[a.workload], a.workers
+    name, T, w = a.job, transform_for(a.job, a.workload), a.workers
     c0 = tree_cpu_s()
     if name.startswith("torch DataLoader"):
         ctx = "spawn" if "spawn" in name else "fork"
         t0 = time.perf_counter()
         dl = torch.utils.data.DataLoader(
-            Folder(_items(src), a.workload), batch_size=a.batch, shuffle=True,
+            Folder(_items(src), T), batch_size=a.batch, shuffle=True,
             generator=torch.Generator().manual_seed(0), num_workers=w,
             persistent_workers=True, prefetch_factor=4, multiprocessing_context=ctx)
         return _timed(lambda e: dl, a.epochs, t0, c0)
@@ -183,7 +198,8 @@ def _torchdata_nodes(a: argparse.Namespace, method: str, c0: float) -> dict:
     from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, Prefetcher, SamplerWrapper
 
     t0 = time.perf_counter()
-    folder = Folder(_items(a.out / f"jpeg-{a.samples}"), a.workload)
+    folder = Folder(_items(a.out / f"jpeg-{a.samples}"), transform_for(
+        f"torchdata.nodes ({'fork' if method == 'process' else 'threads'})", a.workload))
     sampler = torch.utils.data.RandomSampler(folder, generator=torch.Generator().manual_seed(0))
     node = ParallelMapper(SamplerWrapper(sampler), folder.__getitem__, num_workers=a.workers,
                           method=method,
@@ -236,6 +252,8 @@ def contenders(workload: str) -> list[str]:
             for mode in ("direct", "preload")]
     out += [f"forebay {mode} (forkserver)" for mode in ("direct", "preload")]
     out.append("forebay preload-overlap (auto)")
+    if workload == "decode":
+        out.append(REGION_IN_TORCH)
     return out
 
 

@@ -117,18 +117,24 @@ class DecodeCropFlip:
     workers can receive it.  Its time goes to the decode and resize, which release the
     GIL: the loader's ``worker_start="auto"`` runs it on threads.
 
-    ``decoder`` says which decodes: ``"libjpeg-turbo region"`` (only the rows and
-    columns the crop reads; see the module's docstring) or ``"Pillow"`` (the whole
-    image: the extension is not built, or gave other bytes than Pillow here).  A JPEG
-    the region decoder leaves (CMYK, 12-bit, no end-of-image marker, data libjpeg fails
-    on) goes to Pillow, which gives the image or its error as before."""
+    ``decoder``: ``"auto"`` (the region decoder where it is built and gives Pillow's
+    bytes here, else Pillow), ``"region"`` (the region decoder, a MissingDependencyError
+    where it cannot be used) or ``"pillow"`` (the whole image by Pillow, as before the
+    region decoder; the same tensors, slower).  The ``decoder`` attribute then says
+    which decodes: ``"libjpeg-turbo region"`` (only the rows and columns the crop reads;
+    see the module's docstring) or ``"Pillow"``.  A JPEG the region decoder leaves
+    (CMYK, 12-bit, no end-of-image marker, data libjpeg fails on, over Pillow's
+    decompression-bomb limit) goes to Pillow, which gives the image or its error."""
 
     #: see :func:`forebay.torch.releases_gil`
     releases_gil = True
 
     def __init__(self, size: int = 224, image: str = "image", label: str = "label",
                  scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), decoder: str = "auto") -> None:
+        if decoder not in ("auto", "region", "pillow"):
+            raise InvalidArgumentError(f"decoder={decoder!r}: one of 'auto', 'region', "
+                                       f"'pillow'")
         self.size, self.image, self.label = size, image, label
         self.scale, self.ratio = scale, ratio
         # Pillow's import now, not in the first batch (where its first import, with the
@@ -140,7 +146,15 @@ class DecodeCropFlip:
             raise MissingDependencyError(f"DecodeCropFlip decodes with Pillow, which is not "
                                          f"importable here ({e}); pip install Pillow") from e
         Image.preinit()
-        self.decoder = "libjpeg-turbo region" if region_decoder() is not None else "Pillow"
+        region = decoder != "pillow" and region_decoder() is not None
+        if decoder == "region" and not region:
+            raise MissingDependencyError(
+                "DecodeCropFlip(decoder='region'): forebay._jpeg is " + (
+                    "not built here (libjpeg-turbo's headers were missing when forebay "
+                    "was installed: install Debian's libjpeg-dev or Fedora's "
+                    "libjpeg-turbo-devel, then reinstall forebay)" if _jpeg is None else
+                    "built but gave other bytes than Pillow here (see the warning)"))
+        self.decoder = "libjpeg-turbo region" if region else "Pillow"
 
     def crop_box(self, width: int, height: int, rng: np.random.Generator
                  ) -> tuple[int, int, int, int]:
@@ -170,7 +184,7 @@ class DecodeCropFlip:
         data = raw if isinstance(raw, bytes) else np.ascontiguousarray(raw)
         label = int(sample[self.label])
         box = flip = None
-        region = region_decoder()
+        region = region_decoder() if self.decoder != "Pillow" else None
         wh = region.info(data) if region is not None else None
         if wh is not None and wh[0] * wh[1] > (_max_pixels() or wh[0] * wh[1]):
             wh = None           # Pillow's decompression-bomb check: its warning or error
