@@ -25,7 +25,7 @@ Two workloads over the same real JPEGs (``forebay synth imagenet --encode jpeg``
   where built); the peers decode the whole image with Pillow
   (``DecodeCropFlip(decoder="pillow")``, the bytes torchvision's ``ImageFolder`` and
   ``RandomResizedCrop`` on Pillow give, and the same bytes as forebay's); "torch
-  DataLoader (fork), forebay's decode" (not a peer) is torch's loader with forebay's
+  DataLoader (fork) + forebay's decode" (not a peer) is torch's loader with forebay's
   transform, to tell the pipeline's share from the decoder's;
 * ``python``: a GIL-bound transform (a Python loop over 16,384 bytes of each file).
 
@@ -93,7 +93,7 @@ class PyWork:
 TRANSFORMS = {"decode": DecodeCropFlip(224), "python": PyWork()}
 PEER_TRANSFORMS = {"decode": DecodeCropFlip(224, decoder="pillow"), "python": PyWork()}
 #: not a peer: torch's DataLoader with forebay's transform (the pipeline's share apart)
-REGION_IN_TORCH = "torch DataLoader (fork), forebay's decode"
+REGION_IN_TORCH = "torch DataLoader (fork) + forebay's decode"
 
 
 def transform_for(name: str, workload: str):
