@@ -13,7 +13,8 @@ epochs, side by side with the pipelines a user would pick instead:
   forked processes, then ``Batcher``, collation and a ``Prefetcher``;
 * NVIDIA DALI 2.4 on the CPU (decode only): its file reader, its fused decode and
   random crop (only the crop's region decoded), resize and flip, on W threads;
-* forebay direct and preload with ``workers=W`` and the default ``worker_start="auto"``
+* forebay direct and preload (and clairvoyant, "auto" only) with ``workers=W`` and the
+  default ``worker_start="auto"``
   (and, for comparison, ``"spawn"``, the default before, and ``"thread"`` on the
   Python workload, where threads are the wrong choice).
 
@@ -252,6 +253,7 @@ def contenders(workload: str) -> list[str]:
             for mode in ("direct", "preload")]
     out += [f"forebay {mode} (forkserver)" for mode in ("direct", "preload")]
     out.append("forebay preload-overlap (auto)")
+    out.append("forebay clairvoyant (auto)")
     if workload == "decode":
         out.append(REGION_IN_TORCH)
     return out
