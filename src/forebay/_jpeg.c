@@ -113,6 +113,10 @@ static PyObject *info(PyObject *self, PyObject *args) {
  * operations and is compiled without contraction into fused multiply-adds. */
 #define FIXED 22
 
+/* larger images go to Pillow (whose own limit, PIL.Image.MAX_IMAGE_PIXELS, forebay checks
+ * before calling crop, is 89 million by default) */
+#define MAX_PIXELS (1ull << 28)
+
 typedef struct {
     int ksize;                   /* weights stored per output pixel */
     int *lo, *cnt;               /* first input pixel and number of them, per output pixel */
@@ -207,6 +211,91 @@ static void pass_h(const uint8_t *src, size_t sstride, int x_origin, int rows,
     }
 }
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_ROWS8 1
+
+/* 8 rows of n bytes (src, stride sstride) interleaved: t[i * 8 + k] = row k's byte i */
+__attribute__((target("avx2"))) static void interleave8(const uint8_t *src, size_t sstride,
+                                                         size_t n, uint8_t *t) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m128i a[8], b[8], c[8];
+        for (int k = 0; k < 8; k++)
+            a[k] = _mm_loadu_si128((const __m128i *)(src + k * sstride + i));
+        for (int k = 0; k < 8; k += 2) {
+            b[k] = _mm_unpacklo_epi8(a[k], a[k + 1]);      /* bytes 0-7 of rows k, k+1 */
+            b[k + 1] = _mm_unpackhi_epi8(a[k], a[k + 1]);  /* bytes 8-15 */
+        }
+        for (int h = 0; h < 2; h++) {                       /* rows 0-3, then 4-7 */
+            c[4 * h] = _mm_unpacklo_epi16(b[4 * h], b[4 * h + 2]);        /* bytes 0-3 */
+            c[4 * h + 1] = _mm_unpackhi_epi16(b[4 * h], b[4 * h + 2]);    /* 4-7 */
+            c[4 * h + 2] = _mm_unpacklo_epi16(b[4 * h + 1], b[4 * h + 3]); /* 8-11 */
+            c[4 * h + 3] = _mm_unpackhi_epi16(b[4 * h + 1], b[4 * h + 3]); /* 12-15 */
+        }
+        uint8_t *o = t + i * 8;
+        for (int q = 0; q < 4; q++) {                       /* bytes 4q .. 4q+3 */
+            _mm_storeu_si128((__m128i *)(o + 32 * q), _mm_unpacklo_epi32(c[q], c[4 + q]));
+            _mm_storeu_si128((__m128i *)(o + 32 * q + 16), _mm_unpackhi_epi32(c[q], c[4 + q]));
+        }
+    }
+    for (; i < n; i++)
+        for (int k = 0; k < 8; k++)
+            t[i * 8 + k] = src[k * sstride + i];
+}
+
+/* pass_h on 8 rows at once: each (output pixel, channel) an 8-lane sum over its taps
+ * of the interleaved rows (t, from input column x_lo), the same integer arithmetic */
+__attribute__((target("avx2"))) static void pass_h8(const uint8_t *t, int x_lo,
+                                                    const axis_t *a, int ow, uint8_t *dst,
+                                                    size_t dstride) {
+    const __m256i half = _mm256_set1_epi32(1 << (FIXED - 1)), zero = _mm256_setzero_si256(),
+                  top = _mm256_set1_epi32(255);
+    for (int x = 0; x < ow; x++) {
+        const int32_t *k = a->k + (size_t)x * a->ksize;
+        const uint8_t *p = t + (size_t)(a->lo[x] - x_lo) * 24;
+        for (int c = 0; c < 3; c++) {
+            __m256i acc = half;
+            for (int j = 0; j < a->cnt[x]; j++) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    (const __m128i *)(p + (size_t)j * 24 + c * 8)));
+                acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(v, _mm256_set1_epi32(k[j])));
+            }
+            acc = _mm256_min_epi32(_mm256_max_epi32(_mm256_srai_epi32(acc, FIXED), zero), top);
+            __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(acc, acc), zero);
+            uint32_t lo = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(w));
+            uint32_t hi = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(w, 1));
+            uint8_t *o = dst + (size_t)x * 3 + c;
+            for (int r = 0; r < 4; r++) {
+                o[r * dstride] = (uint8_t)(lo >> (8 * r));
+                o[(r + 4) * dstride] = (uint8_t)(hi >> (8 * r));
+            }
+        }
+    }
+}
+#endif
+
+/* pass_h, 8 rows at a time where the CPU has AVX2 (t: scratch for 8 rows of the
+ * columns the weights reach, 24 bytes a column); the same bytes as pass_h */
+static void pass_h_rows(const uint8_t *src, size_t sstride, int x_origin, int rows,
+                        const axis_t *a, int ow, uint8_t *dst, uint8_t *t) {
+    int r = 0;
+#ifdef HAVE_ROWS8
+    if (__builtin_cpu_supports("avx2")) {
+        int x_lo = a->lo[0], x_hi = a->lo[ow - 1] + a->cnt[ow - 1];
+        size_t n = (size_t)(x_hi - x_lo) * 3;
+        for (; r + 8 <= rows; r += 8) {
+            interleave8(src + (size_t)r * sstride + (size_t)(x_lo - x_origin) * 3, sstride, n,
+                        t);
+            pass_h8(t, x_lo, a, ow, dst + (size_t)r * ow * 3, (size_t)ow * 3);
+        }
+    }
+#endif
+    if (r < rows)
+        pass_h(src + (size_t)r * sstride, sstride, x_origin, rows - r, a, ow,
+               dst + (size_t)r * ow * 3);
+}
+
 /* rows of width bytes (src, stride sstride; its first row is input row y_origin) filtered
  * vertically into oh rows (dst, packed); acc: width int32s of scratch */
 VECTOR_CLONES
@@ -269,7 +358,7 @@ static PyObject *crop(PyObject *self, PyObject *args) {
     struct jpeg_decompress_struct c;
     struct err e;
     axis_t ax = {0}, ay = {0};
-    uint8_t *reg = NULL, *tmp = NULL, *packed = NULL;
+    uint8_t *reg = NULL, *tmp = NULL, *packed = NULL, *scratch = NULL;
     int32_t *acc = NULL;
     int vfirst = 0;
     int status = 0;              /* 0 ok, 2 left to Pillow, 3 no memory, 5 box not inside */
@@ -282,7 +371,8 @@ static PyObject *crop(PyObject *self, PyObject *args) {
     /* the header (libjpeg may jump back here) */
     if (setjmp(e.jb) == 0) {
         jpeg_mem_src(&c, bytes, (unsigned long)data.len);
-        if (jpeg_read_header(&c, TRUE) != JPEG_HEADER_OK || !supported(&c))
+        if (jpeg_read_header(&c, TRUE) != JPEG_HEADER_OK || !supported(&c) ||
+            (uint64_t)c.image_width * c.image_height > MAX_PIXELS)
             status = 2;
         else {
             w = (int)c.image_width;
@@ -310,10 +400,11 @@ static PyObject *crop(PyObject *self, PyObject *args) {
          * 32 pixels) each side */
         rcols = cols + 32 + 64 < (size_t)w ? cols + 32 + 64 : (size_t)w;
         reg = malloc(rows * rcols * 3);
+        scratch = malloc(cols * 24 + 16);
         tmp = malloc((vfirst ? (size_t)oh * cols : rows * ow) * 3);
         packed = malloc((size_t)oh * ow * 3);
         acc = malloc(sizeof(int32_t) * (vfirst ? cols : (size_t)ow) * 3);
-        if (!reg || !tmp || !packed || !acc)
+        if (!reg || !tmp || !packed || !acc || !scratch)
             status = 3;
     }
     /* the rows [ry0, ry1), columns [cx0, cx1) widened: libjpeg-turbo's fancy upsampling
@@ -354,9 +445,9 @@ static PyObject *crop(PyObject *self, PyObject *args) {
         if (vfirst) {           /* only the columns the horizontal pass reads */
             int cols = cx1 - cx0;
             pass_v(reg + (size_t)(cx0 - xs) * 3, rstride, ry0, &ay, oh, cols * 3, acc, tmp);
-            pass_h(tmp, (size_t)cols * 3, cx0, oh, &ax, ow, packed);
+            pass_h_rows(tmp, (size_t)cols * 3, cx0, oh, &ax, ow, packed, scratch);
         } else {
-            pass_h(reg, rstride, xs, ry1 - ry0, &ax, ow, tmp);
+            pass_h_rows(reg, rstride, xs, ry1 - ry0, &ax, ow, tmp, scratch);
             pass_v(tmp, (size_t)ow * 3, ry0, &ay, oh, ow * 3, acc, packed);
         }
         to_planes(packed, ow, oh, flip, out.buf);
@@ -364,6 +455,7 @@ static PyObject *crop(PyObject *self, PyObject *args) {
     free(reg);
     free(tmp);
     free(packed);
+    free(scratch);
     free(acc);
     axis_free(&ax);
     axis_free(&ay);
