@@ -243,7 +243,10 @@ class BatchDecodeCropFlip(DecodeCropFlip):
                  scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), device: Any = "cuda",
                  decode: Any = None) -> None:
-        super().__init__(size, image, label, scale, ratio)
+        # its decode is whole images (torchvision's or Pillow's, below), not the region's
+        super().__init__(size, image, label, scale, ratio, decoder="pillow")
+        self.decoder = ("custom" if decode is not None else
+                        "nvjpeg" if str(device).startswith("cuda") else "Pillow")
         self.device = device
         self.decode = decode
         self._staging: Any = None       # pinned host buffer, reused across steps
