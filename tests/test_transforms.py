@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
 
 needs_region = pytest.mark.skipif(
-    tr._jpeg is None, reason="forebay._jpeg not built (libjpeg-turbo's headers were "
+    tr.jpeg_module() is None, reason="forebay._jpeg not built (libjpeg-turbo's headers were "
                              "missing at install: Debian's libjpeg-dev)")
 
 
@@ -40,7 +40,7 @@ def _pillow(data, box, size, flip):
 
 
 def _crop(data, out, x0, y0, x1, y1, ow, oh, flip):
-    return tr._jpeg.crop(data, out, x0, y0, x1, y1, ow, oh, flip, tr._pass_order())
+    return tr.jpeg_module().crop(data, out, x0, y0, x1, y1, ow, oh, flip, tr._pass_order())
 
 
 def _region(data, box, size, flip):
@@ -68,7 +68,7 @@ def test_the_region_decode_gives_pillows_bytes_for_every_kind_of_jpeg_and_box():
     for kind in kinds:
         for w, h in [(1, 1), (7, 5), (33, 17), (211, 149), (320, 241), (64, 400)]:
             data = _jpeg(rng, w, h, **{"quality": 88, **kind})
-            assert tr._jpeg.info(data) == (w, h)
+            assert tr.jpeg_module().info(data) == (w, h)
             boxes = [t.crop_box(w, h, rng) for _ in range(4)]
             boxes += [(0, 0, w, h), (w - 1, 0, w, h), (0, h - 1, w, h),
                       (w // 2, h // 3, w // 2 + 1, h), (0, 0, max(1, w // 3), max(1, h // 2))]
@@ -137,12 +137,12 @@ def test_jpegs_the_region_decoder_leaves_go_to_pillow_and_fail_or_decode_as_befo
     cmyk = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).convert(
         "CMYK").save(cmyk, "JPEG")
-    assert tr._jpeg.info(cmyk.getvalue()) is None
+    assert tr.jpeg_module().info(cmyk.getvalue()) is None
     assert not _crop(cmyk.getvalue(), out, 0, 0, 10, 10, 32, 32, False)
     assert t({"image": cmyk.getvalue(), "label": 0})["image"].shape == (3, 32, 32)
 
     junk = data[:2] + bytes(rng.integers(0, 256, 500, dtype=np.uint8)) + b"\xff\xd9"
-    assert tr._jpeg.info(junk) is None
+    assert tr.jpeg_module().info(junk) is None
     assert not _crop(junk, out, 0, 0, 10, 10, 32, 32, False)
     with pytest.raises(OSError):
         t({"image": junk, "label": 0})
@@ -150,7 +150,7 @@ def test_jpegs_the_region_decoder_leaves_go_to_pillow_and_fail_or_decode_as_befo
     # SOF0's height and width fields set to 60000: a bomb by its header
     sof = data.index(b"\xff\xc0")
     bomb = data[:sof + 5] + (60000).to_bytes(2, "big") * 2 + data[sof + 9:]
-    assert tr._jpeg.info(bomb) == (60000, 60000)
+    assert tr.jpeg_module().info(bomb) == (60000, 60000)
     with pytest.raises(Image.DecompressionBombError):
         t({"image": bomb, "label": 0})
 

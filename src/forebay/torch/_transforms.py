@@ -24,11 +24,6 @@ from ..dataset import SampleViews
 from ..errors import InvalidArgumentError, MissingDependencyError
 from ._workers import sample_rng
 
-try:
-    from .. import _jpeg  # type: ignore[attr-defined, unused-ignore]
-except ImportError:     # built without libjpeg-turbo's headers: Pillow decodes
-    _jpeg = None
-
 __all__ = ["DecodeCropFlip", "BatchDecodeCropFlip"]
 
 
@@ -52,6 +47,18 @@ def _pillow_crop(data: Any, size: int, box: "tuple[int, int, int, int] | None",
 
 
 @functools.cache
+def jpeg_module() -> Any:
+    """``forebay._jpeg``, imported (and libjpeg-turbo loaded) at first use, not with
+    ``forebay.torch``; None where it was not built (libjpeg-turbo's headers missing at
+    install: Pillow decodes)."""
+    try:
+        from .. import _jpeg  # type: ignore[attr-defined, unused-ignore]
+    except ImportError:
+        return None
+    return _jpeg
+
+
+@functools.cache
 def _pass_order() -> int:
     """Which axis Pillow's resize filters first: 1 for Pillow 13's rule (vertically first
     where the height shrinks more than twice as much as the width), 0 for older Pillow's
@@ -71,7 +78,7 @@ def region_crop(data: Any, out: np.ndarray, box: "tuple[int, int, int, int]", si
                 flip: bool) -> bool:
     """The crop by the region decoder into ``out`` ((3, size, size) uint8); False, with
     nothing written, for a JPEG it leaves to Pillow."""
-    return bool(_jpeg.crop(data, out, *box, size, size, flip, _pass_order()))
+    return bool(jpeg_module().crop(data, out, *box, size, size, flip, _pass_order()))
 
 
 @functools.cache
@@ -83,7 +90,7 @@ def region_decoder() -> Any:
     upscaled, whole and at the edges, each mirrored and not, against Pillow's own decode
     and resize.  A difference (another Pillow resampler, a libjpeg that decodes
     otherwise) is a RuntimeWarning, and Pillow decodes from then on."""
-    if _jpeg is None:
+    if jpeg_module() is None:
         return None
     from PIL import Image
 
@@ -108,7 +115,7 @@ def region_decoder() -> Any:
                                   f"DecodeCropFlip decodes with Pillow", RuntimeWarning,
                                   stacklevel=2)
                     return None
-    return _jpeg
+    return jpeg_module()
 
 
 class DecodeCropFlip:
@@ -152,7 +159,7 @@ class DecodeCropFlip:
                 "DecodeCropFlip(decoder='region'): forebay._jpeg is " + (
                     "not built here (libjpeg-turbo's headers were missing when forebay "
                     "was installed: install Debian's libjpeg-dev or Fedora's "
-                    "libjpeg-turbo-devel, then reinstall forebay)" if _jpeg is None else
+                    "libjpeg-turbo-devel, then reinstall forebay)" if jpeg_module() is None else
                     "built but gave other bytes than Pillow here (see the warning)"))
         self.decoder = "libjpeg-turbo region" if region else "Pillow"
 
