@@ -60,6 +60,42 @@ static void setup(struct jpeg_decompress_struct *c, struct err *e) {
     e->msg[0] = '\0';
 }
 
+/* 1 if the bytes from the first scan's data (at p) to the end-of-image marker that ends
+ * the file hold only what libjpeg accepts there: entropy-coded data (a 0xFF only as
+ * stuffing, fill or a restart marker) and the segments that may stand between scans
+ * (tables, restart interval, DNL, APPn, COM, another scan), each skipped by its length.
+ * The region decoder stops reading at the crop's last row, where Pillow reads the whole
+ * file and refuses one whose later markers libjpeg rejects (a SOF or SOI again, a
+ * reserved marker, a segment running past the end, an end-of-image marker before the
+ * end): such a file is left to Pillow, so that it gives its verdict. */
+static int markers_ok(const unsigned char *p, const unsigned char *end) {
+    end -= 2;                                   /* the final FF D9 */
+    while (p < end) {
+        const unsigned char *ff = memchr(p, 0xFF, (size_t)(end - p));
+        if (ff == NULL)
+            return 1;
+        if (ff + 1 >= end)
+            return 0;                           /* a lone FF just before the end */
+        unsigned m = ff[1];
+        if (m == 0x00 || m == 0x01 || (m >= 0xD0 && m <= 0xD7)) {
+            p = ff + 2;                         /* stuffing, TEM, a restart marker */
+        } else if (m == 0xFF) {
+            p = ff + 1;                         /* fill before a marker */
+        } else if (m == 0xC4 || m == 0xCC || m == 0xDA || m == 0xDB || m == 0xDC ||
+                   m == 0xDD || (m >= 0xE0 && m <= 0xEF) || m == 0xFE) {
+            if (ff + 4 > end)
+                return 0;
+            size_t len = ((size_t)ff[2] << 8) | ff[3];
+            if (len < 2 || ff + 2 + len > end)
+                return 0;
+            p = ff + 2 + len;
+        } else {
+            return 0;                           /* SOF, SOI, EOI early, reserved */
+        }
+    }
+    return 1;
+}
+
 /* 1 for a header this module decodes as Pillow does; 0 otherwise. */
 static int supported(const struct jpeg_decompress_struct *c) {
     if (c->data_precision != 8)
@@ -372,7 +408,8 @@ static PyObject *crop(PyObject *self, PyObject *args) {
     if (setjmp(e.jb) == 0) {
         jpeg_mem_src(&c, bytes, (unsigned long)data.len);
         if (jpeg_read_header(&c, TRUE) != JPEG_HEADER_OK || !supported(&c) ||
-            (uint64_t)c.image_width * c.image_height > MAX_PIXELS)
+            (uint64_t)c.image_width * c.image_height > MAX_PIXELS ||
+            !markers_ok(c.src->next_input_byte, bytes + data.len))
             status = 2;
         else {
             w = (int)c.image_width;
