@@ -11,8 +11,9 @@
  * info(data) returns (width, height) of a JPEG this module decodes as Pillow does (8-bit
  * YCbCr, RGB or grayscale), None for any other (CMYK, YCCK, 12-bit, a header libjpeg
  * rejects).  crop returns False, writing nothing, for those, for a JPEG libjpeg fails on,
- * for data that ends before the last row it needs, and for data that does not end with
- * an end-of-image marker (a file cut short below the crop would not be noticed): the
+ * for data that ends before the last row it needs, for data that does not end with an
+ * end-of-image marker (a file cut short below the crop would not be noticed) or holds
+ * markers libjpeg rejects after the image data (Pillow reads that far; markers_ok): the
  * caller then uses Pillow, which gives the image or its own error.  Corrupt-data
  * warnings are ignored, as Pillow does.  Built only where libjpeg-turbo 2.0 or newer and
  * its headers are installed; without this module forebay decodes with Pillow alone.
