@@ -22,8 +22,12 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # mutate
+from mutate import mutate  # noqa: E402
 
 
 def worker(seed: int, seconds: float) -> dict:
@@ -45,18 +49,7 @@ def worker(seed: int, seconds: float) -> dict:
     n = dict(trials=0, header_declined=0, declined=0, same=0, different=0, pillow_refused=0)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        d = bytearray(seeds[int(rng.integers(len(seeds)))])
-        for _ in range(int(rng.integers(1, 6))):
-            i, op = int(rng.integers(0, len(d))), int(rng.integers(4))
-            if op == 0:
-                d[i] ^= 1 << int(rng.integers(8))
-            elif op == 1:
-                d[i] = int(rng.integers(256))
-            elif op == 2:
-                d[i:i] = bytes(rng.integers(0, 256, int(rng.integers(1, 8)), dtype=np.uint8))
-            else:
-                del d[i:i + int(rng.integers(1, 8))]
-        data = bytes(d)
+        data = mutate(seeds[int(rng.integers(len(seeds)))], rng)
         if not data.endswith(b"\xff\xd9") and rng.random() < 0.7:
             data += b"\xff\xd9"
         n["trials"] += 1
